@@ -1,0 +1,3 @@
+from relax.cli import main
+
+main()

@@ -1,0 +1,120 @@
+"""`relax`: the Hydra app, the debugging guide's `--flags`, and the inspect/compare/doctor tools.
+
+`relax [overrides]`, `python -m relax` and `python3 relax/entrypoints/train.py` all land in
+`main()`. The guide's flags (`--debug-rollout-only`, `--load-debug-rollout-data PATH`, ...)
+are rewritten into the Hydra overrides of the same config keys, so both spellings mix.
+Nothing here imports torch: `relax --help` and `relax --cfg job` only compose.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from relax import config
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+# The debugging guide's flags -> (config key, takes a value).
+GUIDE_FLAGS = {
+    "--debug-rollout-only": ("debug.rollout_only", False),
+    "--debug-train-only": ("debug.train_only", False),
+    "--save-debug-rollout-data": ("debug.save_rollout_data", True),
+    "--load-debug-rollout-data": ("debug.load_rollout_data", True),
+    "--save-debug-train-data": ("debug.save_train_data", True),
+    "--dump-details": ("debug.dump_details", True),
+    "--rollout-num-gpus": ("rollout.rollout_num_gpus", True),
+    "--rollout-num-gpus-per-engine": ("rollout.rollout_num_gpus_per_engine", True),
+}
+# Hydra's own flags pass through untouched (True: the flag takes a value).
+HYDRA_FLAGS = {
+    "--help": False, "-h": False, "--hydra-help": False, "--version": False,
+    "--cfg": True, "-c": True, "--resolve": False, "--package": True, "-p": True,
+    "--run": False, "-r": False, "--multirun": False, "-m": False,
+    "--shell-completion": False, "-sc": False, "--config-path": True, "-cp": True,
+    "--config-name": True, "-cn": True, "--config-dir": True, "-cd": True,
+    "--experimental-rerun": True, "--info": False, "-i": False,
+}
+SUBCOMMANDS = {
+    "inspect": "relax.debug.inspect",
+    "compare": "relax.debug.compare",
+    "doctor": "relax.debug.doctor",
+}
+
+
+class UsageError(SystemExit):
+    def __init__(self, message: str):
+        super().__init__(f"relax: error: {message}")
+
+
+def _quote_template(override: str) -> str:
+    """Quote values such as `/x/data_{rollout_id}.pt`: Hydra's grammar reads `{` as a dict."""
+    key, sep, value = override.partition("=")
+    if not sep or not ("{" in value or "}" in value) or value[:1] in "{['\"":
+        return override
+    return f"{key}='{value}'" if "'" not in value else f'{key}="{value}"'
+
+
+def translate_args(args: list[str]) -> list[str]:
+    """Rewrite the guide's `--flag [value]` into Hydra overrides; refuse unknown flags."""
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        name, has_eq, inline = arg.partition("=")
+        if name in GUIDE_FLAGS:
+            key, takes_value = GUIDE_FLAGS[name]
+            if not takes_value:
+                if has_eq:
+                    raise UsageError(f"{name} takes no value")
+                out.append(f"{key}=true")
+            else:
+                if has_eq:
+                    value = inline
+                elif i + 1 < len(args) and not args[i + 1].startswith("-"):
+                    i += 1
+                    value = args[i]
+                else:
+                    raise UsageError(f"{name} needs a value")
+                out.append(_quote_template(f"{key}={value}"))
+        elif name in HYDRA_FLAGS:
+            out.append(arg)
+            if HYDRA_FLAGS[name] and not has_eq and i + 1 < len(args):
+                i += 1
+                out.append(args[i])
+        elif arg.startswith("-"):
+            known = ", ".join(sorted(GUIDE_FLAGS))
+            raise UsageError(
+                f"unknown flag {arg!r}. Relax flags: {known}; or Hydra flags (--cfg job, "
+                f"-m, --help); or key=value overrides (e.g. rollout.num_rollout=10)."
+            )
+        else:
+            out.append(_quote_template(arg))
+        i += 1
+    return out
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
+def hydra_app(cfg: DictConfig) -> None:
+    from relax.loop import run_job  # imports torch: only when a job really runs
+
+    run_job(cfg)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in SUBCOMMANDS:
+        import importlib
+
+        module = importlib.import_module(SUBCOMMANDS[args[0]])
+        sys.exit(module.main(args[1:]))
+    config.register()
+    sys.argv = [sys.argv[0], *translate_args(args)]
+    hydra_app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,9 @@
+"""Errors users can act on: they say which key or file is wrong and what was expected."""
+
+
+class ConfigError(ValueError):
+    """Bad configuration or input, detected before expensive work starts."""
+
+
+class ReplayError(ValueError):
+    """A replay/dump file that cannot be used (corrupt, unsafe, or from another model)."""

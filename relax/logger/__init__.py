@@ -1,0 +1,72 @@
+"""Metrics sinks (conf/logger/): metrics.jsonl always, TensorBoard on request, and plots.
+
+metrics.jsonl has one JSON object per line: a rollout record (`rollout_id`, `rollout/*`,
+`perf/*`) or a train-step record (`rollout_id`, `step`, `train/*`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: Path, logger_cfg, resume_from: int = 0):
+        self.path = Path(run_dir) / METRICS_FILE
+        self.file = self.path.open("a")
+        self.tb = None
+        if logger_cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=resume_from or None)
+
+    def log(self, record: dict, x_key: str) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb:
+            for k, v in record.items():
+                if "/" in k and isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, record[x_key])
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb:
+            self.tb.close()
+
+
+def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
+    """(rollout records, train-step records) of a run."""
+    path = Path(run_dir) / METRICS_FILE
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] \
+        if path.is_file() else []
+    return [r for r in records if "step" not in r], [r for r in records if "step" in r]
+
+
+def plot_run(run_dir: Path) -> Path | None:
+    """reward.png: mean raw reward and KL to the reference, per rollout."""
+    rollouts, _ = read_metrics(run_dir)
+    if not rollouts:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    x = [r["rollout_id"] for r in rollouts]
+    ax.plot(x, [r["rollout/raw_reward"] for r in rollouts], color="tab:blue", label="raw reward")
+    ax.set_xlabel("rollout_id")
+    ax.set_ylabel("mean raw reward", color="tab:blue")
+    if "rollout/kl" in rollouts[0]:
+        ax2 = ax.twinx()
+        ax2.plot(x, [r.get("rollout/kl", float("nan")) for r in rollouts], color="tab:red",
+                 label="KL(actor || ref)", alpha=0.7)
+        ax2.set_ylabel("rollout/kl", color="tab:red")
+    ax.set_title(f"{Path(run_dir).name}: reward and KL per rollout")
+    fig.tight_layout()
+    out = Path(run_dir) / "reward.png"
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

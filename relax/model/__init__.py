@@ -1,0 +1,84 @@
+"""Model loading (conf/model/): the tiny built-in model or any local HF Qwen2/Llama directory."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from relax.errors import ConfigError
+
+SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen2MoeForCausalLM")
+# config.json keys that change what the weights mean; replay data records their hash.
+ARCH_KEYS = (
+    "architectures", "model_type", "vocab_size", "hidden_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "intermediate_size", "head_dim",
+    "rope_theta", "rope_parameters", "rms_norm_eps", "tie_word_embeddings", "num_experts",
+)
+
+
+def resolve_model_path(model_cfg) -> Path:
+    """The HF directory this run uses; validates it before anything expensive starts."""
+    if model_cfg.path is None:
+        if model_cfg.name != "tiny":
+            raise ConfigError(
+                f"model.path is not set for model={model_cfg.name}: pass model.path=/path/to/hf_dir")
+        from relax.model.tiny import ensure_tiny_model
+
+        return ensure_tiny_model(model_cfg)
+    path = Path(model_cfg.path).expanduser().resolve()
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model.path={model_cfg.path!r}: no config.json there; expected a "
+                          f"Hugging Face model directory")
+    arch = read_hf_config(path).get("architectures") or ["?"]
+    if arch[0] not in SUPPORTED_ARCHITECTURES:
+        raise ConfigError(f"model.path={model_cfg.path!r}: architecture {arch[0]} is not "
+                          f"supported; expected one of {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return path
+
+
+def read_hf_config(path: Path) -> dict:
+    return json.loads((Path(path) / "config.json").read_text())
+
+
+def model_fingerprint(path: Path) -> str:
+    hf = read_hf_config(path)
+    arch = {k: hf.get(k) for k in ARCH_KEYS}
+    return hashlib.sha256(json.dumps(arch, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def load_tokenizer(path: Path):
+    """Load the tokenizer exactly as tokenizer.json describes it.
+
+    transformers 5.x `AutoTokenizer` maps `model_type: qwen2` to `Qwen2Tokenizer`, which
+    ignores the pre-tokenizer in tokenizer.json (so does SGLang not); loading the fast
+    tokenizer directly keeps trainer, engines and replay data on the same token ids.
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if (Path(path) / "tokenizer.json").is_file():
+        return PreTrainedTokenizerFast.from_pretrained(str(path))
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def tokenizer_fingerprint(tokenizer) -> dict:
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    digest = hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16]
+    return {"vocab_size": len(vocab), "vocab_hash": digest}
+
+
+def torch_dtype(name: str):
+    import torch
+
+    try:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                "float16": torch.float16}[name]
+    except KeyError:
+        raise ConfigError(f"model.dtype={name!r}: expected float32, bfloat16 or float16") from None
+
+
+def load_causal_lm(path: Path, dtype: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch_dtype(dtype), attn_implementation="sdpa")

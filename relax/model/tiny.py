@@ -1,0 +1,153 @@
+"""The built-in tiny model: a Qwen2 causal LM that Relax creates, warms up and caches itself.
+
+No download: a character-level tokenizer is built with `tokenizers`, the model is a
+transformers Qwen2 initialised from a fixed seed, and a short supervised warm-up on the
+arithmetic task brings greedy accuracy to `warmup_target_accuracy`, so that GRPO starts
+with sampled rewards around 0.2-0.4 (where it learns; see docs/findings-tiny-grpo.md).
+The result is an ordinary HF directory, reused on later runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1  # bump when the recipe below changes, so old caches are not reused
+SPECIAL_TOKENS = ["<|pad|>", "<|end|>", "<|user|>", "<|assistant|>", "<|unk|>"]
+CHARS = list("0123456789+-*= ")
+VOCAB_SIZE = 32  # padded up so that any tp up to 8 divides it
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] }}"
+    "{% if m['role'] == 'assistant' %}{{ '<|end|>' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+def build_tokenizer():
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|unk|>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|end|>", unk_token="<|unk|>",
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def build_config(cfg, tokenizer):
+    common = dict(
+        vocab_size=VOCAB_SIZE, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        intermediate_size=cfg.intermediate_size, max_position_embeddings=128,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, attention_dropout=0.0,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+    if cfg.num_experts:
+        from transformers import Qwen2MoeConfig
+
+        return Qwen2MoeConfig(
+            **common, num_experts=cfg.num_experts, num_experts_per_tok=2,
+            moe_intermediate_size=cfg.intermediate_size // 2, shared_expert_intermediate_size=0,
+            decoder_sparse_step=1, norm_topk_prob=True, output_router_logits=False,
+        )
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**common)
+
+
+def _batch(tokenizer, rng, n, min_operand=10, max_operand=99):
+    """Chat-formatted `a+b=` prompts with their answers, as (tokens, loss mask) pairs."""
+    import torch
+
+    from relax.task.arithmetic import make_problem
+
+    seqs, masks = [], []
+    for _ in range(n):
+        q, a = make_problem(rng, min_operand, max_operand)
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        r = tokenizer(a, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        seqs.append(p + r)
+        masks.append([0] * len(p) + [1] * len(r))
+    width = max(map(len, seqs))
+    pad = lambda xs, v: [x + [v] * (width - len(x)) for x in xs]  # noqa: E731
+    return torch.tensor(pad(seqs, tokenizer.pad_token_id)), torch.tensor(pad(masks, 0))
+
+
+def warm_up(model, tokenizer, cfg) -> float:
+    """Supervised warm-up until greedy accuracy reaches the target; returns that accuracy.
+
+    Greedy accuracy is measured teacher-forced: greedy decoding reproduces the answer
+    exactly iff the argmax is right at every answer position, so one forward suffices.
+    """
+    import torch
+
+    rng = random.Random(cfg.seed)
+    eval_x, eval_m = _batch(tokenizer, random.Random(cfg.seed + 1), 256)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmup_lr)
+    accuracy = 0.0
+    for step in range(1, cfg.warmup_max_steps + 1):
+        x, m = _batch(tokenizer, rng, cfg.warmup_batch_size)
+        logits = model(x).logits[:, :-1]
+        loss = torch.nn.functional.cross_entropy(
+            logits.transpose(1, 2), x[:, 1:], reduction="none")
+        loss = (loss * m[:, 1:]).sum() / m[:, 1:].sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % 25 == 0:
+            with torch.no_grad():
+                pred = model(eval_x).logits[:, :-1].argmax(-1)
+            ok = (pred == eval_x[:, 1:]) | (eval_m[:, 1:] == 0)
+            accuracy = ok.all(-1).float().mean().item()
+            log.info("tiny model warm-up step %d: loss %.3f, greedy accuracy %.2f",
+                     step, loss.item(), accuracy)
+            if accuracy >= cfg.warmup_target_accuracy:
+                break
+    return accuracy
+
+
+def tiny_model_dir(model_cfg) -> Path:
+    recipe = json.dumps({"format": FORMAT, **dict(model_cfg.tiny)}, sort_keys=True)
+    digest = hashlib.sha256(recipe.encode()).hexdigest()[:10]
+    return Path(os.path.expanduser(model_cfg.cache_dir)) / "models" / f"tiny-qwen2-{digest}"
+
+
+def ensure_tiny_model(model_cfg) -> Path:
+    """Return the cached tiny model directory, creating it on first use (atomically)."""
+    target = tiny_model_dir(model_cfg)
+    if (target / "model.safetensors").is_file():
+        return target
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    log.info("Creating the tiny model in %s (once; reused afterwards)", target)
+    cfg = model_cfg.tiny
+    tokenizer = build_tokenizer()
+    torch.manual_seed(cfg.seed)
+    model = AutoModelForCausalLM.from_config(build_config(cfg, tokenizer))
+    accuracy = warm_up(model, tokenizer, cfg)
+    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "relax_tiny.json").write_text(json.dumps(
+        {"recipe": dict(cfg), "warmup_greedy_accuracy": accuracy}, indent=2))
+    try:
+        os.replace(tmp, target)
+    except OSError:  # another process finished first; keep its copy
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

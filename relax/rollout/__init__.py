@@ -1,0 +1,61 @@
+"""Rollout (conf/rollout/): build the engine the config names, and turn prompts into Samples.
+
+An engine implements four calls, small enough for a Ray actor to wrap:
+  generate(prompt_token_lists, SamplingParams, seed) -> list[Generation]
+  update_weights({hf_name: tensor})          # weight sync from the trainer
+  named_tensors() -> {hf_name: tensor}       # parameters and buffers, for weight checks
+  shutdown()
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from relax.errors import ConfigError
+from relax.sample import Sample
+
+log = logging.getLogger(__name__)
+ENGINES = ("torch",)
+
+
+def sampling_params(rollout_cfg):
+    from relax.rollout.torch_engine import SamplingParams
+
+    return SamplingParams(rollout_cfg.temperature, rollout_cfg.top_p, rollout_cfg.max_new_tokens)
+
+
+def check_engine(cfg) -> None:
+    if cfg.rollout.engine not in ENGINES:
+        raise ConfigError(f"rollout.engine={cfg.rollout.engine!r}: expected one of "
+                          f"{', '.join(ENGINES)}")
+
+
+def build_engine(cfg, model_path: Path, tokenizer):
+    from relax.rollout.torch_engine import TorchEngine
+
+    if cfg.rollout.rollout_num_gpus > 1:
+        log.info("rollout=torch runs in-process on CPU; rollout_num_gpus=%d is used by "
+                 "GPU engines", cfg.rollout.rollout_num_gpus)
+    return TorchEngine(model_path, cfg.model.dtype, [tokenizer.eos_token_id],
+                       tokenizer.pad_token_id)
+
+
+def generate_rollout(engine, task, tokenizer, rollout_cfg, rollout_id: int, seed: int) -> list[Sample]:
+    """Sample `n_samples_per_prompt` responses per prompt and score them."""
+    n = rollout_cfg.n_samples_per_prompt
+    prompts = task.prompts(rollout_id, rollout_cfg.rollout_batch_size, tokenizer)
+    repeated = [p for p in prompts for _ in range(n)]
+    generations = engine.generate([p.tokens for p in repeated], sampling_params(rollout_cfg),
+                                  seed=seed * 1_000_003 + rollout_id)
+    samples = []
+    for i, (prompt, gen) in enumerate(zip(repeated, generations)):
+        response = tokenizer.decode(gen.tokens, skip_special_tokens=True)
+        samples.append(Sample(
+            index=i, group_index=i // n, prompt=prompt.text, tokens=prompt.tokens + gen.tokens,
+            response_length=len(gen.tokens), response=response, label=prompt.label,
+            reward=task.reward(response, prompt.label), loss_mask=[1] * len(gen.tokens),
+            rollout_log_probs=gen.log_probs, status=gen.status,
+            metadata={"rollout_id": rollout_id},
+        ))
+    return samples

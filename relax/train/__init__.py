@@ -1,0 +1,53 @@
+"""Trainers (conf/train/, conf/parallel/): build the backend the config names, on N ranks.
+
+A trainer implements, for the driver:
+  train(rollout_id, samples) -> {"rollout": {...}, "steps": [{...}], ...}
+  named_weights() -> {hf_name: tensor}       # what weight sync pushes into the engine
+  save_checkpoint(path) / load_checkpoint(path)
+  shutdown()
+With world_size 1 it runs in the driver process; otherwise `TrainerGroup` runs one copy
+per rank and the driver cannot tell the difference.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from omegaconf import DictConfig, OmegaConf
+
+from relax.errors import ConfigError
+
+BACKENDS = {
+    "torch": "relax.train.torch_trainer:TorchTrainer",
+}
+
+
+def make_trainer(cfg, *args, **kwargs):
+    """Construct the configured backend's trainer for one rank (also in spawned ranks)."""
+    if not isinstance(cfg, DictConfig):
+        cfg = OmegaConf.create(cfg)
+    module, _, cls = BACKENDS[cfg.train.backend].partition(":")
+    return getattr(importlib.import_module(module), cls)(cfg, *args, **kwargs)
+
+
+def check_backend(cfg) -> None:
+    if cfg.train.backend not in BACKENDS:
+        raise ConfigError(f"train.backend={cfg.train.backend!r}: expected one of "
+                          f"{', '.join(BACKENDS)}")
+    if cfg.train.backend == "torch":
+        from relax.train.parallel import check_torch_layout
+
+        check_torch_layout(cfg.parallel)
+
+
+def build_trainer(cfg, model_path, ref_model_path, pad_token_id, save_train_data, log_dir):
+    kwargs = dict(ref_model_path=str(ref_model_path), pad_token_id=pad_token_id,
+                  save_train_data=save_train_data)
+    world_size = cfg.parallel.world_size
+    if world_size == 1:
+        return make_trainer(cfg, str(model_path), **kwargs)
+    from relax.train.group import TrainerGroup
+
+    plain = OmegaConf.to_container(cfg, resolve=True)  # picklable, no resolvers needed
+    return TrainerGroup(make_trainer, world_size, args=(plain, str(model_path)), kwargs=kwargs,
+                        log_dir=log_dir)

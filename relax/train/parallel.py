@@ -1,0 +1,124 @@
+"""Parallel layouts for the torch trainer (conf/parallel/): device mesh, TP, DDP and FSDP2.
+
+All of it is stock PyTorch on gloo: DTensor tensor parallelism (`parallelize_module`),
+FSDP2 (`fully_shard`), DDP, and the 2-D FSDP x TP mesh. Pipeline, context and expert
+parallelism are Megatron's job (train=megatron); `check_torch_layout` refuses them here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from relax.errors import ConfigError
+
+
+@dataclass
+class Layout:
+    rank: int = 0
+    world_size: int = 1
+    dp_rank: int = 0
+    dp_size: int = 1
+    tp_rank: int = 0
+    tp_size: int = 1
+    fsdp: bool = False
+    mesh: Any = None
+    dp_group: Any = None
+
+    @property
+    def writes_data(self) -> bool:
+        """One writer per DP shard: TP replicas hold the same samples."""
+        return self.tp_rank == 0
+
+
+def check_torch_layout(p) -> None:
+    unsupported = {k: getattr(p, k) for k in ("pp", "cp", "ep", "vpp") if getattr(p, k) > 1}
+    if unsupported:
+        what = ", ".join(f"{k}={v}" for k, v in unsupported.items())
+        raise ConfigError(f"parallel={p.name}: {what} is not supported by train=torch "
+                          f"(tp, dp and fsdp are); use train=megatron for pipeline, context "
+                          f"and expert parallelism")
+    if p.sequence_parallel:
+        raise ConfigError(f"parallel={p.name}: sequence_parallel needs train=megatron")
+    if p.tp > 1 and p.dp > 1 and not p.fsdp:
+        raise ConfigError(f"parallel={p.name}: dp x tp on train=torch runs as 2-D FSDP x TP; "
+                          f"set parallel.fsdp=true")
+
+
+def init_layout(p, rank: int, world_size: int) -> Layout:
+    if world_size != p.world_size:
+        raise ConfigError(f"parallel={p.name} implies world_size {p.world_size}, got {world_size}")
+    if world_size == 1:
+        return Layout()
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (p.dp, p.tp), mesh_dim_names=("dp", "tp"))
+    return Layout(rank=rank, world_size=world_size,
+                  dp_rank=mesh["dp"].get_local_rank(), dp_size=p.dp,
+                  tp_rank=mesh["tp"].get_local_rank(), tp_size=p.tp, fsdp=p.fsdp,
+                  mesh=mesh, dp_group=mesh["dp"].get_group())
+
+
+def apply_layout(model: torch.nn.Module, layout: Layout, trainable: bool) -> torch.nn.Module:
+    """Shard `model` in place as the layout says; returns the module to call forward on."""
+    if layout.tp_size > 1:
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel, RowwiseParallel, parallelize_module)
+
+        plan = {
+            "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(),
+        }
+        for layer in model.model.layers:
+            parallelize_module(layer, layout.mesh["tp"], plan)
+    if layout.fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=layout.mesh["dp"])
+        fully_shard(model, mesh=layout.mesh["dp"])
+    elif layout.dp_size > 1 and trainable:
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, process_group=layout.dp_group)
+    return model
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor from a DTensor shard (a collective: every rank must call it)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def clip_grad_norm(params, max_norm: float) -> float:
+    """Global grad norm over plain and DTensor grads, then clip in place.
+
+    torch's clip_grad_norm_ refuses a mix of DTensor (TP-sharded) and plain (replicated)
+    grads; a DTensor's norm resolves its shards with one reduction.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    total = math.sqrt(sum(full_tensor(g.detach().norm()).item() ** 2 for g in grads))
+    if max_norm > 0 and total > max_norm:
+        for g in grads:
+            g.mul_(max_norm / (total + 1e-6))
+    return total
+
+
+def dp_all_reduce(t: torch.Tensor, layout: Layout) -> torch.Tensor:
+    if layout.dp_size > 1:
+        dist.all_reduce(t, group=layout.dp_group)
+    return t
+
+
+def dp_all_gather(obj, layout: Layout) -> list:
+    if layout.dp_size == 1:
+        return [obj]
+    out = [None] * layout.dp_size
+    dist.all_gather_object(out, obj, group=layout.dp_group)
+    return out
