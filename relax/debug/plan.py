@@ -11,14 +11,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
 from relax.errors import ConfigError
-
-HINTS = {
-    "model.path": "model=hf needs model.path=/path/to/hf_dir (or use model=tiny)",
-    "task.data_path": "task=jsonl needs task.data_path=/path/to/prompts.jsonl",
-}
 
 
 @dataclass
@@ -62,15 +55,7 @@ def _abs_template(template: str | None) -> str | None:
     return None if template is None else os.path.abspath(os.path.expanduser(template))
 
 
-def _check_missing(cfg) -> None:
-    missing = sorted(OmegaConf.missing_keys(cfg))
-    if missing:
-        raise ConfigError("missing required config values: " + "; ".join(
-            HINTS.get(k, f"{k}=...") for k in missing))
-
-
 def resolve(cfg, start_rollout_id: int = 0) -> Plan:
-    _check_missing(cfg)
     d, r = cfg.debug, cfg.rollout
     load = _abs_template(d.load_rollout_data)
     train_only = d.train_only or load is not None

@@ -57,9 +57,10 @@ def rms_norm(x, weight, eps):
     return weight * x.to(dtype)
 
 
-def rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def apply_rope(x, cos, signed_sin):
+    """HF's `x * cos + rotate_half(x) * sin` in three ops: rotate_half(x) * sin equals
+    x.roll(D/2) * [-sin_1, sin_2] (sign folded into `signed_sin`)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class TorchEngine:
@@ -78,18 +79,48 @@ class TorchEngine:
         self.num_heads, self.num_kv_heads = c.num_attention_heads, c.num_key_value_heads
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         self.eps = c.rms_norm_eps
-        self.eos = torch.tensor(eos_token_ids)
+        self.eos = torch.tensor(eos_token_ids, dtype=torch.long)
         self.pad_token_id = pad_token_id
         self.dtype = torch_dtype(dtype)
-        self.params = {k: v.to(self.dtype) for k, v in load_safetensors_dir(model_path).items()}
-        if "lm_head.weight" not in self.params:  # tied embeddings: one tensor, two names
-            self.params["lm_head.weight"] = self.params["model.embed_tokens.weight"]
         module = importlib.import_module(f"transformers.models.{c.model_type}.modeling_{c.model_type}")
         self.rotary = getattr(module, ROTARY_CLASSES[c.model_type])(c)
+        self.params = self._load(load_safetensors_dir(model_path))
         if os.environ.get("RELAX_FAULT") == "engine_weights":  # test-only: a bad checkpoint load
             g = torch.Generator().manual_seed(0)
             for v in self.params.values():
                 v.copy_(torch.randn(v.shape, generator=g).to(v.dtype) * v.float().std())
+
+    def _load(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """HF-named tensors, where q/k/v and gate/up are views into one fused tensor each
+        (one matmul instead of three/two). Weight updates by HF name write into the fused
+        storage, so what `named_tensors()` shows is exactly what the forward computes with."""
+        params = {k: v.to(self.dtype) for k, v in weights.items()}
+        self.layers = []
+        for i in range(self.num_layers):
+            pre = f"model.layers.{i}."
+            qkv = [pre + f"self_attn.{x}_proj" for x in "qkv"]
+            fused_qkv = self._fuse(params, [n + ".weight" for n in qkv])
+            fused_bias = self._fuse(params, [n + ".bias" for n in qkv]) \
+                if qkv[0] + ".bias" in params else None
+            gate_up = self._fuse(params, [pre + "mlp.gate_proj.weight", pre + "mlp.up_proj.weight"])
+            self.layers.append((
+                params[pre + "input_layernorm.weight"], fused_qkv, fused_bias,
+                params[pre + "self_attn.o_proj.weight"], params.get(pre + "self_attn.o_proj.bias"),
+                params[pre + "post_attention_layernorm.weight"], gate_up,
+                params[pre + "mlp.down_proj.weight"]))
+        if "lm_head.weight" not in params:  # tied embeddings: one tensor, two names
+            params["lm_head.weight"] = params["model.embed_tokens.weight"]
+        return params
+
+    @staticmethod
+    def _fuse(params, names):
+        fused = torch.cat([params[n] for n in names])
+        offset = 0
+        for n in names:
+            rows = params[n].shape[0]
+            params[n] = fused[offset:offset + rows]
+            offset += rows
+        return fused
 
     # -- weights -----------------------------------------------------------------------
     def named_tensors(self) -> dict[str, torch.Tensor]:
@@ -112,35 +143,30 @@ class TorchEngine:
 
     def shutdown(self) -> None:
         self.params.clear()
+        self.layers.clear()
 
     # -- forward -----------------------------------------------------------------------
-    def _forward(self, ids, positions, cache, start, mask):
-        """Logits at the last position of `ids`; writes K/V into cache[start:start+T]."""
-        p, B, T = self.params, ids.shape[0], ids.shape[1]
+    def _forward(self, ids, cos, sin, cache, start, mask):
+        """Logits at the last position of `ids`; writes K/V into cache[start:start+T].
+        cos/sin: [B, T, 1, D] rotary tables at each token's position (sin sign-folded)."""
+        B, T = ids.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        x = F.embedding(ids, p["model.embed_tokens.weight"])
-        cos, sin = self.rotary(x, positions)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        x = F.embedding(ids, self.params["model.embed_tokens.weight"])
         end = start + T
-        for i in range(self.num_layers):
-            pre = f"model.layers.{i}."
-            lin = lambda h, name: F.linear(h, p[pre + name + ".weight"], p.get(pre + name + ".bias"))  # noqa: E731
-            h = rms_norm(x, p[pre + "input_layernorm.weight"], self.eps)
-            q = lin(h, "self_attn.q_proj").view(B, T, H, D).transpose(1, 2)
-            k = lin(h, "self_attn.k_proj").view(B, T, Hkv, D).transpose(1, 2)
-            v = lin(h, "self_attn.v_proj").view(B, T, Hkv, D).transpose(1, 2)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
-            keys, values = cache[i]
-            keys[:, :, start:end], values[:, :, start:end] = k, v
+        for (ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, down_w), (keys, values) in zip(self.layers, cache):
+            qk, v = F.linear(rms_norm(x, ln1, self.eps), qkv_w, qkv_b).split(
+                [(H + Hkv) * D, Hkv * D], dim=-1)
+            qk = apply_rope(qk.view(B, T, H + Hkv, D), cos, sin).transpose(1, 2)
+            q, keys[:, :, start:end] = qk[:, :H], qk[:, H:]
+            values[:, :, start:end] = v.view(B, T, Hkv, D).transpose(1, 2)
             a = F.scaled_dot_product_attention(
                 q, keys[:, :, :end], values[:, :, :end], attn_mask=mask,
                 is_causal=mask is None and T > 1, enable_gqa=True)
-            x = x + lin(a.transpose(1, 2).reshape(B, T, H * D), "self_attn.o_proj")
-            h = rms_norm(x, p[pre + "post_attention_layernorm.weight"], self.eps)
-            x = x + lin(F.silu(lin(h, "mlp.gate_proj")) * lin(h, "mlp.up_proj"), "mlp.down_proj")
-        x = rms_norm(x[:, -1], p["model.norm.weight"], self.eps)
-        return F.linear(x, p["lm_head.weight"]).float()
+            x = x + F.linear(a.transpose(1, 2).reshape(B, T, H * D), o_w, o_b)
+            gate, up = F.linear(rms_norm(x, ln2, self.eps), gate_up_w).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, down_w)
+        x = rms_norm(x[:, -1], self.params["model.norm.weight"], self.eps)
+        return F.linear(x, self.params["lm_head.weight"]).float()
 
     @staticmethod
     def _sample(logits, sp: SamplingParams, generator):
@@ -156,43 +182,54 @@ class TorchEngine:
         token = torch.multinomial(probs, 1, generator=generator)[:, 0]
         return token, logp.gather(-1, token[:, None])[:, 0]
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def generate(self, prompts: list[list[int]], sp: SamplingParams, seed: int) -> list[Generation]:
         B, P, N = len(prompts), max(map(len, prompts)), sp.max_new_tokens
-        ids = torch.full((B, P), self.pad_token_id, dtype=torch.long)
-        valid = torch.zeros(B, P + N, dtype=torch.bool)
-        for b, prompt in enumerate(prompts):  # left padding: every prompt ends at P-1
-            ids[b, P - len(prompt):] = torch.tensor(prompt)
-            valid[b, P - len(prompt):] = True
+        # Identical prompts (a GRPO group) are prefilled once and their KV cache shared.
+        unique: dict[tuple, int] = {}
+        row_of = torch.tensor([unique.setdefault(tuple(p), len(unique)) for p in prompts])
+        # Left padding: every prompt ends at P-1, so all rows decode in lock step.
+        ids = torch.tensor([[self.pad_token_id] * (P - len(p)) + list(p) for p in unique])
+        prompt_lens = torch.tensor([len(p) for p in unique])
+        valid = torch.ones(len(unique), P + N, dtype=torch.bool)
+        valid[:, :P] = torch.arange(P)[None] >= (P - prompt_lens)[:, None]
         padded = not bool(valid[:, :P].all())
         positions = (valid[:, :P].long().cumsum(-1) - 1).clamp(min=0)
-        cache = [(torch.empty(B, self.num_kv_heads, P + N, self.head_dim, dtype=self.dtype),
-                  torch.empty(B, self.num_kv_heads, P + N, self.head_dim, dtype=self.dtype))
+        cos_table, sin_table = self.rotary(torch.empty(0, dtype=self.dtype), torch.arange(P + N)[None])
+        cos_table, sin_table = cos_table[0], sin_table[0].clone()
+        sin_table[:, :self.head_dim // 2] *= -1
+        rope = lambda pos: (cos_table[pos].unsqueeze(2), sin_table[pos].unsqueeze(2))  # noqa: E731
+        cache = [(torch.empty(len(unique), self.num_kv_heads, P + N, self.head_dim, dtype=self.dtype),
+                  torch.empty(len(unique), self.num_kv_heads, P + N, self.head_dim, dtype=self.dtype))
                  for _ in range(self.num_layers)]
         mask = None
         if padded:  # causal + key padding; a pad query attends to itself to stay finite
             causal = torch.ones(P, P, dtype=torch.bool).tril()
             mask = (causal & valid[:, None, None, :P]) | torch.eye(P, dtype=torch.bool)
-        logits = self._forward(ids, positions, cache, 0, mask)
+        logits = self._forward(ids, *rope(positions), cache, 0, mask)
+        if len(unique) < B:  # fan the shared prefixes out to one row per sample
+            logits, valid, positions = logits[row_of], valid[row_of], positions[row_of]
+            cache = [(k[row_of], v[row_of]) for k, v in cache]
+
         generator = torch.Generator().manual_seed(seed)
         out_tokens = torch.full((B, N), self.pad_token_id, dtype=torch.long)
         out_logp = torch.zeros(B, N)
-        lengths = torch.zeros(B, dtype=torch.long)
+        response_lens = torch.zeros(B, dtype=torch.long)
         finished = torch.zeros(B, dtype=torch.bool)
         next_pos = positions[:, -1:] + 1
         for t in tqdm(range(N), desc="generate", leave=False, delay=2):
             token, logp = self._sample(logits, sp, generator)
             out_tokens[:, t] = token.masked_fill(finished, self.pad_token_id)
             out_logp[:, t] = logp.masked_fill(finished, 0.0)
-            lengths += ~finished
-            finished |= torch.isin(token, self.eos)
+            response_lens += ~finished
+            finished |= (token[:, None] == self.eos).any(-1)
             if finished.all() or t == N - 1:
                 break
             step_mask = valid[:, None, None, :P + t + 1] if padded else None
-            logits = self._forward(out_tokens[:, t:t + 1], next_pos, cache, P + t, step_mask)
+            logits = self._forward(out_tokens[:, t:t + 1], *rope(next_pos), cache, P + t, step_mask)
             next_pos = next_pos + 1
         return [
             Generation(out_tokens[b, :n].tolist(), out_logp[b, :n].tolist(),
                        "completed" if finished[b] else "truncated")
-            for b, n in enumerate(lengths.tolist())
+            for b, n in enumerate(response_lens.tolist())
         ]

@@ -41,7 +41,9 @@ def load_reward_fn(dotted: str) -> RewardFn:
     return fn
 
 
-def load_jsonl(path: str) -> list[tuple[str, str]]:
+def load_jsonl(path: str | None) -> list[tuple[str, str]]:
+    if path is None:
+        raise ConfigError("task=jsonl needs task.data_path=/path/to/prompts.jsonl")
     p = Path(path).expanduser()
     if not p.is_file():
         raise ConfigError(f"task.data_path={path!r}: no such file")

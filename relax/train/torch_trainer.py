@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from relax.algo import compute_advantages, kl_estimate, masked_mean, masked_sum, policy_loss, token_log_probs
+from relax.algo import compute_advantages, kl_estimate, masked_sum, policy_loss, token_log_probs
 from relax.model import load_causal_lm
 from relax.replay import atomic_save, fill, safe_load
 from relax.sample import Sample

@@ -1,0 +1,78 @@
+"""Shared helpers: compose configs like the CLI does, run the loop in-process or the CLI in
+a subprocess, and the tiny model (built once per machine into the Relax cache)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import open_dict
+
+from relax import config as relax_config
+from relax.cli import CONF_DIR
+
+REPO = Path(__file__).resolve().parents[1]
+torch.set_num_threads(1)
+
+
+def make_cfg(*overrides: str, run_dir: Path | None = None):
+    """The composed config `relax <overrides>` would run, with Hydra's runtime set."""
+    relax_config.register()
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
+    if run_dir is not None:
+        cfg.hydra.runtime.output_dir = str(run_dir)
+    HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg
+
+
+def run_loop(run_dir: Path, *overrides: str):
+    """Run the RL loop in-process (no subprocess start-up); returns the run's metrics."""
+    from relax.logger import read_metrics
+    from relax.loop import rl_loop
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg = make_cfg(*overrides, run_dir=run_dir)
+    rl_loop(cfg, run_dir)
+    return read_metrics(run_dir)
+
+
+def relax_cli(*args: str, cwd: Path, entry: list[str] | None = None, env: dict | None = None,
+              timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run the real CLI in a subprocess (outputs/ lands under `cwd`)."""
+    entry = entry or [sys.executable, "-m", "relax"]
+    return subprocess.run([*entry, *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def only_run_dir(cwd: Path, kind: str = "runs") -> Path:
+    dirs = sorted((cwd / "outputs" / kind).iterdir())
+    assert len(dirs) == 1, dirs
+    return dirs[0]
+
+
+def status_of(run_dir: Path) -> dict:
+    return json.loads((run_dir / "status.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def tiny_path() -> Path:
+    from relax.model import resolve_model_path
+
+    return resolve_model_path(make_cfg().model)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_path):
+    from relax.model import load_tokenizer
+
+    return load_tokenizer(tiny_path)

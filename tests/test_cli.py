@@ -1,0 +1,131 @@
+"""The CLI as users run it: entry points, Hydra output layout, clear errors before work starts."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from relax.cli import UsageError, translate_args
+
+from .conftest import REPO, only_run_dir, relax_cli, status_of
+
+SHORT = ["rollout.num_rollout=2", "rollout.rollout_batch_size=8", "checkpoint.save_interval=null"]
+
+
+def test_two_rollout_smoke_run(tmp_path, tiny_path):
+    proc = relax_cli(*SHORT, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = only_run_dir(tmp_path)
+    assert run.name[:4].isdigit() and "_" in run.name  # outputs/runs/<date>_<time>
+    assert status_of(run) == {"status": "completed"}
+    assert (run / ".hydra" / "config.yaml").is_file() and (run / ".hydra" / "overrides.yaml").is_file()
+    log = (run / "relax.log").read_text()
+    assert "Finish rollout 0" in log and "Finish rollout 1" in log
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rollouts = [r for r in records if "step" not in r]
+    steps = [r for r in records if "step" in r]
+    assert [r["rollout_id"] for r in rollouts] == [0, 1] and len(steps) == 2
+    first = rollouts[0]
+    for key in ("rollout/log_probs", "rollout/ref_log_probs", "rollout/rollout_log_probs",
+                "rollout/kl", "rollout/raw_reward", "rollout/response_len", "perf/rollout_time",
+                "perf/train_time", "perf/tokens_per_s"):
+        assert key in first, key
+    assert first["rollout/log_probs"] == first["rollout/ref_log_probs"]
+    assert steps[0]["train/ppo_kl"] == 0.0 and steps[0]["train/kl_loss"] == 0.0
+    assert steps[0]["train/train_rollout_logprob_abs_diff"] < 1e-4
+    for key in ("train/loss", "train/pg_loss", "train/pg_clipfrac", "train/entropy_loss",
+                "train/grad_norm"):
+        assert key in steps[0], key
+    assert (run / "reward.png").stat().st_size > 1000
+    assert json.loads((run / "built.json").read_text())["trainer"] == "torch"
+    first_lp = torch.load(run / "first_step_log_probs.pt", weights_only=True)
+    assert sorted(first_lp) == list(range(16))  # FIRST_STEP_SAMPLES of 64
+
+
+def test_tensorboard_logger_writes_event_files(tmp_path, tiny_path):
+    proc = relax_cli(*SHORT, "logger=tensorboard", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events = list((only_run_dir(tmp_path) / "tensorboard").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 100
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(events[0].parent))
+    acc.Reload()
+    assert len(acc.Scalars("rollout/raw_reward")) == 2
+
+
+@pytest.mark.parametrize("entry", [
+    ["relax"],
+    [sys.executable, str(REPO / "relax" / "entrypoints" / "train.py")],
+], ids=["console-script", "guide-script-path"])
+def test_entry_points_run_the_same_app(tmp_path, tiny_path, entry):
+    if entry == ["relax"]:
+        entry = [str(REPO / ".venv" / "bin" / "relax")] if (REPO / ".venv/bin/relax").exists() else entry
+    proc = relax_cli("rollout.num_rollout=1", "rollout.rollout_batch_size=4",
+                     "checkpoint.save_interval=null", cwd=tmp_path, entry=entry)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert status_of(only_run_dir(tmp_path)) == {"status": "completed"}
+
+
+def test_cfg_job_and_help_do_not_import_torch():
+    code = ("import sys\nfrom relax.cli import main\n"
+            "for args in (['--cfg', 'job'], ['--help']):\n"
+            "    try:\n        main(args)\n    except SystemExit:\n        pass\n"
+            "print('TORCH' if 'torch' in sys.modules else 'NO_TORCH')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "rollout:" in out.stdout and "Configuration groups" in out.stdout
+    assert out.stdout.strip().endswith("NO_TORCH")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["train.lrr=1"], "Key 'lrr' not in 'TrainConfig'"),
+    (["train.lr=abc"], "could not be converted to Float"),
+    (["model=hf"], "model.path is not set for model=hf"),
+    (["model.path=/nonexistent/dir"], "no config.json there"),
+    (["task.reward_fn=not_a_module.reward"], "task.reward_fn='not_a_module.reward' does not import"),
+    (["task=jsonl"], "task=jsonl needs task.data_path"),
+    (["--bogus-flag"], "unknown flag '--bogus-flag'"),
+])
+def test_bad_input_fails_fast_with_a_clear_error(tmp_path, args, message):
+    proc = relax_cli(*args, cwd=tmp_path, timeout=60)
+    assert proc.returncode != 0
+    assert message in proc.stdout + proc.stderr
+    runs = tmp_path / "outputs" / "runs"
+    if runs.exists():  # nothing was built
+        assert not any(runs.glob("*/built.json"))
+
+
+def test_empty_dataset_is_refused(tmp_path):
+    data = tmp_path / "empty.jsonl"
+    data.write_text("\n")
+    proc = relax_cli("task=jsonl", f"task.data_path={data}", cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2
+    assert "the dataset is empty" in proc.stderr + proc.stdout
+
+
+def test_jsonl_task_with_custom_reward_runs(tmp_path, tiny_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "label": str(2 * a)}) + "\n"
+                            for a in range(10, 20)))
+    proc = relax_cli(*SHORT, "task=jsonl", f"task.data_path={data}",
+                     "task.reward_fn=relax.task.arithmetic.exact_match", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = (only_run_dir(tmp_path) / "relax.log").read_text()
+    assert "+1" in log.split("Finish rollout 0")[1].splitlines()[0]  # prompts came from the file
+
+
+def test_translate_guide_flags():
+    assert translate_args(["--debug-rollout-only", "--rollout-num-gpus", "8",
+                           "--rollout-num-gpus-per-engine=8", "seed=3"]) == [
+        "debug.rollout_only=true", "rollout.rollout_num_gpus=8",
+        "rollout.rollout_num_gpus_per_engine=8", "seed=3"]
+    assert translate_args(["--load-debug-rollout-data", "/x/data_{rollout_id}.pt", "-m"]) == [
+        "debug.load_rollout_data='/x/data_{rollout_id}.pt'", "-m"]
+    assert translate_args(["debug.load_rollout_data=/x/{rollout_id}.pt", "--cfg", "job"]) == [
+        "debug.load_rollout_data='/x/{rollout_id}.pt'", "--cfg", "job"]
+    with pytest.raises(UsageError, match="needs a value"):
+        translate_args(["--dump-details"])
+    with pytest.raises(UsageError, match="--debug-train-only"):
+        translate_args(["--debug-train-onyl"])

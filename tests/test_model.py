@@ -1,0 +1,47 @@
+"""The tiny model directory and the loading code shared with real HF checkpoints."""
+
+import json
+
+from tokenizers import Tokenizer
+
+from relax.model import load_tokenizer, model_fingerprint, tokenizer_fingerprint
+
+from .conftest import make_cfg, only_run_dir, relax_cli, status_of
+
+
+def test_tiny_model_is_a_normal_hf_directory(tiny_path):
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (tiny_path / name).is_file(), name
+    config = json.loads((tiny_path / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForCausalLM"]
+    recipe = json.loads((tiny_path / "relax_tiny.json").read_text())
+    assert recipe["warmup_greedy_accuracy"] >= make_cfg().model.tiny.warmup_target_accuracy
+
+
+def test_saved_tokenizer_loads_back_identically(tiny_path):
+    """transformers 5's AutoTokenizer would pick Qwen2Tokenizer and drop the space in
+    '= 7'; Relax must tokenize exactly as tokenizer.json says (as SGLang does)."""
+    tok = load_tokenizer(tiny_path)
+    raw = Tokenizer.from_file(str(tiny_path / "tokenizer.json"))
+    for text in ["12+34=46", "<|user|>12+34= 7<|assistant|>", "1 2  3", "99-1*3"]:
+        assert tok(text, add_special_tokens=False)["input_ids"] == raw.encode(text).ids, text
+        assert tok.decode(raw.encode(text).ids) == text
+    chat = tok.apply_chat_template([{"role": "user", "content": "1+2="}],
+                                   add_generation_prompt=True, tokenize=False)
+    assert chat == "<|user|>1+2=<|assistant|>"
+    assert tok.convert_ids_to_tokens(tok.eos_token_id) == "<|end|>"
+    assert tokenizer_fingerprint(tok) == tokenizer_fingerprint(load_tokenizer(tiny_path))
+
+
+def test_model_fingerprint_tracks_architecture(tiny_path, tmp_path):
+    config = json.loads((tiny_path / "config.json").read_text())
+    config["hidden_size"] = 128
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert model_fingerprint(tmp_path) != model_fingerprint(tiny_path)
+
+
+def test_any_local_hf_dir_via_model_path(tmp_path, tiny_path):
+    proc = relax_cli("model=hf", f"model.path={tiny_path}", "rollout.num_rollout=1",
+                     "rollout.rollout_batch_size=4", "checkpoint.save_interval=null", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert status_of(only_run_dir(tmp_path)) == {"status": "completed"}

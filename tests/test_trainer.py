@@ -1,0 +1,86 @@
+"""The torch trainer: first-step numerics, weight sync into the engine, checkpoint/resume."""
+
+import pytest
+import torch
+
+from relax.rollout import generate_rollout
+from relax.rollout.torch_engine import SamplingParams, TorchEngine
+from relax.task import Task
+from relax.train import make_trainer
+
+from .conftest import make_cfg, run_loop
+
+
+def rollout(cfg, engine, tokenizer, rollout_id=0):
+    return generate_rollout(engine, Task(cfg.task, cfg.seed), tokenizer, cfg.rollout, rollout_id,
+                            cfg.seed)
+
+
+def test_first_step_log_probs_equal_ref_and_kl_zero(tiny_path, tokenizer):
+    cfg = make_cfg("rollout.rollout_batch_size=8", "algo.use_kl_loss=true", "algo.kl_loss_coef=0.1")
+    engine = TorchEngine(tiny_path, "float32", [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    trainer = make_trainer(cfg, str(tiny_path), ref_model_path=str(tiny_path),
+                           pad_token_id=tokenizer.pad_token_id)
+    out = trainer.train(0, rollout(cfg, engine, tokenizer))
+    r, step = out["rollout"], out["steps"][0]
+    assert r["rollout/log_probs"] == r["rollout/ref_log_probs"]
+    assert r["rollout/kl"] == 0.0
+    assert step["train/ppo_kl"] == 0.0 and step["train/kl_loss"] == 0.0
+    assert step["train/pg_clipfrac"] == 0.0
+    assert step["train/train_rollout_logprob_abs_diff"] < 1e-4
+    assert 0 < step["train/grad_norm"] < 10
+    # after one step the actor moved away from the reference
+    out2 = trainer.train(1, rollout(cfg, engine, tokenizer, 1))
+    assert out2["rollout"]["rollout/kl"] != 0.0
+
+
+def test_weight_sync_makes_engine_match_trainer(tiny_path, tokenizer):
+    cfg = make_cfg("rollout.rollout_batch_size=16", "train.lr=0.02")
+    engine = TorchEngine(tiny_path, "float32", [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    trainer = make_trainer(cfg, str(tiny_path), ref_model_path=str(tiny_path),
+                           pad_token_id=tokenizer.pad_token_id)
+    samples = rollout(cfg, engine, tokenizer)
+    prompts = [s.tokens[:s.prompt_length] for s in samples[::8]]
+    greedy = SamplingParams(0.0, 1.0, 8)
+    before = [g.tokens for g in engine.generate(prompts, greedy, 0)]
+    for rollout_id in range(3):
+        trainer.train(rollout_id, rollout(cfg, engine, tokenizer, rollout_id))
+
+    # The trainer moved; the engine still holds the old weights.
+    weights = trainer.named_weights()
+    assert not torch.equal(weights["model.norm.weight"], engine.params["model.norm.weight"])
+    engine.update_weights(weights)
+    for name, tensor in weights.items():
+        assert torch.equal(engine.params[name], tensor), name
+    after = [g.tokens for g in engine.generate(prompts, greedy, 0)]
+    assert after != before
+    with torch.no_grad():  # the engine now generates what the trainer's model would
+        for prompt, tokens in zip(prompts, after):
+            x = torch.tensor([prompt + tokens[:-1]])
+            expected = trainer.model(x).logits[0, len(prompt) - 1:].argmax(-1).tolist()
+            assert tokens == expected
+
+
+def test_checkpoint_resume_equals_uninterrupted_run(tmp_path):
+    common = ["rollout.num_rollout=3", "rollout.rollout_batch_size=8", "checkpoint.save_interval=2",
+              "checkpoint.keep_last=3"]
+    full_rollouts, full_steps = run_loop(tmp_path / "full", *common)
+    checkpoints = sorted((tmp_path / "full" / "checkpoints").iterdir())
+    assert [c.name for c in checkpoints] == ["rollout_000001", "rollout_000002"]
+    assert (checkpoints[0] / "hf" / "model.safetensors").is_file()
+    assert (checkpoints[0] / "hf" / "tokenizer.json").is_file()
+
+    resumed_rollouts, resumed_steps = run_loop(tmp_path / "resumed", *common,
+                                               f"resume={checkpoints[0]}")
+    assert [r["rollout_id"] for r in resumed_rollouts] == [2]
+    for key in ("train/loss", "train/grad_norm", "train/pg_clipfrac"):
+        assert resumed_steps[0][key] == full_steps[-1][key], key
+    for key in ("rollout/raw_reward", "rollout/log_probs", "rollout/ref_log_probs"):
+        assert resumed_rollouts[0][key] == full_rollouts[-1][key], key
+
+
+def test_resume_true_without_checkpoint_is_a_clear_error(tmp_path):
+    from relax.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="no checkpoint"):
+        run_loop(tmp_path / "runs" / "a", "resume=true")
