@@ -59,8 +59,13 @@ def _quote_template(override: str) -> str:
 
 
 def translate_args(args: list[str]) -> list[str]:
-    """Rewrite the guide's `--flag [value]` into Hydra overrides; refuse unknown flags."""
+    """Rewrite the guide's `--flag [value]` into Hydra overrides; refuse unknown flags.
+
+    Overrides go first and Hydra's flags last: Hydra's argparse takes the overrides as one
+    positional list, which must not be split by a flag.
+    """
     out: list[str] = []
+    hydra_flags: list[str] = []
     i = 0
     while i < len(args):
         arg = args[i]
@@ -81,10 +86,10 @@ def translate_args(args: list[str]) -> list[str]:
                     raise UsageError(f"{name} needs a value")
                 out.append(_quote_template(f"{key}={value}"))
         elif name in HYDRA_FLAGS:
-            out.append(arg)
+            hydra_flags.append(arg)
             if HYDRA_FLAGS[name] and not has_eq and i + 1 < len(args):
                 i += 1
-                out.append(args[i])
+                hydra_flags.append(args[i])
         elif arg.startswith("-"):
             known = ", ".join(sorted(GUIDE_FLAGS))
             raise UsageError(
@@ -94,7 +99,7 @@ def translate_args(args: list[str]) -> list[str]:
         else:
             out.append(_quote_template(arg))
         i += 1
-    return out
+    return out + hydra_flags
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")

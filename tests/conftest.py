@@ -16,7 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
 
 from relax import config as relax_config
-from relax.cli import CONF_DIR
+from relax.cli import CONF_DIR, translate_args
 
 REPO = Path(__file__).resolve().parents[1]
 torch.set_num_threads(1)
@@ -26,7 +26,7 @@ def make_cfg(*overrides: str, run_dir: Path | None = None):
     """The composed config `relax <overrides>` would run, with Hydra's runtime set."""
     relax_config.register()
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
+        cfg = compose("config", overrides=translate_args(list(overrides)), return_hydra_config=True)
     if run_dir is not None:
         cfg.hydra.runtime.output_dir = str(run_dir)
     HydraConfig.instance().set_config(cfg)

@@ -123,7 +123,7 @@ def test_translate_guide_flags():
         "rollout.rollout_num_gpus_per_engine=8", "seed=3"]
     assert translate_args(["--load-debug-rollout-data", "/x/data_{rollout_id}.pt", "-m"]) == [
         "debug.load_rollout_data='/x/data_{rollout_id}.pt'", "-m"]
-    assert translate_args(["debug.load_rollout_data=/x/{rollout_id}.pt", "--cfg", "job"]) == [
+    assert translate_args(["--cfg", "job", "debug.load_rollout_data=/x/{rollout_id}.pt"]) == [
         "debug.load_rollout_data='/x/{rollout_id}.pt'", "--cfg", "job"]
     with pytest.raises(UsageError, match="needs a value"):
         translate_args(["--dump-details"])

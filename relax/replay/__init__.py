@@ -78,8 +78,13 @@ def safe_load(path: Path) -> dict:
     try:
         data = torch.load(path, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as e:
-        raise ReplayError(f"{path}: refused: it holds objects other than plain data "
-                          f"(loaded with weights_only=True; nothing was executed): {e}") from None
+        # torch wraps the reason in boilerplate paragraphs; keep the reason itself
+        paragraphs = [p.strip() for p in str(e).split("\n\n") if p.strip()]
+        detail = [p for p in paragraphs if not p.startswith("Check the documentation")][-1]
+        if "global" in detail.lower() or "class" in detail.lower():  # a callable to import
+            raise ReplayError(f"{path}: refused: it holds objects other than plain data "
+                              f"({detail}); loaded with weights_only=True, nothing was executed") from None
+        raise ReplayError(f"{path}: corrupt or truncated file ({detail})") from None
     except Exception as e:  # truncated zip, bad magic number, EOF ...
         raise ReplayError(f"{path}: corrupt or truncated file ({type(e).__name__}: {e})") from None
     if not isinstance(data, dict):
@@ -160,5 +165,6 @@ def subsample_groups(samples: list[Sample], fraction: float, seed: int) -> list[
     kept = [s for s in samples if s.group_index in keep]
     remap = {g: i for i, g in enumerate(sorted(keep))}
     for i, s in enumerate(kept):
+        s.metadata["replay_index"] = s.index
         s.index, s.group_index = i, remap[s.group_index]
     return kept

@@ -1,0 +1,168 @@
+"""`relax inspect <dump dir | replay dir | run dir>`: read saved rollout (and train) data.
+
+Shows a per-rollout summary, one sample in full with its per-token log-probs, and, where
+train data exists, rollout and train data joined sample by sample: which rank trained it,
+its advantage, and the trainer's log_probs against the engine's rollout_log_probs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from relax.errors import ReplayError
+from relax.replay import safe_load
+
+MAX_ROWS = 20  # longer runs: the first and last rollouts (all of them with --json)
+
+
+def find_rollout_files(root: Path) -> dict[int, Path]:
+    """Rollout files in a dump/run dir (rollout_data/) or a plain replay directory."""
+    root = Path(root)
+    if root.is_file():
+        return {int(safe_load(root)["rollout_id"]): root}
+    folder = root / "rollout_data" if (root / "rollout_data").is_dir() else root
+    found = {}
+    for path in sorted(folder.glob("*.pt")):
+        m = re.search(r"(\d+)\D*$", path.stem)
+        if m:
+            found[int(m.group(1))] = path
+    return dict(sorted(found.items()))
+
+
+def find_train_files(root: Path, rollout_id: int) -> list[Path]:
+    folder = Path(root) / "train_data"
+    return sorted(folder.glob(f"{rollout_id}_*.pt")) if folder.is_dir() else []
+
+
+def summarize(rollout_id: int, samples: list[dict]) -> dict:
+    n_tokens = sum(s["response_length"] for s in samples) or 1
+    return {
+        "rollout_id": rollout_id, "samples": len(samples),
+        "mean_reward": sum(s["reward"] for s in samples) / len(samples),
+        "mean_response_len": sum(s["response_length"] for s in samples) / len(samples),
+        "max_response_len": max(s["response_length"] for s in samples),
+        "truncation_rate": sum(s["status"] == "truncated" for s in samples) / len(samples),
+        "mean_rollout_log_prob": sum(sum(s["rollout_log_probs"]) for s in samples) / n_tokens,
+    }
+
+
+def join_train(root: Path, rollout_id: int) -> dict[int, dict]:
+    """Sample index -> what the trainer computed for it, from every rank's train file."""
+    joined = {}
+    for path in find_train_files(root, rollout_id):
+        data = safe_load(path)
+        for row in data["samples"]:
+            diffs = [abs(a - b) for a, b in zip(row["log_probs"], row["rollout_log_probs"])]
+            joined[row["index"]] = {
+                **row, "rank": data.get("rank"), "dp_rank": data.get("dp_rank"),
+                "file": str(path), "max_abs_diff_vs_rollout": max(diffs, default=0.0)}
+    return joined
+
+
+def inspect(root: Path, rollout_id: int | None, sample_index: int) -> dict:
+    files = find_rollout_files(root)
+    if not files:
+        raise ReplayError(f"{root}: no rollout data (*.pt, or rollout_data/*.pt) found")
+    summaries, manifest = [], None
+    for rid, path in files.items():
+        data = safe_load(path)
+        manifest = manifest or data.get("manifest")
+        summaries.append(summarize(rid, data["samples"]))
+    chosen = rollout_id if rollout_id is not None else next(iter(files))
+    if chosen not in files:
+        raise ReplayError(f"{root}: no rollout {chosen} (have {min(files)}..{max(files)})")
+    samples = safe_load(files[chosen])["samples"]
+    if not 0 <= sample_index < len(samples):
+        raise ReplayError(f"rollout {chosen} has samples 0..{len(samples) - 1}")
+    train = join_train(root, chosen)
+    sample = samples[sample_index]
+    if (Path(root) / "tokenizer").is_dir():  # a dump carries its tokenizer
+        from relax.model import load_tokenizer
+
+        tokenizer = load_tokenizer(Path(root) / "tokenizer")
+        response = sample["tokens"][len(sample["tokens"]) - sample["response_length"]:]
+        sample = {**sample, "response_token_texts": tokenizer.convert_ids_to_tokens(response)}
+    return {
+        "root": str(root), "manifest": manifest, "rollouts": summaries,
+        "sample": {"rollout_id": chosen, **sample, "train": train.get(sample_index)},
+        "train_join": {
+            "rollout_id": chosen, "trained_samples": len(train),
+            "untrained_samples": sorted(set(range(len(samples))) - set(train)),
+            "ranks": sorted({row["dp_rank"] for row in train.values()}),
+            "per_sample": [{"index": i, "dp_rank": row["dp_rank"], "rank": row["rank"],
+                            "advantage": row["advantage"], "reward": row["reward"],
+                            "max_abs_diff_vs_rollout": row["max_abs_diff_vs_rollout"]}
+                           for i, row in sorted(train.items())],
+        } if train else None,
+    }
+
+
+def render(report: dict, console: Console) -> None:
+    m = report["manifest"] or {}
+    console.print(f"[bold]{report['root']}[/]  model {m.get('model_path')} "
+                  f"(fingerprint {m.get('model_fingerprint')}), sampling {m.get('sampling')}")
+    table = Table("rollout", "samples", "mean reward", "resp len (mean/max)", "truncated",
+                  "mean rollout log-prob", title="Rollouts")
+    rows = report["rollouts"]
+    shown = rows if len(rows) <= MAX_ROWS else rows[:MAX_ROWS // 2] + rows[-MAX_ROWS // 2:]
+    for r in shown:
+        table.add_row(str(r["rollout_id"]), str(r["samples"]), f"{r['mean_reward']:.3f}",
+                      f"{r['mean_response_len']:.1f} / {r['max_response_len']}",
+                      f"{r['truncation_rate']:.1%}", f"{r['mean_rollout_log_prob']:.4f}")
+    console.print(table)
+    if len(rows) > len(shown):
+        console.print(f"({len(rows) - len(shown)} rollouts not shown; --json has all)")
+
+    s, train = report["sample"], report["sample"]["train"]
+    console.print(f"\n[bold]Rollout {s['rollout_id']}, sample {s['index']}[/] (group "
+                  f"{s['group_index']}): reward {s['reward']}, label {s['label']!r}, {s['status']}")
+    console.print(f"prompt:   {s['prompt']!r}\nresponse: {s['response']!r}")
+    columns = ["token", "rollout_log_prob"] + (["log_prob", "ref_log_prob"] if train else [])
+    tokens = Table(*columns)
+    response = s["tokens"][len(s["tokens"]) - s["response_length"]:]
+    texts = s.get("response_token_texts") or [""] * len(response)
+    for t, (tok, text) in enumerate(zip(response, texts)):
+        row = [f"{tok} {text!r}" if text else str(tok), f"{s['rollout_log_probs'][t]:.6f}"]
+        if train:
+            row += [f"{train['log_probs'][t]:.6f}", f"{train['ref_log_probs'][t]:.6f}"]
+        tokens.add_row(*row)
+    console.print(tokens)
+
+    join = report["train_join"]
+    if join:
+        console.print(f"\n[bold]Train data for rollout {join['rollout_id']}[/]: "
+                      f"{join['trained_samples']} samples over dp ranks {join['ranks']}; "
+                      f"untrained: {join['untrained_samples'] or 'none'}")
+        worst = max(join["per_sample"], key=lambda r: r["max_abs_diff_vs_rollout"])
+        console.print(f"largest |log_probs - rollout_log_probs|: {worst['max_abs_diff_vs_rollout']:.3g} "
+                      f"(sample {worst['index']}, dp rank {worst['dp_rank']})")
+        if train:
+            console.print(f"sample {s['index']} was trained by dp rank {train['dp_rank']} "
+                          f"(rank {train['rank']}) with advantage {train['advantage']:.4f}")
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="relax inspect", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("path", type=Path, help="dump dir, run dir, replay dir or one rollout file")
+    ap.add_argument("--rollout", type=int, default=None, help="rollout to show in detail")
+    ap.add_argument("--sample", type=int, default=0, help="sample index to show in full")
+    ap.add_argument("--json", action="store_true", help="machine-readable output")
+    args = ap.parse_args(argv)
+    try:
+        report = inspect(args.path, args.rollout, args.sample)
+    except ReplayError as e:
+        print(f"relax inspect: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report))
+    else:
+        render(report, Console())
+    return 0

@@ -1,0 +1,349 @@
+"""The debugging guide's workflows: rollout-only, train-only replay, detail dumps, inspect."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from relax.debug.plan import resolve
+from relax.errors import ConfigError, ReplayError
+from relax.replay import atomic_save, load_rollout, safe_load, subsample_groups
+
+from .conftest import REPO, make_cfg, only_run_dir, run_loop, status_of
+
+SHORT = ["rollout.num_rollout=3", "rollout.rollout_batch_size=8", "checkpoint.save_interval=null"]
+
+
+@pytest.fixture(scope="module")
+def dumped(tmp_path_factory, tiny_path):
+    """A full 3-rollout run with every detail dumped."""
+    root = tmp_path_factory.mktemp("dumped")
+    rollouts, steps = run_loop(root / "run", *SHORT, f"debug.dump_details={root / 'dump'}")
+    return root / "dump", rollouts, steps
+
+
+def guide(command: str, cwd, extra: str = "") -> subprocess.CompletedProcess:
+    """Run a command line from the guide as written, from a repo-root-like directory."""
+    if not (cwd / "relax").exists():
+        (cwd / "relax").symlink_to(REPO / "relax")
+    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
+    return subprocess.run(f"{command} {extra}", shell=True, cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def built(run_dir):
+    return json.loads((run_dir / "built.json").read_text())
+
+
+def rollout_records(run_dir):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "step" not in r]
+
+
+# -- the guide's five command lines ------------------------------------------------------
+
+def test_guide_rollout_only_with_gpu_flags_exactly_as_written(tmp_path, tiny_path):
+    proc = guide("python3 relax/entrypoints/train.py --debug-rollout-only --rollout-num-gpus 8 "
+                 "--rollout-num-gpus-per-engine 8", tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = only_run_dir(tmp_path)
+    assert built(run)["mode"] == "rollout_only" and built(run)["trainer"] is None
+    config = (run / ".hydra" / "config.yaml").read_text()
+    assert "rollout_num_gpus: 8" in config and "rollout_num_gpus_per_engine: 8" in config
+    records = rollout_records(run)
+    assert len(records) == 400 and "rollout/log_probs" not in records[0]
+
+
+def test_guide_save_then_load_then_train_only_then_dump(tmp_path, tiny_path):
+    x = tmp_path / "x"
+    short = "rollout.num_rollout=3 rollout.rollout_batch_size=8"
+    proc = guide(f"python3 relax/entrypoints/train.py --debug-rollout-only "
+                 f"--save-debug-rollout-data {x}/data_{{rollout_id}}.pt", tmp_path, short)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in x.iterdir()) == ["data_0.pt", "data_1.pt", "data_2.pt"]
+
+    for i, command in enumerate([
+        f"python3 relax/entrypoints/train.py --load-debug-rollout-data {x}/data_{{rollout_id}}.pt",
+        f"python3 relax/entrypoints/train.py --debug-train-only --load-debug-rollout-data "
+        f"{x}/data_{{rollout_id}}.pt",
+    ]):
+        proc = guide(command, tmp_path, f"{short} hydra.run.dir=outputs/replay{i}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        run = tmp_path / "outputs" / f"replay{i}"
+        assert built(run)["mode"] == "train_only" and built(run)["rollout_engine"] is None
+        assert [r["rollout_id"] for r in rollout_records(run)] == [0, 1, 2]
+
+    proc = guide(f"python3 relax/entrypoints/train.py --dump-details {x}/dump", tmp_path,
+                 "rollout.num_rollout=2 rollout.rollout_batch_size=8")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    dump = x / "dump"
+    assert sorted(p.name for p in (dump / "rollout_data").iterdir()) == ["0.pt", "1.pt"]
+    assert sorted(p.name for p in (dump / "train_data").iterdir()) == ["0_0.pt", "1_0.pt"]
+    assert (dump / "tokenizer" / "tokenizer.json").is_file() and (dump / "config.yaml").is_file()
+
+
+def test_guide_flags_mix_with_hydra_overrides_and_bad_flags_list_known_ones(tmp_path):
+    proc = guide("python3 relax/entrypoints/train.py --debug-rollout-only --cfg job", tmp_path,
+                 "rollout.temperature=0.5")
+    assert proc.returncode == 0 and "rollout_only: true" in proc.stdout
+    assert "temperature: 0.5" in proc.stdout
+    proc = guide("python3 relax/entrypoints/train.py --debug-rolout-only", tmp_path)
+    assert proc.returncode != 0 and "--debug-rollout-only" in proc.stderr
+
+
+# -- which subsystems get built ------------------------------------------------------------
+
+def test_rollout_only_never_constructs_a_trainer(tmp_path, monkeypatch, tiny_path):
+    def boom(*a, **k):
+        raise AssertionError("trainer constructed in rollout_only")
+
+    monkeypatch.setattr("relax.train.build_trainer", boom)
+    rollouts, steps = run_loop(tmp_path, *SHORT, "debug=rollout_only")
+    assert len(rollouts) == 3 and steps == []
+    assert built(tmp_path)["trainer"] is None and built(tmp_path)["rollout_engine"] == "torch"
+
+
+def test_train_only_never_constructs_an_engine(tmp_path, monkeypatch, dumped):
+    dump, _, _ = dumped
+
+    def boom(*a, **k):
+        raise AssertionError("engine constructed in train_only")
+
+    monkeypatch.setattr("relax.rollout.torch_engine.TorchEngine.__init__", boom)
+    rollouts, steps = run_loop(tmp_path, *SHORT, "debug=train_only",
+                               f"debug.load_rollout_data={dump}/rollout_data/{{rollout_id}}.pt")
+    assert len(rollouts) == 3 and len(steps) == 3
+    assert built(tmp_path)["rollout_engine"] is None
+
+
+@pytest.mark.parametrize("mode,absent", [
+    ("debug=rollout_only", "relax.train.torch_trainer"),
+    ("debug=train_only", "relax.rollout.torch_engine"),
+])
+def test_the_skipped_backend_is_never_imported(tmp_path, dumped, mode, absent):
+    dump, _, _ = dumped
+    args = [*SHORT, mode, f"debug.load_rollout_data={dump}/rollout_data/{{rollout_id}}.pt"] \
+        if mode == "debug=train_only" else [*SHORT, mode]
+    code = (f"import sys\nfrom relax.cli import main\nmain({args!r})\n"
+            f"print('IMPORTED' if {absent!r} in sys.modules else 'NOT_IMPORTED')")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().endswith("NOT_IMPORTED")
+
+
+# -- conflicts: errors before anything is built ---------------------------------------------
+
+@pytest.mark.parametrize("overrides,message", [
+    (["debug.rollout_only=true", "debug.train_only=true"], "conflicts with debug.train_only"),
+    (["debug.rollout_only=true", "debug.load_rollout_data=/x/{rollout_id}.pt"],
+     "conflicts with debug.load_rollout_data"),
+    (["debug.train_only=true"], "needs debug.load_rollout_data"),
+    (["debug.save_rollout_data=/x/data.pt"], "has no {rollout_id}"),
+    (["debug.save_train_data=/x/train.pt"], "has no {rollout_id}"),
+    (["rollout.num_rollout=1", "debug.save_train_data=/x/t_{rollout_id}.pt", "parallel.dp=2",
+      "parallel.fsdp=true"], "has no {rank}"),
+    (["debug.rollout_only=true", "debug.save_train_data=/x/{rollout_id}_{rank}.pt"],
+     "builds no trainer"),
+    (["rollout.rollout_num_gpus=8", "rollout.rollout_num_gpus_per_engine=3"],
+     "must be a positive multiple"),
+    (["parallel.pp=2"], "use train=megatron"),
+])
+def test_conflicting_debug_keys_fail_at_start_up(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("{", r"\{").replace("}", r"\}")):
+        resolve(make_cfg(*overrides))
+
+
+def test_save_and_load_of_the_same_files_is_refused(dumped):
+    dump, _, _ = dumped
+    template = f"{dump}/rollout_data/{{rollout_id}}.pt"
+    with pytest.raises(ConfigError, match="overwrite its own input"):
+        resolve(make_cfg(f"debug.load_rollout_data={template}", f"debug.save_rollout_data={template}"))
+
+
+def test_load_template_without_matches_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="no files match"):
+        resolve(make_cfg(f"debug.load_rollout_data={tmp_path}/{{rollout_id}}.pt"))
+
+
+def test_load_rollout_data_turns_on_train_only(dumped):
+    dump, _, _ = dumped
+    plan = resolve(make_cfg(f"debug.load_rollout_data={dump}/rollout_data/{{rollout_id}}.pt"))
+    assert plan.mode == "train_only" and not plan.builds_rollout and plan.rollout_ids == [0, 1, 2]
+
+
+# -- replay data ------------------------------------------------------------------------------
+
+def test_replay_reproduces_the_original_run_exactly(tmp_path, dumped):
+    dump, rollouts, steps = dumped
+    replay_rollouts, replay_steps = run_loop(
+        tmp_path, *SHORT, f"debug.load_rollout_data={dump}/rollout_data/{{rollout_id}}.pt")
+    for a, b in zip(steps, replay_steps):
+        assert a["train/loss"] == b["train/loss"] and a["train/grad_norm"] == b["train/grad_norm"]
+    for a, b in zip(rollouts, replay_rollouts):
+        for key in ("rollout/log_probs", "rollout/ref_log_probs", "rollout/raw_reward"):
+            assert a[key] == b[key], key
+
+
+def test_rollout_file_contents(dumped, tokenizer):
+    dump, _, _ = dumped
+    data = safe_load(dump / "rollout_data" / "1.pt")
+    assert data["format_version"] == 1 and data["rollout_id"] == 1
+    m = data["manifest"]
+    assert m["tokenizer"]["vocab_size"] == len(tokenizer.get_vocab())
+    assert m["sampling"]["temperature"] == 1.0 and m["sampling"]["n_samples_per_prompt"] == 8
+    assert {"model_path", "model_fingerprint", "config_hash", "relax_version"} <= m.keys()
+    s = data["samples"][0]
+    assert {"prompt", "tokens", "response", "response_length", "loss_mask", "reward", "label",
+            "rollout_log_probs", "status", "metadata"} <= s.keys()
+    assert len(s["rollout_log_probs"]) == s["response_length"] == len(s["loss_mask"])
+    assert tokenizer.decode(s["tokens"][-s["response_length"]:], skip_special_tokens=True) == s["response"]
+
+
+def test_train_data_contents(dumped):
+    dump, _, steps = dumped
+    data = safe_load(dump / "train_data" / "0_0.pt")
+    assert data["rollout_id"] == 0 and data["dp_rank"] == 0
+    assert len(data["samples"]) == 64
+    row = data["samples"][5]
+    for key in ("tokens", "loss_mask", "reward", "advantage", "log_probs", "ref_log_probs",
+                "rollout_log_probs", "kl", "entropy"):
+        assert key in row, key
+    assert row["log_probs"] == row["ref_log_probs"]  # rollout 0: actor == reference
+    assert data["steps"] == [{"loss": steps[0]["train/loss"], "grad_norm": steps[0]["train/grad_norm"]}]
+
+
+def _copy_with(tiny_path, dst, edit):
+    shutil.copytree(tiny_path, dst)
+    edit(dst)
+    return dst
+
+
+def test_manifest_mismatch_is_refused_with_what_differs(tmp_path, dumped, tiny_path):
+    dump, _, _ = dumped
+
+    def swap_tokens(d):
+        tj = json.loads((d / "tokenizer.json").read_text())
+        vocab = tj["model"]["vocab"]
+        vocab["7"], vocab["8"] = vocab["8"], vocab["7"]
+        (d / "tokenizer.json").write_text(json.dumps(tj))
+
+    def wider_rope(d):
+        cfg = json.loads((d / "config.json").read_text())
+        cfg["rope_parameters"] = {**cfg.get("rope_parameters", {}), "rope_theta": 500000.0}
+        cfg["rope_theta"] = 500000.0
+        (d / "config.json").write_text(json.dumps(cfg))
+
+    template = f"{dump}/rollout_data/{{rollout_id}}.pt"
+    for edit, message in [(swap_tokens, "tokenizer vocabulary differs"),
+                          (wider_rope, "model architecture")]:
+        other = _copy_with(tiny_path, tmp_path / edit.__name__, edit)
+        with pytest.raises(ReplayError, match=message):
+            run_loop(tmp_path / f"run_{edit.__name__}", *SHORT, "model=hf", f"model.path={other}",
+                     f"debug.load_rollout_data={template}")
+    with pytest.raises(ReplayError, match="rollout.temperature"):
+        run_loop(tmp_path / "run_temp", *SHORT, "rollout.temperature=0.7",
+                 f"debug.load_rollout_data={template}")
+    # the explicit override replays it anyway
+    rollouts, _ = run_loop(tmp_path / "run_allowed", *SHORT, "rollout.temperature=0.7",
+                           "debug.allow_manifest_mismatch=true", f"debug.load_rollout_data={template}")
+    assert len(rollouts) == 3
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, ("touch PWNED",))
+
+
+def test_a_pickle_that_runs_code_is_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "evil.pt"
+    torch.save({"format_version": 1, "rollout_id": 0, "samples": [_RunsCode()]}, path)
+    with pytest.raises(ReplayError, match="evil.pt: refused"):
+        load_rollout(path)
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_truncated_or_corrupt_file_names_the_file(tmp_path, dumped):
+    dump, _, _ = dumped
+    good = (dump / "rollout_data" / "0.pt").read_bytes()
+    (tmp_path / "half.pt").write_bytes(good[:len(good) // 2])
+    with pytest.raises(ReplayError, match="half.pt: corrupt or truncated"):
+        load_rollout(tmp_path / "half.pt")
+    (tmp_path / "other.pt").write_bytes(b"not a torch file")
+    with pytest.raises(ReplayError, match="other.pt: corrupt or truncated"):
+        load_rollout(tmp_path / "other.pt")
+
+
+def test_atomic_save_leaves_no_half_file(tmp_path, monkeypatch):
+    def crash(obj, f):
+        f.write(b"partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(KeyboardInterrupt):
+        atomic_save({"a": 1}, tmp_path / "out.pt")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_subsample_keeps_whole_groups(dumped):
+    dump, _, _ = dumped
+    _, samples = load_rollout(dump / "rollout_data" / "0.pt")
+    kept = subsample_groups(samples, 0.25, seed=0)
+    assert len(kept) == 16  # 2 of 8 groups, 8 samples each
+    assert [s.index for s in kept] == list(range(16))
+    assert [s.group_index for s in kept] == [0] * 8 + [1] * 8
+    assert len({s.metadata["replay_index"] // 8 for s in kept[:8]}) == 1
+
+
+def test_subsampled_replay_trains(tmp_path, dumped):
+    dump, _, _ = dumped
+    rollouts, steps = run_loop(tmp_path, *SHORT, "debug.load_rollout_data_subsample=0.5",
+                               f"debug.load_rollout_data={dump}/rollout_data/{{rollout_id}}.pt",
+                               f"debug.save_train_data={tmp_path}/t_{{rollout_id}}_{{rank}}.pt")
+    assert len(steps) == 3
+    assert [len(safe_load(tmp_path / f"t_{i}_0.pt")["samples"]) for i in range(3)] == [32] * 3
+
+
+def test_debug_dump_defaults_to_the_run_dir(tmp_path, tiny_path):
+    from .conftest import relax_cli
+
+    proc = relax_cli("debug=dump", "rollout.num_rollout=2", "rollout.rollout_batch_size=4",
+                     cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = only_run_dir(tmp_path)
+    assert status_of(run)["status"] == "completed"
+    assert (run / "rollout_data" / "1.pt").is_file() and (run / "train_data" / "1_0.pt").is_file()
+    assert (run / "tokenizer" / "tokenizer.json").is_file() and (run / "config.yaml").is_file()
+    assert built(run)["dump_dir"] == str(run)
+
+
+# -- relax inspect ------------------------------------------------------------------------------
+
+def test_inspect_terminal_and_json(dumped):
+    dump, rollouts, _ = dumped
+    run = lambda *a: subprocess.run([sys.executable, "-m", "relax", "inspect", str(dump), *a],  # noqa: E731
+                                    capture_output=True, text=True, timeout=120)
+    proc = run("--json", "--rollout", "1", "--sample", "3")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert [r["rollout_id"] for r in report["rollouts"]] == [0, 1, 2]
+    assert report["rollouts"][1]["mean_reward"] == pytest.approx(rollouts[1]["rollout/raw_reward"])
+    sample = report["sample"]
+    assert sample["rollout_id"] == 1 and sample["index"] == 3
+    assert sample["train"]["dp_rank"] == 0 and len(sample["train"]["log_probs"]) == sample["response_length"]
+    join = report["train_join"]
+    assert join["trained_samples"] == 64 and join["untrained_samples"] == []
+    assert max(r["max_abs_diff_vs_rollout"] for r in join["per_sample"]) < 1e-4
+
+    text = run("--rollout", "1", "--sample", "3")
+    assert text.returncode == 0
+    for needle in ("Rollouts", "mean reward", "Rollout 1, sample 3", "rollout_log_prob",
+                   "ref_log_prob", "trained by dp rank 0"):
+        assert needle in text.stdout, needle
+    missing = run("--rollout", "9")
+    assert missing.returncode == 2 and "no rollout 9" in missing.stderr
