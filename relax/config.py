@@ -150,9 +150,10 @@ def sweep_subdir(task_overrides: Any) -> str:
     """
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
+    overrides = [a for a in sys.argv[1:] if "=" in a and not a.startswith("-")]
     swept = {
         o.key_or_group
-        for o in OverridesParser.create().parse_overrides(sys.argv[1:])
+        for o in OverridesParser.create().parse_overrides(overrides)
         if o.is_sweep_override()
     }
     chosen = [o for o in task_overrides if o.split("=", 1)[0].lstrip("+~") in swept]

@@ -79,6 +79,8 @@ def torch_dtype(name: str):
 
 def load_causal_lm(path: Path, dtype: str):
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # per-load bars are noise (and leak a lock per rank)
     return AutoModelForCausalLM.from_pretrained(
         str(path), dtype=torch_dtype(dtype), attn_implementation="sdpa")

@@ -10,7 +10,6 @@ inference server: the trainer pushes new weights in by name (`update_weights`).
 from __future__ import annotations
 
 import importlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
+from relax.debug import faults
 from relax.errors import ConfigError
 from relax.model import read_hf_config, torch_dtype
 
@@ -85,7 +85,7 @@ class TorchEngine:
         module = importlib.import_module(f"transformers.models.{c.model_type}.modeling_{c.model_type}")
         self.rotary = getattr(module, ROTARY_CLASSES[c.model_type])(c)
         self.params = self._load(load_safetensors_dir(model_path))
-        if os.environ.get("RELAX_FAULT") == "engine_weights":  # test-only: a bad checkpoint load
+        if faults.active("engine_weights"):  # a bad checkpoint load
             g = torch.Generator().manual_seed(0)
             for v in self.params.values():
                 v.copy_(torch.randn(v.shape, generator=g).to(v.dtype) * v.float().std())

@@ -110,6 +110,21 @@ def clip_grad_norm(params, max_norm: float) -> float:
     return total
 
 
+def peak_memory_mb() -> float:
+    """Peak memory of the busiest rank: CUDA allocator peak on GPU, max RSS on CPU."""
+    if torch.cuda.is_available():
+        peak = torch.cuda.max_memory_allocated() / 2**20
+    else:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    if dist.is_initialized():
+        t = torch.tensor(peak, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        peak = t.item()
+    return peak
+
+
 def dp_all_reduce(t: torch.Tensor, layout: Layout) -> torch.Tensor:
     if layout.dp_size > 1:
         dist.all_reduce(t, group=layout.dp_group)

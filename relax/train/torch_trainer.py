@@ -7,21 +7,22 @@ raw rewards, reference and old log-probs, then `num_steps_per_rollout` PPO-clip 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
 
 from relax.algo import compute_advantages, kl_estimate, masked_sum, policy_loss, token_log_probs
+from relax.debug import faults
 from relax.model import load_causal_lm
 from relax.replay import atomic_save, fill, safe_load
 from relax.sample import Sample
 from relax.train.parallel import (
     apply_layout, check_torch_layout, clip_grad_norm, dp_all_gather, dp_all_reduce, full_tensor,
-    init_layout)
+    init_layout, peak_memory_mb)
 
 log = logging.getLogger(__name__)
 FIRST_STEP_SAMPLES = 16  # per-token log-probs of these sample indices go to layout comparisons
@@ -79,7 +80,7 @@ class TorchTrainer:
         self.model = load_causal_lm(Path(model_path), cfg.model.dtype)
         ref = load_causal_lm(Path(ref_model_path or model_path), cfg.model.dtype)
         ref.requires_grad_(False)
-        if os.environ.get("RELAX_FAULT") == "trainer_dropout":  # test-only: a noisy forward
+        if faults.active("trainer_dropout"):  # a noisy forward
             self.model.config.attention_dropout = 0.5
             for module in self.model.modules():
                 if hasattr(module, "attention_dropout"):
@@ -87,6 +88,10 @@ class TorchTrainer:
             self.model.train()
         self.actor = apply_layout(self.model, self.layout, trainable=True)
         self.ref = apply_layout(ref, self.layout, trainable=False)
+        if faults.active(f"perturb_shard:{cfg.parallel.name}") and self.layout.rank == 1:
+            shard = self.model.model.layers[0].self_attn.q_proj.weight
+            with torch.no_grad():  # one rank's weight shard is off by 1e-3
+                (shard.to_local() if isinstance(shard, DTensor) else shard).add_(1e-3)
         t = cfg.train
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
@@ -162,6 +167,7 @@ class TorchTrainer:
                 "train/train_rollout_logprob_abs_diff": sums[6].item(),
                 "train/grad_norm": grad_norm, "train/lr": self.optimizer.param_groups[0]["lr"],
                 "perf/step_time": time.perf_counter() - t0,
+                "perf/peak_memory_mb": peak_memory_mb(),
             })
         if self.save_train_data and self.layout.writes_data:
             self._save_train_data(rollout_id, samples, micro_batches, advantages, step_metrics)

@@ -1,0 +1,1 @@
+"""Debugging (conf/debug/): run plans, replay inspection, layout comparison, fault hooks."""

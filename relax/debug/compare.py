@@ -1,0 +1,189 @@
+"""`relax compare <multirun dir> | <run A> <run B> ...`: layout against layout, a verdict each.
+
+Every job is compared with a baseline job (the `single` layout, or `--baseline NAME`):
+per-step loss and grad_norm, and the per-token log_probs of the first training step on a
+fixed sample set. A job is `equivalent` when all lie within tolerance, `DIVERGED` when one
+does not, and `FAILED` when it did not complete. The exit code is non-zero if any job
+diverged or failed, so a layout sweep can gate CI. A plot of loss and grad_norm per step
+by layout is written next to the runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+from rich.console import Console
+from rich.table import Table
+
+from relax.logger import read_metrics
+
+EQUIVALENT, DIVERGED, FAILED = "equivalent", "DIVERGED", "FAILED"
+
+
+@dataclass
+class Job:
+    path: Path
+    name: str
+    backend: str = "?"
+    layout: str = "?"
+    status: str = "missing"
+    error: str | None = None
+    loss: list[float] = field(default_factory=list)
+    grad_norm: list[float] = field(default_factory=list)
+    step_time: float | None = None
+    peak_memory_mb: float | None = None
+    log_probs: dict[int, list[float]] = field(default_factory=dict)
+    verdict: str = FAILED
+    reasons: list[str] = field(default_factory=list)
+    max_logprob_diff: float | None = None
+    max_grad_norm_rel_diff: float | None = None
+    max_loss_diff: float | None = None
+
+
+def load_job(path: Path) -> Job:
+    job = Job(path=path, name=path.name)
+    config = path / ".hydra" / "config.yaml"
+    if config.is_file():
+        cfg = OmegaConf.load(config)
+        job.backend, job.layout = cfg.train.backend, cfg.parallel.name
+    status_file = path / "status.json"
+    if status_file.is_file():
+        status = json.loads(status_file.read_text())
+        job.status, job.error = status["status"], status.get("error")
+    _, steps = read_metrics(path)
+    job.loss = [s["train/loss"] for s in steps]
+    job.grad_norm = [s["train/grad_norm"] for s in steps]
+    if steps:
+        job.step_time = sum(s["perf/step_time"] for s in steps) / len(steps)
+        job.peak_memory_mb = max(s.get("perf/peak_memory_mb", 0.0) for s in steps)
+    if (path / "first_step_log_probs.pt").is_file():
+        job.log_probs = torch.load(path / "first_step_log_probs.pt", weights_only=True)
+    return job
+
+
+def find_jobs(paths: list[Path]) -> list[Job]:
+    if len(paths) == 1 and not (paths[0] / ".hydra").is_dir():  # a multirun dir
+        paths = [p for p in paths[0].iterdir() if (p / ".hydra").is_dir()]
+        paths.sort(key=lambda p: (p / ".hydra").stat().st_mtime)  # launch order
+    return [load_job(p) for p in paths]
+
+
+def pick_baseline(jobs: list[Job], name: str | None) -> Job:
+    if name is not None:
+        matches = [j for j in jobs if name in (j.name, j.layout)]
+        if not matches:
+            raise SystemExit(f"relax compare: error: no job named {name!r} "
+                             f"(jobs: {', '.join(j.name for j in jobs)})")
+        return matches[0]
+    return next((j for j in jobs if j.layout == "single" and j.status == "completed"), jobs[0])
+
+
+def judge(job: Job, base: Job, logprob_atol: float, grad_norm_rtol: float, loss_atol: float) -> None:
+    if job.status != "completed" or not job.loss:
+        job.verdict = FAILED
+        job.reasons = [job.error or f"status {job.status}"]
+        return
+    reasons = []
+    if len(job.loss) != len(base.loss):
+        reasons.append(f"{len(job.loss)} steps vs {len(base.loss)} in the baseline")
+    pairs = list(zip(job.loss, base.loss))
+    job.max_loss_diff = max(abs(a - b) for a, b in pairs)
+    job.max_grad_norm_rel_diff = max(abs(a - b) / max(abs(b), 1e-12)
+                                     for a, b in zip(job.grad_norm, base.grad_norm))
+    common = sorted(set(job.log_probs) & set(base.log_probs))
+    if not common or len(common) != len(base.log_probs):
+        reasons.append("first-step log_probs missing for some baseline samples")
+    diffs = [abs(a - b) for i in common for a, b in zip(job.log_probs[i], base.log_probs[i])]
+    job.max_logprob_diff = max(diffs, default=float("nan"))
+    if job.max_logprob_diff > logprob_atol:
+        reasons.append(f"max |Δ log_prob| {job.max_logprob_diff:.2e} > {logprob_atol:g}")
+    if job.max_grad_norm_rel_diff > grad_norm_rtol:
+        reasons.append(f"grad_norm rel Δ {job.max_grad_norm_rel_diff:.2e} > {grad_norm_rtol:g}")
+    if job.max_loss_diff > loss_atol:
+        reasons.append(f"max |Δ loss| {job.max_loss_diff:.2e} > {loss_atol:g}")
+    job.verdict, job.reasons = (DIVERGED, reasons) if reasons else (EQUIVALENT, [])
+
+
+def plot(jobs: list[Job], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_gn) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for job in jobs:
+        if job.loss:
+            style = "-" if job.verdict == EQUIVALENT else "--"
+            label = f"{job.name} ({job.verdict})"
+            ax_loss.plot(job.loss, style, marker="o", label=label)
+            ax_gn.plot(job.grad_norm, style, marker="o", label=label)
+    ax_loss.set(title="train/loss per step", xlabel="step")
+    ax_gn.set(title="train/grad_norm per step", xlabel="step")
+    ax_gn.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def fmt_series(xs: list[float], limit: int = 4) -> str:
+    shown = ", ".join(f"{x:.4g}" for x in xs[:limit])
+    return shown + (f", … ({len(xs)})" if len(xs) > limit else "")
+
+
+def render(jobs: list[Job], base: Job, console: Console) -> None:
+    table = Table("job", "backend", "layout", "status", "loss / step", "grad_norm / step",
+                  "max |Δ logp|", "grad_norm rel Δ", "step s", "peak MB", "verdict",
+                  title=f"relax compare (baseline: {base.name})")
+    color = {EQUIVALENT: "green", DIVERGED: "red", FAILED: "red"}
+    num = lambda x: "-" if x is None else f"{x:.2e}"  # noqa: E731
+    for j in jobs:
+        table.add_row(j.name, j.backend, j.layout, j.status, fmt_series(j.loss),
+                      fmt_series(j.grad_norm), num(j.max_logprob_diff),
+                      num(j.max_grad_norm_rel_diff),
+                      "-" if j.step_time is None else f"{j.step_time:.3f}",
+                      "-" if j.peak_memory_mb is None else f"{j.peak_memory_mb:.0f}",
+                      f"[{color[j.verdict]}]{j.verdict}[/]")
+    console.print(table)
+    for j in jobs:
+        if j.reasons:
+            console.print(f"[red]{j.name}[/]: " + "; ".join(j.reasons))
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="relax compare", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("paths", nargs="+", type=Path, help="a multirun dir, or two or more run dirs")
+    ap.add_argument("--baseline", help="job (dir name or layout) to compare against (default: single)")
+    ap.add_argument("--logprob-atol", type=float, default=1e-5, help="max |Δ| of per-token log_probs")
+    ap.add_argument("--grad-norm-rtol", type=float, default=1e-4, help="max relative Δ of grad_norm")
+    ap.add_argument("--loss-atol", type=float, default=1e-5, help="max |Δ| of the per-step loss")
+    ap.add_argument("--plot", type=Path, help="where to write the plot (default: next to the runs)")
+    ap.add_argument("--json", action="store_true", help="machine-readable output")
+    args = ap.parse_args(argv)
+    for p in args.paths:
+        if not p.is_dir():
+            print(f"relax compare: error: {p} is not a directory", file=sys.stderr)
+            return 2
+    jobs = find_jobs(args.paths)
+    if len(jobs) < 2:
+        print(f"relax compare: error: need at least two runs, found {len(jobs)}", file=sys.stderr)
+        return 2
+    base = pick_baseline(jobs, args.baseline)
+    for job in jobs:
+        judge(job, base, args.logprob_atol, args.grad_norm_rtol, args.loss_atol)
+    out = args.plot or (args.paths[0] / "compare.png")
+    plot(jobs, out)
+    if args.json:
+        print(json.dumps({"baseline": base.name, "plot": str(out), "jobs": [
+            {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(j).items() if k != "log_probs"}
+            for j in jobs]}))
+    else:
+        render(jobs, base, Console(width=200))
+        print(f"plot: {out}")
+    return 0 if all(j.verdict == EQUIVALENT for j in jobs) else 1

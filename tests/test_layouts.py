@@ -1,0 +1,162 @@
+"""Parallel layouts on CPU (gloo), layout sweeps over one replay, and `relax compare`."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from relax.replay import safe_load
+
+from .conftest import make_cfg, relax_cli, run_loop
+
+# 2 steps per rollout and micro-batches of 8: gradient accumulation and the per-step
+# mini-batch split over DP ranks are both exercised.
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+TRAIN = ["train.num_steps_per_rollout=2", "train.micro_batch_size=8", "checkpoint.save_interval=null"]
+
+
+@pytest.fixture(scope="module")
+def replay_dir(tmp_path_factory, tiny_path):
+    root = tmp_path_factory.mktemp("replay")
+    run_loop(root / "run", "debug=rollout_only", "rollout.num_rollout=2",
+             "rollout.rollout_batch_size=8", f"debug.save_rollout_data={root}/rollout_data/{{rollout_id}}.pt")
+    return root
+
+
+def sweep(cwd, replay_dir, layouts, *extra, env=None):
+    proc = relax_cli("-m", "debug=train_only",
+                     f"debug.load_rollout_data={replay_dir}/rollout_data/{{rollout_id}}.pt",
+                     f"parallel={layouts}", *TRAIN, *extra, cwd=cwd, env=env)
+    runs = sorted((cwd / "outputs" / "multiruns").iterdir())
+    assert len(runs) == 1
+    return proc, runs[0]
+
+
+def compare(*paths, args=()):
+    proc = relax_cli("compare", *map(str, paths), "--json", *args, cwd=paths[0].parent)
+    return proc.returncode, json.loads(proc.stdout)
+
+
+def test_layout_sweep_is_equivalent_to_single(tmp_path, replay_dir):
+    proc, multirun = sweep(tmp_path, replay_dir, "single,dp2,tp2,fsdp2,dp2tp2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in multirun.iterdir() if p.is_dir()) == [
+        "parallel=dp2", "parallel=dp2tp2", "parallel=fsdp2", "parallel=single", "parallel=tp2"]
+    code, report = compare(multirun)
+    assert code == 0, report
+    jobs = {j["name"]: j for j in report["jobs"]}
+    assert report["baseline"] == "parallel=single"
+    base = jobs["parallel=single"]
+    assert len(base["grad_norm"]) == 4 and all(g > 0.1 for g in base["grad_norm"])
+    for name, job in jobs.items():
+        assert job["verdict"] == "equivalent", (name, job["reasons"])
+        assert job["status"] == "completed"
+        assert job["max_logprob_diff"] <= 1e-5, name
+        assert job["max_grad_norm_rel_diff"] <= 1e-4, name
+        assert len(job["loss"]) == 4
+    assert {j["layout"] for j in jobs.values()} == {"single", "dp2", "tp2", "fsdp2", "dp2tp2"}
+    assert (multirun / "compare.png").stat().st_size > 1000
+
+
+def test_a_perturbed_weight_shard_is_reported_diverged(tmp_path, replay_dir):
+    proc, multirun = sweep(tmp_path, replay_dir, "single,tp2", env={"RELAX_FAULT": "perturb_shard:tp2"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    code, report = compare(multirun)
+    assert code == 1
+    tp2 = next(j for j in report["jobs"] if j["layout"] == "tp2")
+    assert tp2["verdict"] == "DIVERGED"
+    assert tp2["max_logprob_diff"] > 1e-5
+    assert any("log_prob" in r for r in tp2["reasons"])
+
+
+def test_a_failing_job_does_not_stop_the_sweep(tmp_path, replay_dir):
+    proc, multirun = sweep(tmp_path, replay_dir, "single,pp2,dp2")
+    assert proc.returncode != 0  # the sweep reports the failure ...
+    code, report = compare(multirun)
+    jobs = {j["layout"]: j for j in report["jobs"]}
+    assert jobs["pp2"]["verdict"] == "FAILED" and "use train=megatron" in jobs["pp2"]["reasons"][0]
+    assert jobs["dp2"]["verdict"] == "equivalent"  # ... after running the jobs behind it
+    assert code == 1
+
+
+def test_compare_two_single_runs_and_tolerances(tmp_path, replay_dir):
+    runs = []
+    for layout in ("single", "fsdp2"):
+        proc = relax_cli("debug=train_only", f"debug.load_rollout_data={replay_dir}/rollout_data/{{rollout_id}}.pt",
+                         f"parallel={layout}", *TRAIN, f"hydra.run.dir=outputs/{layout}", cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs.append(tmp_path / "outputs" / layout)
+    code, report = compare(*runs)
+    assert code == 0 and [j["verdict"] for j in report["jobs"]] == ["equivalent"] * 2
+    code, report = compare(*runs, args=("--grad-norm-rtol", "1e-12", "--logprob-atol", "0"))
+    fsdp = report["jobs"][1]
+    if fsdp["max_grad_norm_rel_diff"] > 1e-12:  # fp32 sums in another order are not bit-equal
+        assert code == 1 and fsdp["verdict"] == "DIVERGED"
+
+
+def test_multi_rank_train_dumps_one_file_per_dp_shard(tmp_path, replay_dir):
+    dump = tmp_path / "dump"
+    proc = relax_cli("debug=train_only", f"debug.load_rollout_data={replay_dir}/rollout_data/{{rollout_id}}.pt",
+                     "parallel=dp2tp2", *TRAIN, f"debug.save_train_data={dump}/train_data/{{rollout_id}}_{{rank}}.pt",
+                     cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in (dump / "train_data").iterdir()) == ["0_0.pt", "0_1.pt", "1_0.pt", "1_1.pt"]
+    shards = [safe_load(dump / "train_data" / f"0_{r}.pt") for r in (0, 1)]
+    indices = [sorted(row["index"] for row in s["samples"]) for s in shards]
+    assert not set(indices[0]) & set(indices[1]) and len(indices[0]) + len(indices[1]) == 64
+    (dump / "rollout_data").symlink_to(replay_dir / "rollout_data")
+    out = relax_cli("inspect", str(dump), "--json", cwd=tmp_path)
+    join = json.loads(out.stdout)["train_join"]
+    assert join["trained_samples"] == 64 and join["ranks"] == [0, 1]
+
+
+def test_full_loop_with_tensor_parallel_trainer_syncs_weights(tmp_path, tiny_path):
+    common = ["rollout.num_rollout=2", "rollout.rollout_batch_size=8", "checkpoint.save_interval=null"]
+    single, _ = run_loop(tmp_path / "single", *common)
+    tp2, _ = run_loop(tmp_path / "tp2", *common, "parallel=tp2")
+    # rollout 1 is generated by the engine after a weight sync from the TP=2 trainer
+    assert tp2[1]["rollout/raw_reward"] == single[1]["rollout/raw_reward"]
+    assert abs(tp2[1]["rollout/rollout_log_probs"] - single[1]["rollout/rollout_log_probs"]) < 1e-5
+
+
+def test_a_rank_failure_stops_the_group_and_leaves_no_process(tmp_path, tiny_path, monkeypatch):
+    from relax.train import build_trainer
+    from relax.train.group import RankError
+
+    cfg = make_cfg("parallel=dp2")
+    group = build_trainer(cfg, tiny_path, tiny_path, 0, None, str(tmp_path))
+    pids = [p.pid for p in group.procs]
+    with pytest.raises(RankError, match="rank . failed"):
+        group.call("no_such_method")
+    assert not any(alive(pid) for pid in pids)
+
+
+def test_ranks_die_with_a_killed_driver(tmp_path, tiny_path):
+    code = (
+        "import sys, time\n"
+        "from tests.conftest import make_cfg\n"
+        "from relax.train import build_trainer\n"
+        f"g = build_trainer(make_cfg('parallel=dp2'), {str(tiny_path)!r}, {str(tiny_path)!r}, 0, None, {str(tmp_path)!r})\n"
+        "print(' '.join(str(p.pid) for p in g.procs), flush=True)\n"
+        "time.sleep(600)\n")
+    driver = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              cwd=os.path.dirname(os.path.dirname(__file__)))
+    pids = [int(p) for p in driver.stdout.readline().split()]
+    assert len(pids) == 2
+    driver.send_signal(signal.SIGKILL)
+    driver.wait()
+    deadline = time.time() + 20
+    while time.time() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.2)
+    assert not any(alive(p) for p in pids)
