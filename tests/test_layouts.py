@@ -34,10 +34,12 @@ def replay_dir(tmp_path_factory, tiny_path):
     return root
 
 
+def replay(replay_dir) -> list[str]:
+    return ["debug=train_only", f"debug.load_rollout_data={replay_dir}/rollout_data/{{rollout_id}}.pt"]
+
+
 def sweep(cwd, replay_dir, layouts, *extra, env=None):
-    proc = relax_cli("-m", "debug=train_only",
-                     f"debug.load_rollout_data={replay_dir}/rollout_data/{{rollout_id}}.pt",
-                     f"parallel={layouts}", *TRAIN, *extra, cwd=cwd, env=env)
+    proc = relax_cli("-m", *replay(replay_dir), f"parallel={layouts}", *TRAIN, *extra, cwd=cwd, env=env)
     runs = sorted((cwd / "outputs" / "multiruns").iterdir())
     assert len(runs) == 1
     return proc, runs[0]
@@ -93,8 +95,8 @@ def test_a_failing_job_does_not_stop_the_sweep(tmp_path, replay_dir):
 def test_compare_two_single_runs_and_tolerances(tmp_path, replay_dir):
     runs = []
     for layout in ("single", "fsdp2"):
-        proc = relax_cli("debug=train_only", f"debug.load_rollout_data={replay_dir}/rollout_data/{{rollout_id}}.pt",
-                         f"parallel={layout}", *TRAIN, f"hydra.run.dir=outputs/{layout}", cwd=tmp_path)
+        proc = relax_cli(*replay(replay_dir), f"parallel={layout}", *TRAIN,
+                         f"hydra.run.dir=outputs/{layout}", cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs.append(tmp_path / "outputs" / layout)
     code, report = compare(*runs)
@@ -107,9 +109,8 @@ def test_compare_two_single_runs_and_tolerances(tmp_path, replay_dir):
 
 def test_multi_rank_train_dumps_one_file_per_dp_shard(tmp_path, replay_dir):
     dump = tmp_path / "dump"
-    proc = relax_cli("debug=train_only", f"debug.load_rollout_data={replay_dir}/rollout_data/{{rollout_id}}.pt",
-                     "parallel=dp2tp2", *TRAIN, f"debug.save_train_data={dump}/train_data/{{rollout_id}}_{{rank}}.pt",
-                     cwd=tmp_path)
+    proc = relax_cli(*replay(replay_dir), "parallel=dp2tp2", *TRAIN,
+                     f"debug.save_train_data={dump}/train_data/{{rollout_id}}_{{rank}}.pt", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(p.name for p in (dump / "train_data").iterdir()) == ["0_0.pt", "0_1.pt", "1_0.pt", "1_1.pt"]
     shards = [safe_load(dump / "train_data" / f"0_{r}.pt") for r in (0, 1)]
@@ -147,7 +148,8 @@ def test_ranks_die_with_a_killed_driver(tmp_path, tiny_path):
         "import sys, time\n"
         "from tests.conftest import make_cfg\n"
         "from relax.train import build_trainer\n"
-        f"g = build_trainer(make_cfg('parallel=dp2'), {str(tiny_path)!r}, {str(tiny_path)!r}, 0, None, {str(tmp_path)!r})\n"
+        f"g = build_trainer(make_cfg('parallel=dp2'), {str(tiny_path)!r}, {str(tiny_path)!r}, 0, None,"
+        f" {str(tmp_path)!r})\n"
         "print(' '.join(str(p.pid) for p in g.procs), flush=True)\n"
         "time.sleep(600)\n")
     driver = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
