@@ -99,6 +99,7 @@ class TaskConfig:
     name: str = "arithmetic"
     data_path: Optional[str] = None
     reward_fn: str = "relax.task.arithmetic.exact_match"
+    answer_format: Optional[str] = None
     apply_chat_template: bool = True
     min_operand: int = 10
     max_operand: int = 99
@@ -114,6 +115,9 @@ class DebugConfig:
     allow_manifest_mismatch: bool = False
     save_train_data: Optional[str] = None
     dump_details: Optional[str] = None
+    check_weight_update_equal: bool = False
+    check_weight_update_every_sync: bool = False
+    strict_checks: bool = False
 
 
 @dataclass

@@ -7,3 +7,7 @@ class ConfigError(ValueError):
 
 class ReplayError(ValueError):
     """A replay/dump file that cannot be used (corrupt, unsafe, or from another model)."""
+
+
+class CheckFailed(RuntimeError):
+    """A precision check failed during a run with debug.strict_checks=true."""

@@ -16,8 +16,11 @@ from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from relax.checkpoint import find_checkpoint, read_state, save_checkpoint
+from relax.debug import doctor
+from relax.debug.health import response_health
 from relax.debug.plan import Plan, resolve
-from relax.errors import ConfigError, ReplayError
+from relax.debug.weights import WeightCheck
+from relax.errors import CheckFailed, ConfigError, ReplayError
 from relax.logger import MetricsLogger, plot_run
 from relax.model import load_tokenizer, resolve_model_path
 from relax.replay import build_manifest, fill, load_rollout, save_rollout
@@ -27,9 +30,10 @@ from relax.task import Task
 log = logging.getLogger("relax")
 
 
-def rollout_stats(samples: list[Sample], seconds: float) -> dict:
+def rollout_stats(samples: list[Sample], seconds: float, tokenizer, answer_format) -> dict:
     n_tokens = sum(s.response_length for s in samples)
     return {
+        **response_health(samples, tokenizer, answer_format),
         "rollout/raw_reward": sum(s.reward for s in samples) / len(samples),
         "rollout/response_len": n_tokens / len(samples),
         "rollout/truncated_ratio": sum(s.status == "truncated" for s in samples) / len(samples),
@@ -64,7 +68,7 @@ def rl_loop(cfg, run_dir: Path) -> None:
         tokenizer.save_pretrained(plan.dump_dir / "tokenizer")
         (plan.dump_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
 
-    built = plan.built(cfg)
+    built = {**plan.built(cfg), "model_path": str(model_path)}
     log.info("Building %s", ", ".join(f"{k}={v}" for k, v in built.items() if v is not None))
     write_json(run_dir / "built.json", built)
     engine = trainer = metrics = None
@@ -81,6 +85,13 @@ def rl_loop(cfg, run_dir: Path) -> None:
             if checkpoint:
                 trainer.load_checkpoint(str(checkpoint))
                 log.info("Resumed from %s at rollout %d", checkpoint, start)
+        weight_check = None
+        if engine and cfg.debug.check_weight_update_equal:
+            weight_check = WeightCheck(engine, actor_path, run_dir)
+            if trainer:
+                weight_check.check_first_sync(engine, trainer)
+            if cfg.debug.strict_checks:
+                doctor.strict_weights({"checks": weight_check.results})
         metrics = MetricsLogger(run_dir, cfg.logger, resume_from=start)
 
         bar = tqdm(plan.rollout_ids, desc="rollouts", unit="rollout")
@@ -92,7 +103,8 @@ def rl_loop(cfg, run_dir: Path) -> None:
                     cfg.debug.load_rollout_data_subsample, cfg.seed)
             else:
                 samples = generate_rollout(engine, task, tokenizer, cfg.rollout, rollout_id, cfg.seed)
-            record = {"rollout_id": rollout_id, **rollout_stats(samples, time.perf_counter() - t0)}
+            record = {"rollout_id": rollout_id, **rollout_stats(
+                samples, time.perf_counter() - t0, tokenizer, cfg.task.answer_format)}
             if plan.save_rollout_data:
                 save_rollout(fill(plan.save_rollout_data, rollout_id), rollout_id, samples, manifest)
             log_finish_rollout(rollout_id, samples)
@@ -101,10 +113,16 @@ def rl_loop(cfg, run_dir: Path) -> None:
                 t0 = time.perf_counter()
                 out = trainer.train(rollout_id, samples)
                 if engine:
-                    engine.update_weights(trainer.named_weights())
+                    weights = trainer.named_weights()
+                    engine.update_weights(weights)
+                    if weight_check and cfg.debug.check_weight_update_every_sync:
+                        weight_check.check_sync(engine, weights, rollout_id)
                 record.update(out["rollout"], **{"perf/train_time": time.perf_counter() - t0})
                 for step, step_metrics in enumerate(out["steps"]):
                     metrics.log({"rollout_id": rollout_id, "step": step, **step_metrics}, "rollout_id")
+                if cfg.debug.strict_checks and rollout_id == plan.rollout_ids[0]:
+                    doctor.strict_first_step(record, out["steps"], cfg, [s.prompt for s in samples],
+                                             tokenizer)
                 if rollout_id == plan.rollout_ids[0]:
                     torch.save(out["first_step_log_probs"], run_dir / "first_step_log_probs.pt")
                 interval = cfg.checkpoint.save_interval
@@ -133,7 +151,7 @@ def run_job(cfg) -> None:
     try:
         with logging_redirect_tqdm():
             rl_loop(cfg, run_dir)
-    except (ConfigError, ReplayError) as e:
+    except (ConfigError, ReplayError, CheckFailed) as e:
         write_json(status, {"status": "failed", "error": str(e)})
         if hydra_cfg.mode == RunMode.MULTIRUN:
             raise  # Hydra records the failed job and the sweep goes on

@@ -133,6 +133,11 @@ class TorchEngine:
 
     def update_weights(self, named: dict[str, torch.Tensor]) -> None:
         targets = self.named_tensors()
+        if faults.active("sync_perturb"):  # one tensor corrupted on its way in
+            name = "model.layers.0.mlp.down_proj.weight"
+            named = {**named, name: named[name] + 3 * named[name].std() * torch.randn_like(named[name])}
+        if faults.active("drop_buffer"):  # a buffer lost, as release_memory_occupation can do
+            self.rotary.inv_freq.zero_()
         for name, tensor in named.items():
             if name not in targets:
                 raise KeyError(f"update_weights: the engine has no tensor named {name!r}")

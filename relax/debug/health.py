@@ -1,0 +1,40 @@
+"""Measurable signals of coherent vs garbage responses, logged for every rollout.
+
+The guide's first check is "are the responses normal, coherent replies?". These numbers
+answer it without reading text: tokens the tokenizer cannot decode or special tokens in
+the middle of a response, one token repeated over most of a response, few distinct
+bigrams, and (when the task declares one) responses that miss the expected format.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+from relax.sample import Sample
+
+
+def response_health(samples: list[Sample], tokenizer, answer_format: str | None) -> dict:
+    vocab_size = len(tokenizer.get_vocab())
+    special = set(tokenizer.all_special_ids)
+    eos = tokenizer.eos_token_id
+    invalid = total = repetitive = 0
+    bigrams: list[tuple[int, int]] = []
+    for s in samples:
+        response = s.tokens[s.prompt_length:]
+        body = response[:-1] if response and response[-1] == eos else response
+        invalid += sum(t >= vocab_size or t in special for t in body)
+        total += len(response)
+        if len(body) >= 4 and Counter(body).most_common(1)[0][1] > len(body) / 2:
+            repetitive += 1
+        bigrams += list(zip(body, body[1:]))
+    stats = {
+        "rollout/invalid_token_ratio": invalid / max(total, 1),
+        "rollout/repetition_ratio": repetitive / len(samples),
+        "rollout/distinct_2": len(set(bigrams)) / len(bigrams) if bigrams else 1.0,
+    }
+    if answer_format:
+        pattern = re.compile(answer_format)
+        stats["rollout/format_ok_ratio"] = sum(
+            bool(pattern.fullmatch(s.response.strip())) for s in samples) / len(samples)
+    return stats
