@@ -65,6 +65,11 @@ class TrainConfig:
     micro_batch_size: int = 64
     clip_grad: float = 1.0
     num_threads: int = 1
+    # train=megatron only
+    attention_backend: str = "auto"
+    moe_permute_fusion: bool = False
+    deterministic: bool = False
+    use_distributed_optimizer: bool = True
 
 
 @dataclass

@@ -19,7 +19,9 @@ from relax.errors import ConfigError
 
 BACKENDS = {
     "torch": "relax.train.torch_trainer:TorchTrainer",
+    "megatron": "relax.train.megatron.trainer:MegatronTrainer",
 }
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 
 
 def make_trainer(cfg, *args, **kwargs):
@@ -38,6 +40,13 @@ def check_backend(cfg) -> None:
         from relax.train.parallel import check_torch_layout
 
         check_torch_layout(cfg.parallel)
+    if cfg.train.backend == "megatron":
+        if cfg.train.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(f"train.attention_backend={cfg.train.attention_backend!r}: expected one "
+                              f"of {', '.join(ATTENTION_BACKENDS)}")
+        from relax.train.megatron.cpu_compat import check_version
+
+        check_version()
 
 
 def build_trainer(cfg, model_path, ref_model_path, pad_token_id, save_train_data, log_dir):

@@ -11,6 +11,7 @@ plus EOF on the command pipe). A Ray actor group can later replace this class 1:
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import logging
 import os
 import signal
@@ -43,6 +44,7 @@ def _die_with_parent() -> None:
 
 def _rank_main(conn, rank, world_size, port, factory, args, kwargs, log_dir):
     _die_with_parent()
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints a hung rank's stacks
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     logging.basicConfig(
@@ -95,9 +97,11 @@ class TrainerGroup:
                 try:
                     status, payload = conn.recv()
                 except EOFError:
+                    self.procs[rank].join(timeout=5)
+                    exitcode = self.procs[rank].exitcode
                     self.kill()
-                    raise RankError(f"trainer rank {rank} died (exit code "
-                                    f"{self.procs[rank].exitcode}); see its rank{rank}.log") from None
+                    raise RankError(f"trainer rank {rank} died (exit code {exitcode}); "
+                                    f"see its rank{rank}.log") from None
                 if status == "error":
                     self.kill()
                     raise RankError(f"trainer rank {rank} failed:\n{payload}")

@@ -1,0 +1,1 @@
+"""The Megatron-core trainer backend (train=megatron): trainer, HF conversion, CPU layer."""

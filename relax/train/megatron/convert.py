@@ -1,0 +1,125 @@
+"""HF <-> Megatron-core parameter conversion for Qwen2 / Llama (dense) and Qwen2-MoE.
+
+No maintained bridge library supports megatron-core 0.16.1 with transformers 5 here, so
+the conversion is written out, one name rule per tensor kind:
+- q/k/v are fused into `linear_qkv`, interleaved per query group ([q_g, k_g, v_g] for each
+  KV group g), so that splitting the fused tensor into TP parts keeps whole groups;
+- gate/up are fused into `linear_fc1` as [gate; up]; under TP each rank holds
+  [gate_r; up_r], so they are split and joined part by part;
+- everything else is renamed 1:1 and sharded along Megatron's `partition_dim`.
+Megatron names here are "global": layer and expert indices are absolute, not per chunk/rank.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+RENAMES = {  # Megatron (within a layer) -> HF (within a layer)
+    "input_layernorm.weight": "input_layernorm.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+    "mlp.router.weight": "mlp.gate.weight",
+}
+TOP = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
+       "decoder.final_layernorm.weight": "model.norm.weight",
+       "output_layer.weight": "lm_head.weight"}
+
+
+class Qwen2Layout:
+    """Head geometry of one HF config (Qwen2/Llama/Qwen2-MoE)."""
+
+    def __init__(self, hf_config):
+        self.heads = hf_config.num_attention_heads
+        self.groups = hf_config.num_key_value_heads
+        self.head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // self.heads
+
+    def fuse_qkv(self, q, k, v):
+        rest = q.shape[1:]
+        per_group = self.heads // self.groups * self.head_dim
+        q = q.reshape(self.groups, per_group, *rest)
+        k = k.reshape(self.groups, self.head_dim, *rest)
+        v = v.reshape(self.groups, self.head_dim, *rest)
+        return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+
+    def split_qkv(self, qkv):
+        rest = qkv.shape[1:]
+        per_group = self.heads // self.groups * self.head_dim
+        q, k, v = qkv.reshape(self.groups, per_group + 2 * self.head_dim, *rest).split(
+            [per_group, self.head_dim, self.head_dim], dim=1)
+        return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+def hf_to_megatron(name: str, hf: dict[str, torch.Tensor], layout: Qwen2Layout) -> torch.Tensor:
+    """The full (unsharded) Megatron tensor `name` built from HF tensors."""
+    if name in TOP:
+        key = TOP[name]
+        return hf[key] if key in hf else hf["model.embed_tokens.weight"]  # tied embeddings
+    layer, rest = LAYER.match(name).groups()
+    pre = f"model.layers.{layer}."
+    if rest.startswith("self_attention.linear_qkv."):
+        kind = rest.rsplit(".", 1)[1]
+        return layout.fuse_qkv(*(hf[f"{pre}self_attn.{x}_proj.{kind}"] for x in "qkv"))
+    if rest == "mlp.linear_fc1.weight":
+        return torch.cat([hf[pre + "mlp.gate_proj.weight"], hf[pre + "mlp.up_proj.weight"]])
+    expert = EXPERT.match(rest)
+    if expert:
+        e, which = expert.groups()
+        ex = f"{pre}mlp.experts.{e}."
+        if which == "linear_fc1":
+            return torch.cat([hf[ex + "gate_proj.weight"], hf[ex + "up_proj.weight"]])
+        return hf[ex + "down_proj.weight"]
+    return hf[pre + RENAMES[rest]]
+
+
+def megatron_to_hf(name: str, tensor: torch.Tensor, layout: Qwen2Layout) -> dict[str, torch.Tensor]:
+    """HF tensors from the full Megatron tensor `name` (the inverse of hf_to_megatron)."""
+    if name in TOP:
+        return {TOP[name]: tensor}
+    layer, rest = LAYER.match(name).groups()
+    pre = f"model.layers.{layer}."
+    if rest.startswith("self_attention.linear_qkv."):
+        kind = rest.rsplit(".", 1)[1]
+        q, k, v = layout.split_qkv(tensor)
+        return {f"{pre}self_attn.q_proj.{kind}": q, f"{pre}self_attn.k_proj.{kind}": k,
+                f"{pre}self_attn.v_proj.{kind}": v}
+    if rest == "mlp.linear_fc1.weight":
+        gate, up = tensor.chunk(2)
+        return {pre + "mlp.gate_proj.weight": gate, pre + "mlp.up_proj.weight": up}
+    expert = EXPERT.match(rest)
+    if expert:
+        e, which = expert.groups()
+        ex = f"{pre}mlp.experts.{e}."
+        if which == "linear_fc1":
+            gate, up = tensor.chunk(2)
+            return {ex + "gate_proj.weight": gate, ex + "up_proj.weight": up}
+        return {ex + "down_proj.weight": tensor}
+    return {pre + RENAMES[rest]: tensor}
+
+
+def is_gated_fc1(name: str) -> bool:
+    return name.endswith("linear_fc1.weight")
+
+
+def shard(name: str, full: torch.Tensor, dim: int | None, rank: int, size: int) -> torch.Tensor:
+    """This TP rank's part of a full Megatron tensor (gate/up split part by part)."""
+    if dim is None or size == 1:
+        return full
+    if is_gated_fc1(name):
+        gate, up = full.chunk(2)
+        return torch.cat([gate.chunk(size)[rank], up.chunk(size)[rank]])
+    return full.chunk(size, dim=dim)[rank]
+
+
+def unshard(name: str, parts: list[torch.Tensor], dim: int | None) -> torch.Tensor:
+    """The full Megatron tensor from every TP rank's part (inverse of `shard`)."""
+    if dim is None or len(parts) == 1:
+        return parts[0]
+    if is_gated_fc1(name):
+        gates, ups = zip(*(p.chunk(2) for p in parts))
+        return torch.cat([*gates, *ups])
+    return torch.cat(parts, dim=dim)

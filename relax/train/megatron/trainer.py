@@ -1,0 +1,397 @@
+"""The Megatron-core trainer (train=megatron): GPTModel built from the HF checkpoint.
+
+Same RL math and batching as train=torch (relax.train.common); the machinery is
+Megatron's: `parallel_state` for TP/PP/VPP/CP/EP/DP groups, GPTModel with local layer
+specs on CPU (Transformer Engine specs on GPU), `get_forward_backward_func` schedules for
+the reference/old log-probs (forward only) and the training step, Megatron DDP with the
+distributed optimizer, and its grad clipping (`train/grad_norm` comes from Megatron).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from relax.algo import compute_advantages, masked_sum, token_log_probs
+from relax.errors import ConfigError
+from relax.model import torch_dtype
+from relax.replay import atomic_save
+from relax.rollout.torch_engine import load_safetensors_dir
+from relax.sample import Sample
+from relax.train import common
+from relax.train.common import MicroBatch
+from relax.train.group import free_port
+from relax.train.megatron import convert
+from relax.train.parallel import peak_memory_mb
+
+log = logging.getLogger(__name__)
+GPU = torch.cuda.is_available()
+
+
+def check_megatron_layout(cfg, hf_config) -> None:
+    p = cfg.parallel
+    if hf_config.num_hidden_layers % (p.pp * p.vpp):
+        raise ConfigError(f"parallel={p.name}: {hf_config.num_hidden_layers} layers do not split "
+                          f"into pp={p.pp} x vpp={p.vpp} equal chunks")
+    if p.vpp > 1 and p.pp == 1:
+        raise ConfigError(f"parallel={p.name}: virtual pipeline stages (vpp) need pp > 1")
+    if hf_config.num_key_value_heads % p.tp or hf_config.vocab_size % p.tp:
+        raise ConfigError(f"parallel={p.name}: tp={p.tp} must divide the KV heads "
+                          f"({hf_config.num_key_value_heads}) and the vocabulary ({hf_config.vocab_size})")
+    experts = getattr(hf_config, "num_experts", 0) or 0
+    if p.ep > 1 and (not experts or experts % p.ep):
+        raise ConfigError(f"parallel={p.name}: ep={p.ep} needs an MoE model whose expert count is "
+                          f"divisible by it (this model has {experts} experts); try "
+                          f"model.tiny.num_experts=4")
+
+
+def _init_distributed(rank: int, world_size: int) -> None:
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    dist.init_process_group("nccl" if GPU else "gloo", rank=rank, world_size=world_size)
+
+
+class MegatronTrainer:
+    """Trainer interface: train / named_weights / save_checkpoint / load_checkpoint / shutdown."""
+
+    def __init__(self, cfg, model_path: str, ref_model_path: str | None = None,
+                 pad_token_id: int = 0, save_train_data: str | None = None,
+                 rank: int = 0, world_size: int = 1):
+        from transformers import AutoConfig
+
+        if not GPU:
+            from relax.train.megatron import cpu_compat
+
+            cpu_compat.apply()
+        from megatron.core import parallel_state as ps
+        from megatron.core import tensor_parallel
+
+        self.cfg, self.pad_id, self.save_train_data = cfg, pad_token_id, save_train_data
+        self.hf_config = AutoConfig.from_pretrained(model_path)
+        check_megatron_layout(cfg, self.hf_config)
+        torch.set_num_threads(cfg.train.num_threads)
+        self.temperature = cfg.rollout.temperature or 1.0
+        p = cfg.parallel
+        _init_distributed(rank, world_size)
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp,
+            virtual_pipeline_model_parallel_size=p.vpp if p.vpp > 1 else None,
+            context_parallel_size=p.cp, expert_model_parallel_size=p.ep,
+            expert_tensor_parallel_size=p.etp)
+        tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
+        self.ps = ps
+        self.rank = rank
+        self.layout = convert.Qwen2Layout(self.hf_config)
+        self.config = self._transformer_config()
+        self.ref = self._build(ref_model_path or model_path)
+        actor = self._build(model_path)
+        self.actor, self.optimizer = self._wrap_for_training(actor)
+
+    # -- building ------------------------------------------------------------------------
+    def _transformer_config(self):
+        from megatron.core.transformer import TransformerConfig
+
+        h, p, t = self.hf_config, self.cfg.parallel, self.cfg.train
+        dtype = torch_dtype(self.cfg.model.dtype)
+        experts = getattr(h, "num_experts", 0) or None
+        moe = dict(num_moe_experts=experts, moe_router_topk=h.num_experts_per_tok,
+                   moe_ffn_hidden_size=h.moe_intermediate_size, moe_router_load_balancing_type="none",
+                   moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="alltoall",
+                   moe_permute_fusion=t.moe_permute_fusion, moe_grouped_gemm=False) if experts else {}
+        return TransformerConfig(
+            num_layers=h.num_hidden_layers, hidden_size=h.hidden_size,
+            num_attention_heads=h.num_attention_heads, num_query_groups=h.num_key_value_heads,
+            kv_channels=self.layout.head_dim, ffn_hidden_size=h.intermediate_size,
+            normalization="RMSNorm", layernorm_epsilon=h.rms_norm_eps, gated_linear_unit=True,
+            activation_func=F.silu, add_bias_linear=False,
+            add_qkv_bias=getattr(h, "attention_bias", h.model_type.startswith("qwen2")),
+            hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype, pipeline_dtype=dtype,
+            bf16=dtype == torch.bfloat16, tensor_model_parallel_size=p.tp,
+            pipeline_model_parallel_size=p.pp,
+            virtual_pipeline_model_parallel_size=p.vpp if p.vpp > 1 else None,
+            context_parallel_size=p.cp, sequence_parallel=p.sequence_parallel,
+            expert_model_parallel_size=p.ep, expert_tensor_parallel_size=p.etp,
+            use_cpu_initialization=not GPU,  # initialisation sets the TP attributes grad-norm needs
+            bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+            apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+            calculate_per_token_loss=True,
+            batch_p2p_comm=False,  # gloo trap: batched p2p pairs VPP activations with wrong grads
+            deterministic_mode=t.deterministic, attention_backend=self._attention_backend(),
+            **moe)
+
+    def _attention_backend(self):
+        from megatron.core.transformer.enums import AttnBackend
+
+        if not GPU:
+            return AttnBackend.local  # no Transformer Engine on CPU
+        return AttnBackend[self.cfg.train.attention_backend]
+
+    def _layer_spec(self):
+        experts = getattr(self.hf_config, "num_experts", 0) or None
+        if GPU:
+            from megatron.core.models.gpt.gpt_layer_specs import (
+                get_gpt_layer_with_transformer_engine_spec)
+
+            return get_gpt_layer_with_transformer_engine_spec(num_experts=experts)
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        return get_gpt_layer_local_spec(num_experts=experts, normalization="RMSNorm")
+
+    def _build(self, path: str) -> list:
+        """Model chunks (one per virtual pipeline stage) holding this rank's shard of `path`."""
+        from megatron.core.models.gpt import GPTModel
+
+        h, ps = self.hf_config, self.ps
+        rope = getattr(h, "rope_parameters", None) or {}
+        vpp = self.cfg.parallel.vpp
+        chunks = []
+        for stage in range(vpp):
+            vp_stage = stage if vpp > 1 else None
+            chunk = GPTModel(
+                config=self.config, transformer_layer_spec=self._layer_spec(),
+                vocab_size=h.vocab_size, max_sequence_length=h.max_position_embeddings,
+                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                parallel_output=False, share_embeddings_and_output_weights=h.tie_word_embeddings,
+                position_embedding_type="rope",
+                rotary_base=int(rope.get("rope_theta", getattr(h, "rope_theta", 10000))),
+                vp_stage=vp_stage)
+            chunks.append(chunk)
+        self._load_hf(chunks, load_safetensors_dir(Path(path)))
+        return chunks
+
+    def _global_names(self, chunk) -> dict[str, str]:
+        """Local parameter name -> global Megatron name (absolute layer/expert indices)."""
+        ep_rank = self.ps.get_expert_model_parallel_rank()
+        experts = getattr(self.hf_config, "num_experts", 0) or 0
+        local_experts = experts // self.cfg.parallel.ep if experts else 0
+        out = {}
+        for name, _ in chunk.named_parameters():
+            name = name.removeprefix("module.")
+            m = convert.LAYER.match(name)
+            if m:
+                layer = chunk.decoder.layers[int(m.group(1))].layer_number - 1
+                rest = m.group(2)
+                e = convert.EXPERT.match(rest)
+                if e:
+                    rest = rest.replace(f"local_experts.{e.group(1)}.",
+                                        f"local_experts.{ep_rank * local_experts + int(e.group(1))}.")
+                name_global = f"decoder.layers.{layer}.{rest}"
+            else:
+                name_global = name
+            out[name] = name_global
+        return out
+
+    def _tp(self, param):
+        """(rank, size, group) of the tensor-parallel group a parameter is split over."""
+        ps = self.ps
+        if not getattr(param, "allreduce", True):  # an expert parameter: expert-TP group
+            return (ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size(),
+                    ps.get_expert_tensor_parallel_group())
+        return (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
+                ps.get_tensor_model_parallel_group())
+
+    def _load_hf(self, chunks, hf: dict[str, torch.Tensor]) -> None:
+        """Convert, shard and copy HF weights in; records each tensor's TP split dimension
+        (where the full and local shapes differ) for gathering them back."""
+        self.partition_dims: dict[str, int | None] = {}
+        with torch.no_grad():
+            for chunk in chunks:
+                names = self._global_names(chunk)
+                for name, param in chunk.named_parameters():
+                    global_name = names[name.removeprefix("module.")]
+                    full = convert.hf_to_megatron(global_name, hf, self.layout)
+                    split = [d for d in range(full.dim()) if full.shape[d] != param.shape[d]]
+                    dim = self.partition_dims[global_name] = split[0] if split else None
+                    rank, size, _ = self._tp(param)
+                    part = convert.shard(global_name, full, dim, rank, size)
+                    if part.shape != param.shape:
+                        raise ValueError(f"{global_name}: converted shape {tuple(part.shape)} != "
+                                         f"Megatron's {tuple(param.shape)}")
+                    param.copy_(part)
+
+    def _wrap_for_training(self, chunks):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        t = self.cfg.train
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            use_distributed_optimizer=t.use_distributed_optimizer)
+        wrapped = [DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=chunk,
+                                           disable_bucketing=i > 0)
+                   for i, chunk in enumerate(chunks)]
+        self.config.finalize_model_grads_func = finalize_model_grads
+        optimizer = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=t.lr, min_lr=t.lr, weight_decay=t.weight_decay,
+            adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
+            clip_grad=t.clip_grad, use_distributed_optimizer=t.use_distributed_optimizer,
+            params_dtype=torch_dtype(self.cfg.model.dtype),
+            bf16=self.config.bf16), wrapped)
+        return wrapped, optimizer
+
+    # -- forward/backward through Megatron's schedules ------------------------------------
+    def _schedule(self, chunks, micro_batches: list[MicroBatch], loss_func, forward_only: bool):
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            tokens, positions = mb.tokens, torch.arange(mb.tokens.shape[1]).expand_as(mb.tokens)
+            output = model(input_ids=tokens, position_ids=positions, attention_mask=None)
+            return output, partial(loss_func, mb)
+
+        vpp = len(chunks)
+        data = [iter(micro_batches) for _ in range(vpp)] if vpp > 1 else iter(micro_batches)
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=data,
+            model=chunks if vpp > 1 else chunks[0], num_microbatches=len(micro_batches),
+            seq_length=micro_batches[0].tokens.shape[1],
+            micro_batch_size=micro_batches[0].tokens.shape[0],
+            forward_only=forward_only, collect_non_loss_data=forward_only)
+
+    def _forward_log_probs(self, chunks, micro_batches: list[MicroBatch]):
+        """Per-position log-probs and entropy of every micro-batch (last pipeline stage only)."""
+        def collect(mb, logits, non_loss_data=False):
+            return token_log_probs(logits, mb.targets, self.temperature)
+
+        for chunk in chunks:
+            chunk.eval()
+        with torch.no_grad():
+            outputs = self._schedule(chunks, micro_batches, collect, forward_only=True)
+        return outputs
+
+    def _is_last_stage(self) -> bool:
+        return self.ps.is_pipeline_last_stage(ignore_virtual=True)
+
+    def _dp_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over data-parallel replicas (each holds other samples)."""
+        dist.all_reduce(t, group=self.ps.get_data_parallel_group())
+        return t
+
+    def _from_last_stage(self, obj):
+        """Rank 0 returns results; the last pipeline stage computed them."""
+        if self.ps.get_pipeline_model_parallel_world_size() == 1:
+            return obj
+        out = [None]
+        src = self.ps.get_pipeline_model_parallel_last_rank()
+        dist.broadcast_object_list(out if dist.get_rank() != src else [obj], src=src,
+                                   group=self.ps.get_pipeline_model_parallel_group())
+        return out[0] if dist.get_rank() != src else obj
+
+    def train(self, rollout_id: int, samples: list[Sample]) -> dict:
+        t = self.cfg.train
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float)
+        advantages = compute_advantages(rewards, common.group_size_of(samples), self.cfg.algo)
+        steps = common.shard_steps(samples, advantages, t.num_steps_per_rollout,
+                                   self.ps.get_data_parallel_world_size(),
+                                   self.ps.get_data_parallel_rank(), t.micro_batch_size, self.pad_id,
+                                   fixed_shape=True, length_multiple=self._length_multiple())
+        micro_batches = [mb for step in steps for mb in step]
+        last = self._is_last_stage()
+
+        ref = self._forward_log_probs(self.ref, micro_batches)
+        old = self._forward_log_probs(self.actor, micro_batches)
+        if last:
+            for mb, (ref_lp, _), (old_lp, entropy) in zip(micro_batches, ref, old):
+                mb.ref_log_probs, mb.old_log_probs, mb.entropy = ref_lp, old_lp, entropy
+            rollout_metrics = common.rollout_record(self._dp_sum(common.rollout_sums(micro_batches)))
+        step_metrics = []
+        for step_mbs in steps:
+            t0 = time.perf_counter()
+            for chunk in self.actor:
+                chunk.train()
+                chunk.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            losses = self._schedule(self.actor, step_mbs, self._loss, forward_only=False)
+            _, grad_norm, _ = self.optimizer.step()
+            peak = peak_memory_mb()  # a collective over every rank
+            if last:
+                sums = self._dp_sum(sum(losses))
+                num_tokens = self._dp_sum(sum(mb.mask.sum() for mb in step_mbs))
+                step_metrics.append(common.step_record(
+                    sums, num_tokens, grad_norm, self.optimizer.param_groups[0]["lr"],
+                    time.perf_counter() - t0, peak))
+        result = None
+        if last:
+            if self.save_train_data and self.ps.get_tensor_model_parallel_rank() == 0:
+                common.save_train_data(self.save_train_data, rollout_id, self.ps.get_data_parallel_rank(),
+                                       dist.get_rank(), samples, micro_batches, advantages,
+                                       self.cfg.algo.kl_loss_type, step_metrics)
+            first = [None] * self.ps.get_data_parallel_world_size()
+            dist.all_gather_object(first, common.first_step_log_probs(micro_batches),
+                                   group=self.ps.get_data_parallel_group())
+            result = {"rollout": rollout_metrics, "steps": step_metrics,
+                      "first_step_log_probs": {i: lp for part in first for i, lp in part.items()}}
+        return self._from_last_stage(result)
+
+    def _loss(self, mb: MicroBatch, logits: torch.Tensor):
+        log_probs, entropy = token_log_probs(logits, mb.targets, self.temperature)
+        loss, sums = common.objective(log_probs, entropy, mb, self.cfg.algo)
+        # Megatron divides by the step's token count (all-reduced over DP): a token mean.
+        return masked_sum(loss, mb.mask), mb.mask.sum().int(), sums
+
+    def _length_multiple(self) -> int:
+        p = self.cfg.parallel
+        return max(p.tp if p.sequence_parallel else 1, 2 * p.cp if p.cp > 1 else 1)
+
+    # -- weights and checkpoints -----------------------------------------------------------
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """Full HF-named tensors, gathered over TP/PP/EP (a collective; rank 0 returns them)."""
+        ps = self.ps
+        mine: dict[str, torch.Tensor] = {}
+        for chunk in self.actor:
+            names = self._global_names(chunk.module)
+            for name, param in chunk.module.named_parameters():
+                global_name = names[name.removeprefix("module.")]
+                dim = self.partition_dims[global_name]
+                expert = not getattr(param, "allreduce", True)
+                data = param.detach()
+                if dim is not None:
+                    _, size, group = self._tp(param)
+                    parts = [torch.empty_like(data) for _ in range(size)]
+                    dist.all_gather(parts, data.contiguous(), group=group)
+                    data = convert.unshard(global_name, parts, dim)
+                owner = (ps.get_expert_data_parallel_rank() == 0 and ps.get_expert_tensor_parallel_rank() == 0
+                         if expert else
+                         ps.get_data_parallel_rank(with_context_parallel=True) == 0
+                         and ps.get_tensor_model_parallel_rank() == 0)
+                if owner:
+                    mine.update(convert.megatron_to_hf(global_name, data.clone(), self.layout))
+        gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+        if dist.get_rank() != 0:
+            return {}
+        weights = {k: v for part in gathered for k, v in part.items()}
+        if self.hf_config.tie_word_embeddings:
+            weights.pop("lm_head.weight", None)
+        return weights
+
+    def save_checkpoint(self, path: str) -> None:
+        """The actor as an HF directory (weights only: Megatron's optimizer state is not kept)."""
+        from safetensors.torch import save_file
+
+        weights = self.named_weights()
+        if dist.get_rank() == 0:
+            hf = Path(path) / "hf"
+            hf.mkdir(parents=True, exist_ok=True)
+            self.hf_config.save_pretrained(hf)
+            save_file({k: v.contiguous() for k, v in weights.items()}, hf / "model.safetensors",
+                      metadata={"format": "pt"})
+            atomic_save({"torch_rng": torch.get_rng_state()}, Path(path) / "trainer_state.pt")
+
+    def load_checkpoint(self, path: str) -> None:
+        log.warning("train=megatron resumes from the checkpoint's weights; its optimizer state "
+                    "was not saved, so the first steps after resume differ from an uninterrupted run")
+
+    def shutdown(self) -> None:
+        self.ps.destroy_model_parallel()
