@@ -3,8 +3,9 @@
 Applied only when no CUDA device is present; on GPU Megatron runs untouched (TE specs,
 NCCL). What fails on CPU unmodified, and how each is handled here
 (see docs/findings-cpu-backends.md):
-- schedules, clip_grads and utils allocate with `device="cuda"`: a TorchFunctionMode
-  rewrites CUDA device arguments to CPU;
+- schedules, clip_grads and utils allocate with `device="cuda"` (some with
+  `pin_memory=True`): a TorchFunctionMode rewrites CUDA device arguments to CPU and
+  drops pinning;
 - rotary embeddings move `inv_freq` to `torch.cuda.current_device()` and the RNG tracker
   calls `torch.cuda.get_rng_state` & co: small `torch.cuda` stubs (`current_device`
   returns the CPU device, not 0, because autograd's backward runs outside the mode), and
@@ -15,6 +16,7 @@ NCCL). What fails on CPU unmodified, and how each is handled here
   bug): set to None;
 - MoE expert parallelism passes split sizes to `all_to_all_single` as CPU tensors, which
   c10d rejects: converted to lists;
+- the local spec's norm refuses sequence parallelism: `SequenceParallelRMSNorm`;
 - gloo's `all_gather_into_tensor` refuses uneven inputs (MoE TP x EP with sequence
   parallel): padded to the largest size and trimmed.
 Every layout run this way is checked against the single-process reference by the tests;
@@ -59,6 +61,7 @@ class CudaToCpu(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if "device" in kwargs:
             kwargs["device"] = _cpu(kwargs["device"])
+        kwargs.pop("pin_memory", None)  # no pinned-memory allocator without an accelerator
         if func is torch.Tensor.cuda:
             return args[0]
         if func is torch.Tensor.to and len(args) > 1 and not isinstance(args[1], torch.dtype):
@@ -67,6 +70,15 @@ class CudaToCpu(TorchFunctionMode):
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             return result.replace("torch.", "torch.cuda.", 1)
         return result
+
+
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """The local spec's norm refuses sequence parallelism; this one marks its weight so
+    that `finalize_model_grads` all-reduces its gradient over the TP group."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **unused):
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel
 
 
 def _all_to_all_single_lists(original):

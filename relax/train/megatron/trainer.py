@@ -135,7 +135,7 @@ class MegatronTrainer:
             return AttnBackend.local  # no Transformer Engine on CPU
         return AttnBackend[self.cfg.train.attention_backend]
 
-    def _layer_spec(self):
+    def _layer_spec(self, vp_stage):
         experts = getattr(self.hf_config, "num_experts", 0) or None
         if GPU:
             from megatron.core.models.gpt.gpt_layer_specs import (
@@ -144,7 +144,23 @@ class MegatronTrainer:
             return get_gpt_layer_with_transformer_engine_spec(num_experts=experts)
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-        return get_gpt_layer_local_spec(num_experts=experts, normalization="RMSNorm")
+        spec = get_gpt_layer_local_spec(num_experts=experts, normalization="RMSNorm")
+        if self.config.context_parallel_size > 1:
+            from relax.train.megatron.cp_attention import ContextParallelAttention
+
+            spec.submodules.self_attention.submodules.core_attention = ContextParallelAttention
+        if not self.config.sequence_parallel:
+            return spec
+        from megatron.core.transformer.transformer_block import (
+            TransformerBlockSubmodules, get_num_layers_to_build)
+
+        from relax.train.megatron.cpu_compat import SequenceParallelRMSNorm
+
+        spec.submodules.input_layernorm = SequenceParallelRMSNorm
+        spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+        return TransformerBlockSubmodules(
+            layer_specs=[spec] * get_num_layers_to_build(self.config, vp_stage=vp_stage),
+            layer_norm=SequenceParallelRMSNorm)
 
     def _build(self, path: str) -> list:
         """Model chunks (one per virtual pipeline stage) holding this rank's shard of `path`."""
@@ -157,7 +173,7 @@ class MegatronTrainer:
         for stage in range(vpp):
             vp_stage = stage if vpp > 1 else None
             chunk = GPTModel(
-                config=self.config, transformer_layer_spec=self._layer_spec(),
+                config=self.config, transformer_layer_spec=self._layer_spec(vp_stage),
                 vocab_size=h.vocab_size, max_sequence_length=h.max_position_embeddings,
                 pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
                 post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
@@ -245,9 +261,8 @@ class MegatronTrainer:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator, model):
-            mb = next(data_iterator)
-            tokens, positions = mb.tokens, torch.arange(mb.tokens.shape[1]).expand_as(mb.tokens)
-            output = model(input_ids=tokens, position_ids=positions, attention_mask=None)
+            mb = self._cp_local(next(data_iterator))
+            output = model(input_ids=mb.tokens, position_ids=mb.positions, attention_mask=None)
             return output, partial(loss_func, mb)
 
         vpp = len(chunks)
@@ -268,14 +283,43 @@ class MegatronTrainer:
             chunk.eval()
         with torch.no_grad():
             outputs = self._schedule(chunks, micro_batches, collect, forward_only=True)
-        return outputs
+        return [tuple(map(self._cp_full, out)) for out in outputs]
+
+    # -- context parallelism: each rank holds sequence chunks r and 2cp-1-r ---------------
+    def _cp_local(self, mb: MicroBatch) -> MicroBatch:
+        """This CP rank's positions of every per-position tensor (and their positions)."""
+        positions = torch.arange(mb.tokens.shape[1]).expand_as(mb.tokens)
+        if self.cfg.parallel.cp == 1:
+            mb.positions = positions
+            return mb
+        from megatron.core.utils import get_batch_on_this_cp_rank
+
+        fields = ("tokens", "targets", "mask", "rollout_log_probs", "old_log_probs",
+                  "ref_log_probs", "entropy")
+        local = get_batch_on_this_cp_rank({f: getattr(mb, f) for f in fields} | {"positions": positions})
+        out = MicroBatch(mb.indices, local["tokens"], local["targets"], local["mask"], mb.advantages,
+                         local["rollout_log_probs"], local["old_log_probs"], local["ref_log_probs"],
+                         local["entropy"])
+        out.positions = local["positions"]
+        return out
+
+    def _cp_full(self, local: torch.Tensor) -> torch.Tensor:
+        """[b, 2c] on each CP rank -> [b, 2cp*c] in sequence order (no autograd)."""
+        if self.cfg.parallel.cp == 1:
+            return local
+        from relax.train.megatron.cp_attention import to_sequence_order
+
+        parts = [torch.empty_like(local) for _ in range(self.cfg.parallel.cp)]
+        dist.all_gather(parts, local.contiguous(), group=self.ps.get_context_parallel_group())
+        return to_sequence_order(torch.stack(parts).transpose(1, 2), self.cfg.parallel.cp).T
 
     def _is_last_stage(self) -> bool:
         return self.ps.is_pipeline_last_stage(ignore_virtual=True)
 
-    def _dp_sum(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum over data-parallel replicas (each holds other samples)."""
-        dist.all_reduce(t, group=self.ps.get_data_parallel_group())
+    def _dp_sum(self, t: torch.Tensor, with_context_parallel: bool = False) -> torch.Tensor:
+        """Sum over data-parallel replicas (each holds other samples) and, for per-position
+        sums computed on CP-local chunks, over the context-parallel ranks too."""
+        dist.all_reduce(t, group=self.ps.get_data_parallel_group(with_context_parallel=with_context_parallel))
         return t
 
     def _from_last_stage(self, obj):
@@ -316,7 +360,7 @@ class MegatronTrainer:
             _, grad_norm, _ = self.optimizer.step()
             peak = peak_memory_mb()  # a collective over every rank
             if last:
-                sums = self._dp_sum(sum(losses))
+                sums = self._dp_sum(sum(losses), with_context_parallel=True)
                 num_tokens = self._dp_sum(sum(mb.mask.sum() for mb in step_mbs))
                 step_metrics.append(common.step_record(
                     sums, num_tokens, grad_norm, self.optimizer.param_groups[0]["lr"],

@@ -1,0 +1,76 @@
+"""Context-parallel core attention without Transformer Engine (train=megatron on CPU).
+
+Megatron's CP splits each sequence into 2·cp chunks and gives rank r chunks r and
+2·cp−1−r (balanced causal work; see `megatron.core.utils.get_batch_on_this_cp_rank`).
+Each rank gathers every rank's K and V, restores sequence order and runs causal SDPA for
+its own queries. K and V travel in ONE all-gather of cat([K, V]): two separate autograd
+all-gathers let ranks run the backward collectives in different orders on gloo, which
+gave gradients off by up to 30% with a correct forward (a silent trap; see the findings).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+class _GatherOverCP(torch.autograd.Function):
+    """[s, ...] -> [cp, s, ...]; backward sums every rank's gradient and keeps this rank's."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group, ctx.rank = group, dist.get_rank(group)
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[ctx.rank], None
+
+
+def chunk_ids(rank: int, cp: int) -> tuple[int, int]:
+    return rank, 2 * cp - 1 - rank
+
+
+def to_sequence_order(gathered: torch.Tensor, cp: int) -> torch.Tensor:
+    """[cp, 2c, ...] as gathered from the ranks -> [2cp·c, ...] in sequence order."""
+    chunks = [None] * (2 * cp)
+    for rank in range(cp):
+        first, second = gathered[rank].chunk(2)
+        a, b = chunk_ids(rank, cp)
+        chunks[a], chunks[b] = first, second
+    return torch.cat(chunks)
+
+
+class ContextParallelAttention(torch.nn.Module):
+    """Drop-in for the local spec's `core_attention` (same constructor and forward)."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type,
+                 attention_dropout=None, softmax_scale=None, cp_comm_type=None, pg_collection=None):
+        super().__init__()
+        from megatron.core import parallel_state
+
+        self.config = config
+        self.group = parallel_state.get_context_parallel_group()
+        self.cp = config.context_parallel_size
+        self.rank = dist.get_rank(self.group)
+        self.softmax_scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        # query [s, b, heads, d]; key/value [s, b, groups, d] (this rank's two chunks)
+        s, b, heads, d = query.shape
+        groups = key.shape[2]
+        kv = to_sequence_order(_GatherOverCP.apply(torch.cat([key, value], dim=-1), self.group), self.cp)
+        key, value = kv.split(d, dim=-1)  # [S, b, groups, d]
+        chunk = s // 2
+        q_pos = torch.cat([torch.arange(i * chunk, (i + 1) * chunk) for i in chunk_ids(self.rank, self.cp)])
+        causal = q_pos[:, None] >= torch.arange(key.shape[0])[None, :]
+        out = F.scaled_dot_product_attention(
+            query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3),
+            attn_mask=causal, scale=self.softmax_scale, enable_gqa=heads != groups)
+        return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)
