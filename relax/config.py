@@ -51,6 +51,13 @@ class RolloutConfig:
     max_new_tokens: int = 8
     rollout_num_gpus: int = 1
     rollout_num_gpus_per_engine: int = 1
+    # rollout=sglang only
+    mem_fraction_static: Optional[float] = None
+    max_total_tokens: int = 8192
+    weight_update_mode: str = "tensor"
+    weight_update_bucket_mb: int = 512
+    colocate: bool = False
+    sglang_server_args: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -111,8 +111,12 @@ def rl_loop(cfg, run_dir: Path) -> None:
 
             if trainer:
                 t0 = time.perf_counter()
+                if engine and cfg.rollout.colocate:
+                    engine.release_memory_occupation()
                 out = trainer.train(rollout_id, samples)
                 if engine:
+                    if cfg.rollout.colocate:
+                        engine.resume_memory_occupation()
                     weights = trainer.named_weights()
                     engine.update_weights(weights)
                     if weight_check and cfg.debug.check_weight_update_every_sync:
@@ -131,13 +135,13 @@ def rl_loop(cfg, run_dir: Path) -> None:
                                     cfg.checkpoint.keep_last)
             metrics.log(record, "rollout_id")
             bar.set_postfix(reward=f"{record['rollout/raw_reward']:.3f}")
-    finally:
+    finally:  # trainer ranks first: SGLang's shutdown kills the driver's child processes
         if metrics:
             metrics.close()
-        if engine:
-            engine.shutdown()
         if trainer:
             trainer.shutdown()
+        if engine:
+            engine.shutdown()
     plot_run(run_dir)
 
 

@@ -9,3 +9,14 @@ import os
 
 def active(name: str) -> bool:
     return name in os.environ.get("RELAX_FAULT", "").split(",")
+
+
+def perturb_sync(named: dict) -> dict:
+    """`sync_perturb`: one tensor corrupted on its way into the engine."""
+    if not active("sync_perturb"):
+        return named
+    import torch
+
+    name = "model.layers.0.mlp.down_proj.weight"
+    noise = 3 * named[name].std() * torch.randn_like(named[name])
+    return {**named, name: named[name] + noise}

@@ -4,6 +4,7 @@ An engine implements four calls, small enough for a Ray actor to wrap:
   generate(prompt_token_lists, SamplingParams, seed) -> list[Generation]
   update_weights({hf_name: tensor})          # weight sync from the trainer
   named_tensors() -> {hf_name: tensor}       # parameters and buffers, for weight checks
+  release_memory_occupation() / resume_memory_occupation()   # around training, colocated
   shutdown()
 """
 
@@ -16,7 +17,7 @@ from relax.errors import ConfigError
 from relax.sample import Sample
 
 log = logging.getLogger(__name__)
-ENGINES = ("torch",)
+ENGINES = ("torch", "sglang")
 
 
 def sampling_params(rollout_cfg):
@@ -29,9 +30,16 @@ def check_engine(cfg) -> None:
     if cfg.rollout.engine not in ENGINES:
         raise ConfigError(f"rollout.engine={cfg.rollout.engine!r}: expected one of "
                           f"{', '.join(ENGINES)}")
+    if cfg.rollout.weight_update_mode not in ("tensor", "disk"):
+        raise ConfigError(f"rollout.weight_update_mode={cfg.rollout.weight_update_mode!r}: "
+                          f"expected tensor or disk")
 
 
 def build_engine(cfg, model_path: Path, tokenizer):
+    if cfg.rollout.engine == "sglang":
+        from relax.rollout.sglang_engine import SGLangEngine
+
+        return SGLangEngine(cfg, model_path, [tokenizer.eos_token_id])
     from relax.rollout.torch_engine import TorchEngine
 
     if cfg.rollout.rollout_num_gpus > 1:

@@ -133,9 +133,7 @@ class TorchEngine:
 
     def update_weights(self, named: dict[str, torch.Tensor]) -> None:
         targets = self.named_tensors()
-        if faults.active("sync_perturb"):  # one tensor corrupted on its way in
-            name = "model.layers.0.mlp.down_proj.weight"
-            named = {**named, name: named[name] + 3 * named[name].std() * torch.randn_like(named[name])}
+        named = faults.perturb_sync(named)
         if faults.active("drop_buffer"):  # a buffer lost, as release_memory_occupation can do
             self.rotary.inv_freq.zero_()
         for name, tensor in named.items():
@@ -145,6 +143,12 @@ class TorchEngine:
                 raise ValueError(f"update_weights: {name} has shape {tuple(tensor.shape)}, "
                                  f"the engine expects {tuple(targets[name].shape)}")
             targets[name].copy_(tensor)
+
+    def release_memory_occupation(self) -> None:
+        """Colocated engines free memory while the trainer runs; in-process there is none to free."""
+
+    def resume_memory_occupation(self) -> None:
+        """See release_memory_occupation."""
 
     def shutdown(self) -> None:
         self.params.clear()

@@ -5,8 +5,9 @@ A trainer implements, for the driver:
   named_weights() -> {hf_name: tensor}       # what weight sync pushes into the engine
   save_checkpoint(path) / load_checkpoint(path)
   shutdown()
-With world_size 1 it runs in the driver process; otherwise `TrainerGroup` runs one copy
-per rank and the driver cannot tell the difference.
+A single-rank torch trainer runs in the driver process; every other trainer runs in
+`TrainerGroup` rank processes (Megatron always: its CPU compatibility layer and global
+parallel state must not leak into the driver), and the driver cannot tell the difference.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def build_trainer(cfg, model_path, ref_model_path, pad_token_id, save_train_data
     kwargs = dict(ref_model_path=str(ref_model_path), pad_token_id=pad_token_id,
                   save_train_data=save_train_data)
     world_size = cfg.parallel.world_size
-    if world_size == 1:
+    if world_size == 1 and cfg.train.backend == "torch":
         return make_trainer(cfg, str(model_path), **kwargs)
     from relax.train.group import TrainerGroup
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import warnings
 from functools import partial
 from pathlib import Path
 
@@ -68,6 +69,8 @@ class MegatronTrainer:
                  rank: int = 0, world_size: int = 1):
         from transformers import AutoConfig
 
+        warnings.filterwarnings("ignore", module=r"megatron\.")  # "Apex/TE not installed" & co
+        warnings.filterwarnings("ignore", message=".*(deprecated|non-leaf Tensor).*")
         if not GPU:
             from relax.train.megatron import cpu_compat
 

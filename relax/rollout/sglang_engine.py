@@ -1,0 +1,166 @@
+"""The SGLang rollout engine (rollout=sglang).
+
+Why the offline `sglang.Engine` and not server + HTTP: rollouts are generated from token
+ids with per-token log-probs and weights are pushed as tensors, both of which the Engine
+API takes directly (no serialisation over a socket, no port to manage), and Relax's
+driver already owns the process lifecycle. Note that `Engine.shutdown()` kills every
+child of the calling process, so the loop stops the trainer's ranks first.
+
+On a machine without CUDA, SGLang runs for real with the settings of
+docs/findings-sglang-cpu.md (device cpu, torch_native attention, fp32, no CUDA graphs) in
+the environment scripts/setup_sglang_cpu.sh builds. GPU-only paths (CUDA graphs, several
+engines with tensor parallelism, the memory saver) are the same code with other
+settings, exercised only where a GPU exists.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from relax.debug import faults
+from relax.errors import ConfigError
+from relax.model import read_hf_config
+from relax.rollout.torch_engine import Generation, SamplingParams
+
+log = logging.getLogger(__name__)
+GPU = torch.cuda.is_available()
+FINISH = {"stop": "completed", "length": "truncated", "abort": "aborted"}
+
+
+def engine_args(cfg, model_path: Path) -> list[dict]:
+    """sglang.Engine keyword arguments, one dict per engine."""
+    r = cfg.rollout
+    tp = r.rollout_num_gpus_per_engine
+    engines = r.rollout_num_gpus // tp
+    if not GPU and (engines > 1 or tp > 1):
+        raise ConfigError(f"rollout=sglang on CPU runs one engine without tensor parallelism; "
+                          f"got rollout_num_gpus={r.rollout_num_gpus}, rollout_num_gpus_per_engine={tp}")
+    memory = r.mem_fraction_static or (0.8 if GPU else 0.05)
+    common = dict(model_path=str(model_path), dtype=cfg.model.dtype, tp_size=tp,
+                  mem_fraction_static=memory, skip_tokenizer_init=True,
+                  random_seed=cfg.seed, log_level="error")
+    if not GPU:
+        common.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True,
+                      max_total_tokens=r.max_total_tokens)
+    common.update(dict(r.sglang_server_args))  # anything else, passed through as-is
+    return [{**common, "base_gpu_id": i * tp} if GPU else common for i in range(engines)]
+
+
+def sglang_to_hf(name: str, tensor: torch.Tensor, hf_config: dict) -> dict[str, torch.Tensor]:
+    """SGLang's fused q/k/v and gate/up parameters back under HF names (TP = 1)."""
+    pre, _, kind = name.rpartition(".")
+    if ".qkv_proj" in name:
+        heads, groups = hf_config["num_attention_heads"], hf_config["num_key_value_heads"]
+        d = hf_config.get("head_dim") or hf_config["hidden_size"] // heads
+        q, k, v = tensor.split([heads * d, groups * d, groups * d])
+        base = pre.removesuffix(".qkv_proj")
+        return {f"{base}.q_proj.{kind}": q, f"{base}.k_proj.{kind}": k, f"{base}.v_proj.{kind}": v}
+    if ".gate_up_proj" in name:
+        gate, up = tensor.chunk(2)
+        base = pre.removesuffix(".gate_up_proj")
+        return {f"{base}.gate_proj.{kind}": gate, f"{base}.up_proj.{kind}": up}
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):  # SGLang pads the vocabulary
+        return {name: tensor[:hf_config["vocab_size"]]}
+    return {name: tensor}
+
+
+class SGLangEngine:
+    """Rollout engine interface: generate / update_weights / named_tensors / shutdown."""
+
+    def __init__(self, cfg, model_path: Path, eos_token_ids: list[int]):
+        try:
+            import sglang
+        except ImportError:
+            raise ConfigError("rollout=sglang needs SGLang: build its environment with "
+                              "scripts/setup_sglang_cpu.sh (CPU) or pip install sglang (GPU), then "
+                              "run relax from that environment (.venv-sglang/bin/relax)") from None
+        self.cfg, self.eos = cfg, eos_token_ids
+        self.hf_config = read_hf_config(model_path)
+        self.engines = [sglang.Engine(**kwargs) for kwargs in engine_args(cfg, model_path)]
+        log.info("SGLang %s: %d engine(s) on %s", sglang.__version__, len(self.engines),
+                 "GPU" if GPU else "CPU")
+
+    def generate(self, prompts: list[list[int]], sp: SamplingParams, seed: int) -> list[Generation]:
+        # SGLang seeds sampling only in its deterministic mode (GPU attention backends), so
+        # `seed` cannot be honoured on CPU; samples differ run to run.
+        params = {"temperature": sp.temperature, "top_p": sp.top_p,
+                  "max_new_tokens": sp.max_new_tokens, "stop_token_ids": self.eos}
+        shares = [prompts[i::len(self.engines)] for i in range(len(self.engines))]
+        results = [e.generate(input_ids=share, sampling_params=params, return_logprob=True)
+                   for e, share in zip(self.engines, shares) if share]
+        merged = [None] * len(prompts)
+        for i, result in enumerate(results):
+            merged[i::len(self.engines)] = result
+        return [Generation(r["output_ids"], [lp for lp, _, _ in r["meta_info"]["output_token_logprobs"]],
+                           FINISH[r["meta_info"]["finish_reason"]["type"]]) for r in merged]
+
+    def update_weights(self, named: dict[str, torch.Tensor]) -> None:
+        """Push trainer weights by HF name: tensors in buckets, or via disk
+        (`rollout.weight_update_mode=disk`); then drop the prefix cache."""
+        named = faults.perturb_sync(named)
+        for engine in self.engines:
+            if self.cfg.rollout.weight_update_mode == "disk":
+                self._update_from_disk(engine, named)
+            else:
+                self._update_from_tensors(engine, named)
+            engine.flush_cache()
+
+    def _update_from_tensors(self, engine, named: dict[str, torch.Tensor]) -> None:
+        limit = self.cfg.rollout.weight_update_bucket_mb * 2**20
+        buckets, size = [[]], 0
+        for name, tensor in named.items():
+            if buckets[-1] and size + tensor.nbytes > limit:
+                buckets.append([])
+                size = 0
+            buckets[-1].append((name, tensor.detach().contiguous()))
+            size += tensor.nbytes
+        _check(engine.begin_weight_update(), "begin_weight_update")
+        for bucket in buckets:
+            _check(engine.update_weights_from_tensor(named_tensors=bucket, flush_cache=False),
+                   "update_weights_from_tensor")
+        _check(engine.end_weight_update(), "end_weight_update")
+
+    def _update_from_disk(self, engine, named: dict[str, torch.Tensor]) -> None:
+        with tempfile.TemporaryDirectory(prefix="relax-sync-") as tmp:
+            (Path(tmp) / "config.json").write_text(json.dumps(self.hf_config))
+            save_file({k: v.contiguous() for k, v in named.items()}, f"{tmp}/model.safetensors")
+            _check(engine.update_weights_from_disk(tmp), "update_weights_from_disk")
+
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        """The engine's parameters under HF names, read from its own state_dict (SGLang's
+        `save_sharded_model` in the scheduler process). Non-persistent buffers such as the
+        rotary cos/sin cache are not in a state_dict and cannot be read back."""
+        with tempfile.TemporaryDirectory(prefix="relax-engine-weights-") as tmp:
+            self.engines[0].save_sharded_model(path=tmp, pattern=None, max_size=None)
+            out = {}
+            for f in sorted(Path(tmp).glob("*.safetensors")):
+                for name, tensor in load_file(str(f)).items():
+                    out.update(sglang_to_hf(name, tensor, self.hf_config))
+        if self.hf_config.get("tie_word_embeddings"):
+            out.pop("lm_head.weight", None)
+        return out
+
+    def release_memory_occupation(self) -> None:
+        for engine in self.engines:
+            engine.release_memory_occupation()
+
+    def resume_memory_occupation(self) -> None:
+        for engine in self.engines:
+            engine.resume_memory_occupation()
+
+    def shutdown(self) -> None:
+        for engine in self.engines:
+            engine.shutdown()
+        self.engines = []
+
+
+def _check(result, what: str) -> None:
+    ok, message = result[0], result[1]
+    if not ok:
+        raise RuntimeError(f"SGLang {what} failed: {message}")

@@ -1,0 +1,161 @@
+"""rollout=sglang against real SGLang on CPU (run from the environment that
+scripts/setup_sglang_cpu.sh builds: `.venv-sglang/bin/python -m pytest -m sglang`).
+One engine is shared by the module's in-process tests; assertions are on token ids and
+log-probs, never on text."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("sglang", reason="needs the SGLang environment (scripts/setup_sglang_cpu.sh)")
+
+from relax.debug.weights import WeightCheck  # noqa: E402
+from relax.rollout import generate_rollout  # noqa: E402
+from relax.rollout.sglang_engine import SGLangEngine  # noqa: E402
+from relax.rollout.torch_engine import SamplingParams, TorchEngine  # noqa: E402
+from relax.task import Task  # noqa: E402
+from relax.train import make_trainer  # noqa: E402
+
+from .conftest import make_cfg, relax_cli  # noqa: E402
+from .test_engine import chat_prompts  # noqa: E402
+
+pytestmark = pytest.mark.sglang
+GREEDY = SamplingParams(0.0, 1.0, 8)
+
+
+@pytest.fixture(scope="module")
+def sglang_engine(tiny_path, tokenizer):
+    engine = SGLangEngine(make_cfg("rollout=sglang"), tiny_path, [tokenizer.eos_token_id])
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture
+def reset_weights(sglang_engine, tiny_path):
+    """Tests that push weights put the checkpoint back afterwards."""
+    yield
+    from safetensors.torch import load_file
+
+    sglang_engine.update_weights(load_file(str(tiny_path / "model.safetensors")))
+
+
+def torch_engine(tiny_path, tokenizer):
+    return TorchEngine(tiny_path, "float32", [tokenizer.eos_token_id], tokenizer.pad_token_id)
+
+
+def test_greedy_tokens_and_log_probs_match_the_torch_engine(sglang_engine, tiny_path, tokenizer):
+    prompts = chat_prompts(tokenizer, 16, 1, 999)
+    ours = sglang_engine.generate(prompts, GREEDY, seed=0)
+    reference = torch_engine(tiny_path, tokenizer).generate(prompts, GREEDY, seed=0)
+    assert [g.tokens for g in ours] == [g.tokens for g in reference]
+    assert [g.status for g in ours] == [g.status for g in reference]
+    worst = max(abs(a - b) for g, h in zip(ours, reference) for a, b in zip(g.log_probs, h.log_probs))
+    assert worst < 1e-5
+
+
+def test_sampled_log_probs_are_the_trainers(sglang_engine, tiny_path, tokenizer):
+    """Sampled at temperature 0.7: SGLang's log-probs equal a teacher-forced forward of
+    the trainer's model with logits / 0.7 (the contract train_rollout_logprob_abs_diff checks)."""
+    from relax.algo import token_log_probs
+    from relax.model import load_causal_lm
+
+    prompts = chat_prompts(tokenizer, 16, repeat=4)
+    gens = sglang_engine.generate(prompts, SamplingParams(0.7, 1.0, 8), seed=0)
+    model = load_causal_lm(tiny_path, "float32")
+    for prompt, gen in zip(prompts, gens):
+        tokens = torch.tensor([prompt + gen.tokens])
+        with torch.no_grad():
+            lp, _ = token_log_probs(model(tokens).logits[:, :-1], tokens[:, 1:], 0.7)
+        assert (lp[0, len(prompt) - 1:] - torch.tensor(gen.log_probs)).abs().max() < 1e-4
+
+
+def test_truncated_status(sglang_engine, tokenizer):
+    gens = sglang_engine.generate(chat_prompts(tokenizer, 4), SamplingParams(0.0, 1.0, 1), seed=0)
+    assert all(g.status == "truncated" and len(g.tokens) == 1 for g in gens)
+
+
+def test_after_a_train_step_and_sync_sglang_generates_the_trainers_policy(
+        sglang_engine, tiny_path, tokenizer, reset_weights):
+    cfg = make_cfg("rollout.rollout_batch_size=8", "train.lr=0.02")
+    trainer = make_trainer(cfg, str(tiny_path), ref_model_path=str(tiny_path),
+                           pad_token_id=tokenizer.pad_token_id)
+    task = Task(cfg.task, cfg.seed)
+    for rollout_id in range(3):
+        samples = generate_rollout(sglang_engine, task, tokenizer, cfg.rollout, rollout_id, cfg.seed)
+        trainer.train(rollout_id, samples)
+    prompts = chat_prompts(tokenizer, 8)
+    before = [g.tokens for g in sglang_engine.generate(prompts, GREEDY, 0)]
+    sglang_engine.update_weights(trainer.named_weights())
+    after = [g.tokens for g in sglang_engine.generate(prompts, GREEDY, 0)]
+    assert after != before
+    with torch.no_grad():
+        for prompt, tokens in zip(prompts, after):
+            x = torch.tensor([prompt + tokens[:-1]])
+            assert tokens == trainer.model(x).logits[0, len(prompt) - 1:].argmax(-1).tolist()
+
+
+def test_engine_weights_check_passes_and_names_a_corrupted_tensor(
+        sglang_engine, tiny_path, tokenizer, tmp_path, monkeypatch, reset_weights):
+    cfg = make_cfg()
+    trainer = make_trainer(cfg, str(tiny_path), ref_model_path=str(tiny_path),
+                           pad_token_id=tokenizer.pad_token_id)
+    check = WeightCheck(sglang_engine, tiny_path, tmp_path)
+    assert check.results[0]["passed"] and check.results[0]["compared"] == 27  # load
+    assert check.check_first_sync(sglang_engine, trainer)["passed"]  # random -> synced -> equal
+    monkeypatch.setenv("RELAX_FAULT", "sync_perturb")
+    report = check.check_first_sync(sglang_engine, trainer)
+    assert not report["passed"]
+    assert [m["name"] for m in report["mismatches"]] == ["model.layers.0.mlp.down_proj.weight"]
+
+
+def test_disk_weight_update_mode(tiny_path, tokenizer, sglang_engine, reset_weights):
+    from safetensors.torch import load_file
+
+    scaled = {k: v * 1.5 for k, v in load_file(str(tiny_path / "model.safetensors")).items()}
+    sglang_engine.cfg = make_cfg("rollout=sglang", "rollout.weight_update_mode=disk")
+    try:
+        sglang_engine.update_weights(scaled)
+    finally:
+        sglang_engine.cfg = make_cfg("rollout=sglang")
+    reference = torch_engine(tiny_path, tokenizer)
+    reference.update_weights(scaled)
+    prompts = chat_prompts(tokenizer, 8)
+    assert [g.tokens for g in sglang_engine.generate(prompts, GREEDY, 0)] == \
+        [g.tokens for g in reference.generate(prompts, GREEDY, 0)]
+
+
+def sglang_processes() -> list[str]:
+    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [line for line in ps.splitlines() if "sglang::" in line]
+
+
+def test_rollout_only_then_train_only_and_a_full_loop(tmp_path, tiny_path):
+    """The CLI with rollout=sglang: save replay data, train on it, and a 2-rollout RL loop."""
+    python = [sys.executable, "-m", "relax"]
+    short = ["rollout=sglang", "rollout.num_rollout=2", "rollout.rollout_batch_size=4",
+             "checkpoint.save_interval=null"]
+    already = sglang_processes()
+    proc = relax_cli(*short, "debug=rollout_only", f"debug.save_rollout_data={tmp_path}/rd/{{rollout_id}}.pt",
+                     "hydra.run.dir=outputs/rollout", cwd=tmp_path, entry=python)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "rd").iterdir()) == ["0.pt", "1.pt"]
+    proc = relax_cli("debug=train_only", f"debug.load_rollout_data={tmp_path}/rd/{{rollout_id}}.pt",
+                     "checkpoint.save_interval=null", "hydra.run.dir=outputs/train", cwd=tmp_path,
+                     entry=python)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = [json.loads(line) for line in (tmp_path / "outputs/train/metrics.jsonl").read_text().splitlines()
+             if '"step"' in line]
+    assert len(steps) == 2 and steps[0]["train/train_rollout_logprob_abs_diff"] < 1e-4
+
+    proc = relax_cli(*short, "debug.check_weight_update_equal=true", "hydra.run.dir=outputs/full",
+                     cwd=tmp_path, entry=python)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "outputs" / "full"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len([r for r in records if "step" in r]) == 2
+    assert json.loads((run / "built.json").read_text())["rollout_engine"] == "sglang"
+    assert json.loads((run / "weight_check.json").read_text())["passed"]
+    assert sglang_processes() == already  # no orphan scheduler/detokenizer processes
