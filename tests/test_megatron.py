@@ -19,6 +19,7 @@ pytestmark = pytest.mark.slow
 # 2-layer model (rewards that vary, so gradients are not zero), replayed on purpose
 # across models with debug.allow_manifest_mismatch.
 DEEP = ["model.tiny.num_layers=4", "model.tiny.warmup_max_steps=0", "debug.allow_manifest_mismatch=true"]
+MOE = ["model.tiny.num_experts=4", "model.tiny.warmup_max_steps=0", "debug.allow_manifest_mismatch=true"]
 TRAIN = ["train=megatron", "train.micro_batch_size=8", "checkpoint.save_interval=null"]
 
 
@@ -34,9 +35,9 @@ def replay(root) -> list[str]:
     return ["debug=train_only", f"debug.load_rollout_data={root}/rollout_data/{{rollout_id}}.pt"]
 
 
-@pytest.mark.parametrize("layout", ["single", "tp2pp2", "vpp2"])
-def test_hf_megatron_hf_round_trip_is_bit_identical(layout):
-    cfg = make_cfg(*DEEP[:2], "train=megatron", f"parallel={layout}")
+@pytest.mark.parametrize("model,layout", [(DEEP, "single"), (DEEP, "tp2pp2"), (DEEP, "vpp2"), (MOE, "ep2")])
+def test_hf_megatron_hf_round_trip_is_bit_identical(model, layout):
+    cfg = make_cfg(*model[:2], "train=megatron", f"parallel={layout}")
     path = resolve_model_path(cfg.model)
     trainer = build_trainer(cfg, path, path, 0, None, None)
     try:
@@ -67,10 +68,22 @@ def test_layout_sweep_with_megatron_is_equivalent(tmp_path, deep_replay):
         assert job["max_logprob_diff"] <= 1e-5 and job["max_grad_norm_rel_diff"] <= 1e-4, layout
 
 
-def test_megatron_and_torch_backends_agree(tmp_path, deep_replay):
+def test_moe_expert_parallel_is_equivalent(tmp_path, deep_replay):
+    proc = relax_cli("-m", *TRAIN, *MOE, *replay(deep_replay), "parallel=single,ep2", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = relax_cli("compare", str(only_run_dir(tmp_path, "multiruns")), "--json", cwd=tmp_path)
+    report = json.loads(out.stdout)
+    assert out.returncode == 0, report
+    ep2 = next(j for j in report["jobs"] if j["layout"] == "ep2")
+    assert ep2["verdict"] == "equivalent" and ep2["max_logprob_diff"] <= 1e-5
+    assert report["jobs"][0]["grad_norm"][0] > 0.1
+
+
+@pytest.mark.parametrize("model", [DEEP, MOE], ids=["dense", "moe"])
+def test_megatron_and_torch_backends_agree(tmp_path, deep_replay, model):
     runs = []
     for backend in ("torch", "megatron"):
-        proc = relax_cli(*DEEP, *replay(deep_replay), f"train={backend}", "train.micro_batch_size=8",
+        proc = relax_cli(*model, *replay(deep_replay), f"train={backend}", "train.micro_batch_size=8",
                          "checkpoint.save_interval=null", f"hydra.run.dir=outputs/{backend}", cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs.append(str(tmp_path / "outputs" / backend))

@@ -6,6 +6,8 @@ NCCL). What fails on CPU unmodified, and how each is handled here
 - schedules, clip_grads and utils allocate with `device="cuda"` (some with
   `pin_memory=True`): a TorchFunctionMode rewrites CUDA device arguments to CPU and
   drops pinning;
+- MoE token dispatch overlaps copies on a side `torch.cuda.Stream`: streams and events
+  are no-op stand-ins (CPU work is already ordered);
 - rotary embeddings move `inv_freq` to `torch.cuda.current_device()` and the RNG tracker
   calls `torch.cuda.get_rng_state` & co: small `torch.cuda` stubs (`current_device`
   returns the CPU device, not 0, because autograd's backward runs outside the mode), and
@@ -56,6 +58,29 @@ def _cpu(device):
     return device
 
 
+class _Event:
+    """Stand-in for torch.cuda.Event: CPU work is already ordered."""
+
+    def record(self, stream=None):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+class _Stream(_Event):
+    """Stand-in for torch.cuda.Stream (MoE token dispatch overlaps copies on a side stream)."""
+
+    def wait_stream(self, other):
+        pass
+
+    def record_event(self, event=None):
+        return event or _Event()
+
+
 class CudaToCpu(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
@@ -64,6 +89,8 @@ class CudaToCpu(TorchFunctionMode):
         kwargs.pop("pin_memory", None)  # no pinned-memory allocator without an accelerator
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.record_stream:
+            return None
         if func is torch.Tensor.to and len(args) > 1 and not isinstance(args[1], torch.dtype):
             args = (args[0], _cpu(args[1]), *args[2:])
         result = func(*args, **kwargs)
@@ -121,7 +148,10 @@ def apply() -> None:
     torch.cuda.manual_seed = lambda seed: None
     torch.cuda.synchronize = lambda device=None: None
     torch.cuda.device_count = lambda: 0
-    torch.cuda.current_stream = lambda device=None: contextlib.nullcontext()
+    default_stream = _Stream()
+    torch.cuda.Stream, torch.cuda.Event = _Stream, _Event
+    torch.cuda.current_stream = lambda device=None: default_stream
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
     torch.cuda.nvtx.range_push = lambda *a, **k: None
     torch.cuda.nvtx.range_pop = lambda *a, **k: None
     from megatron.core.tensor_parallel import random as megatron_random

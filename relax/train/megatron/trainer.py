@@ -47,10 +47,22 @@ def check_megatron_layout(cfg, hf_config) -> None:
         raise ConfigError(f"parallel={p.name}: tp={p.tp} must divide the KV heads "
                           f"({hf_config.num_key_value_heads}) and the vocabulary ({hf_config.vocab_size})")
     experts = getattr(hf_config, "num_experts", 0) or 0
+    if getattr(hf_config, "shared_expert_intermediate_size", 0):
+        raise ConfigError("train=megatron: Qwen2-MoE shared experts are not converted yet (this "
+                          "model has shared_expert_intermediate_size > 0)")
     if p.ep > 1 and (not experts or experts % p.ep):
         raise ConfigError(f"parallel={p.name}: ep={p.ep} needs an MoE model whose expert count is "
                           f"divisible by it (this model has {experts} experts); try "
                           f"model.tiny.num_experts=4")
+
+
+def deterministic_mode() -> None:
+    """train.deterministic on GPU: the settings reproducibility work calls for (set before
+    NCCL, cuBLAS and Transformer Engine initialise)."""
+    os.environ.setdefault("NCCL_ALGO", "Ring")                      # fixed reduction order
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")      # deterministic cuBLAS
+    os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")   # TE: no atomics-based kernels
+    torch.use_deterministic_algorithms(True)
 
 
 def _init_distributed(rank: int, world_size: int) -> None:
@@ -81,6 +93,8 @@ class MegatronTrainer:
         self.cfg, self.pad_id, self.save_train_data = cfg, pad_token_id, save_train_data
         self.hf_config = AutoConfig.from_pretrained(model_path)
         check_megatron_layout(cfg, self.hf_config)
+        if GPU and cfg.train.deterministic:
+            deterministic_mode()
         torch.set_num_threads(cfg.train.num_threads)
         self.temperature = cfg.rollout.temperature or 1.0
         p = cfg.parallel
@@ -107,6 +121,9 @@ class MegatronTrainer:
         dtype = torch_dtype(self.cfg.model.dtype)
         experts = getattr(h, "num_experts", 0) or None
         moe = dict(num_moe_experts=experts, moe_router_topk=h.num_experts_per_tok,
+                   # HF: softmax over all experts, top-k, renormalise if norm_topk_prob;
+                   # Megatron's default top-k-then-softmax is the renormalised case.
+                   moe_router_pre_softmax=not h.norm_topk_prob,
                    moe_ffn_hidden_size=h.moe_intermediate_size, moe_router_load_balancing_type="none",
                    moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="alltoall",
                    moe_permute_fusion=t.moe_permute_fusion, moe_grouped_gemm=False) if experts else {}
@@ -185,7 +202,11 @@ class MegatronTrainer:
                 rotary_base=int(rope.get("rope_theta", getattr(h, "rope_theta", 10000))),
                 vp_stage=vp_stage)
             chunks.append(chunk)
-        self._load_hf(chunks, load_safetensors_dir(Path(path)))
+        hf = load_safetensors_dir(Path(path))
+        self._load_hf(chunks, hf)
+        # HF tensors no Megatron parameter stands for (Qwen2-MoE's zero-width shared expert
+        # and its gate) are carried through unchanged, so weight sync and checkpoints stay whole.
+        self.passthrough = {k: v for k, v in hf.items() if "shared_expert" in k}
         return chunks
 
     def _global_names(self, chunk) -> dict[str, str]:
@@ -418,7 +439,7 @@ class MegatronTrainer:
         dist.gather_object(mine, gathered, dst=0)
         if dist.get_rank() != 0:
             return {}
-        weights = {k: v for part in gathered for k, v in part.items()}
+        weights = {k: v for part in gathered for k, v in part.items()} | self.passthrough
         if self.hf_config.tie_word_embeddings:
             weights.pop("lm_head.weight", None)
         return weights
