@@ -6,12 +6,13 @@ import json
 import logging
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -54,94 +55,140 @@ def write_json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj, indent=2))
 
 
-def rl_loop(cfg, run_dir: Path) -> None:
+@dataclass
+class Run:
+    """What one run is made of, resolved before anything is built."""
+    cfg: DictConfig
+    dir: Path
+    plan: Plan
+    start: int                  # first rollout_id (after a resumed checkpoint)
+    checkpoint: Path | None     # resumed from
+    model_path: Path            # the reference model (and the actor, unless resumed)
+    actor_path: Path
+    tokenizer: object
+    manifest: dict              # what replay data records about this run
+    task: Task | None
+
+
+def prepare(cfg, run_dir: Path) -> Run:
+    """Validate and resolve (plan, model, tokenizer) before anything expensive is built."""
     checkpoint = find_checkpoint(cfg.resume, run_dir.parent)
     start = read_state(checkpoint)["rollout_id"] + 1 if checkpoint else 0
-    plan: Plan = resolve(cfg, start)
+    plan = resolve(cfg, start)
     task = Task(cfg.task, cfg.seed) if plan.builds_rollout else None
     model_path = Path(read_state(checkpoint)["ref_model_path"]) if checkpoint \
         else resolve_model_path(cfg.model)
-    actor_path = checkpoint / "hf" if checkpoint else model_path
     tokenizer = load_tokenizer(model_path)
-    manifest = build_manifest(cfg, model_path, tokenizer)
     if plan.dump_dir:  # with the rollout/train data, enough to reproduce the run
         tokenizer.save_pretrained(plan.dump_dir / "tokenizer")
         (plan.dump_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    return Run(cfg, run_dir, plan, start, checkpoint, model_path,
+               checkpoint / "hf" if checkpoint else model_path, tokenizer,
+               build_manifest(cfg, model_path, tokenizer), task)
 
-    built = {**plan.built(cfg), "model_path": str(model_path)}
+
+def build(run: Run):
+    """The engine and/or trainer the plan asks for (and the engine-weights check)."""
+    cfg, engine, trainer, weight_check = run.cfg, None, None, None
+    built = {**run.plan.built(cfg), "model_path": str(run.model_path)}
     log.info("Building %s", ", ".join(f"{k}={v}" for k, v in built.items() if v is not None))
-    write_json(run_dir / "built.json", built)
+    write_json(run.dir / "built.json", built)
+    if run.plan.builds_rollout:
+        from relax.rollout import build_engine
+
+        engine = build_engine(cfg, run.actor_path, run.tokenizer)
+    if run.plan.builds_train:
+        from relax.train import build_trainer
+
+        trainer = build_trainer(cfg, run.actor_path, run.model_path, run.tokenizer.pad_token_id,
+                                run.plan.save_train_data, str(run.dir))
+        if run.checkpoint:
+            trainer.load_checkpoint(str(run.checkpoint))
+            log.info("Resumed from %s at rollout %d", run.checkpoint, run.start)
+    if engine and cfg.debug.check_weight_update_equal:
+        weight_check = WeightCheck(engine, run.actor_path, run.dir)
+        if trainer:
+            weight_check.check_first_sync(engine, trainer)
+        if cfg.debug.strict_checks:
+            doctor.strict_weights({"checks": weight_check.results})
+    return engine, trainer, weight_check
+
+
+def rollout(run: Run, engine, rollout_id: int) -> tuple[list[Sample], dict]:
+    """Generate and score (or replay) one rollout; save it if asked; log `Finish rollout`."""
+    cfg, t0 = run.cfg, time.perf_counter()
+    if run.plan.replays:
+        _, samples = load_rollout(run.plan.replay_files[rollout_id], run.manifest,
+                                  cfg.debug.allow_manifest_mismatch,
+                                  cfg.debug.load_rollout_data_subsample, cfg.seed)
+    else:
+        from relax.rollout import generate_rollout
+
+        samples = generate_rollout(engine, run.task, run.tokenizer, cfg.rollout, rollout_id, cfg.seed)
+    record = {"rollout_id": rollout_id, **rollout_stats(
+        samples, time.perf_counter() - t0, run.tokenizer, cfg.task.answer_format)}
+    if run.plan.save_rollout_data:
+        save_rollout(fill(run.plan.save_rollout_data, rollout_id), rollout_id, samples, run.manifest)
+    log_finish_rollout(rollout_id, samples)
+    return samples, record
+
+
+def train(run: Run, trainer, engine, rollout_id: int, samples: list[Sample]) -> dict:
+    """The trainer's step(s) on one rollout; a colocated engine gives up its memory meanwhile."""
+    colocated = engine is not None and run.cfg.rollout.colocate
+    if colocated:
+        engine.release_memory_occupation()
+    out = trainer.train(rollout_id, samples)
+    if colocated:
+        engine.resume_memory_occupation()
+    return out
+
+
+def sync_weights(run: Run, trainer, engine, weight_check, rollout_id: int) -> None:
+    weights = trainer.named_weights()
+    engine.update_weights(weights)
+    if weight_check and run.cfg.debug.check_weight_update_every_sync:
+        weight_check.check_sync(engine, weights, rollout_id)
+
+
+def after_training(run: Run, trainer, rollout_id: int, samples, record: dict, out: dict) -> None:
+    """First-step checks and records, and checkpoints on schedule."""
+    cfg, first, last = run.cfg, run.plan.rollout_ids[0], run.plan.rollout_ids[-1]
+    if rollout_id == first:
+        torch.save(out["first_step_log_probs"], run.dir / "first_step_log_probs.pt")
+        if cfg.debug.strict_checks:
+            doctor.strict_first_step(record, out["steps"], cfg, [s.prompt for s in samples],
+                                     run.tokenizer)
+    interval = cfg.checkpoint.save_interval
+    if interval and ((rollout_id + 1) % interval == 0 or rollout_id == last):
+        save_checkpoint(trainer, run.tokenizer, run.dir, rollout_id, run.model_path,
+                        cfg.checkpoint.keep_last)
+
+
+def rl_loop(cfg, run_dir: Path) -> None:
+    run = prepare(cfg, run_dir)
     engine = trainer = metrics = None
     try:
-        if plan.builds_rollout:
-            from relax.rollout import build_engine, generate_rollout
-
-            engine = build_engine(cfg, actor_path, tokenizer)
-        if plan.builds_train:
-            from relax.train import build_trainer
-
-            trainer = build_trainer(cfg, actor_path, model_path, tokenizer.pad_token_id,
-                                    plan.save_train_data, str(run_dir))
-            if checkpoint:
-                trainer.load_checkpoint(str(checkpoint))
-                log.info("Resumed from %s at rollout %d", checkpoint, start)
-        weight_check = None
-        if engine and cfg.debug.check_weight_update_equal:
-            weight_check = WeightCheck(engine, actor_path, run_dir)
-            if trainer:
-                weight_check.check_first_sync(engine, trainer)
-            if cfg.debug.strict_checks:
-                doctor.strict_weights({"checks": weight_check.results})
-        metrics = MetricsLogger(run_dir, cfg.logger, resume_from=start)
-
-        bar = tqdm(plan.rollout_ids, desc="rollouts", unit="rollout")
+        engine, trainer, weight_check = build(run)
+        metrics = MetricsLogger(run_dir, cfg.logger, resume_from=run.start)
+        bar = tqdm(run.plan.rollout_ids, desc="rollouts", unit="rollout")
         for rollout_id in bar:
-            t0 = time.perf_counter()
-            if plan.replays:
-                _, samples = load_rollout(
-                    plan.replay_files[rollout_id], manifest, cfg.debug.allow_manifest_mismatch,
-                    cfg.debug.load_rollout_data_subsample, cfg.seed)
-            else:
-                samples = generate_rollout(engine, task, tokenizer, cfg.rollout, rollout_id, cfg.seed)
-            record = {"rollout_id": rollout_id, **rollout_stats(
-                samples, time.perf_counter() - t0, tokenizer, cfg.task.answer_format)}
-            if plan.save_rollout_data:
-                save_rollout(fill(plan.save_rollout_data, rollout_id), rollout_id, samples, manifest)
-            log_finish_rollout(rollout_id, samples)
-
+            samples, record = rollout(run, engine, rollout_id)
             if trainer:
                 t0 = time.perf_counter()
-                if engine and cfg.rollout.colocate:
-                    engine.release_memory_occupation()
-                out = trainer.train(rollout_id, samples)
+                out = train(run, trainer, engine, rollout_id, samples)
                 if engine:
-                    if cfg.rollout.colocate:
-                        engine.resume_memory_occupation()
-                    weights = trainer.named_weights()
-                    engine.update_weights(weights)
-                    if weight_check and cfg.debug.check_weight_update_every_sync:
-                        weight_check.check_sync(engine, weights, rollout_id)
+                    sync_weights(run, trainer, engine, weight_check, rollout_id)
                 record.update(out["rollout"], **{"perf/train_time": time.perf_counter() - t0})
                 for step, step_metrics in enumerate(out["steps"]):
                     metrics.log({"rollout_id": rollout_id, "step": step, **step_metrics}, "rollout_id")
-                if cfg.debug.strict_checks and rollout_id == plan.rollout_ids[0]:
-                    doctor.strict_first_step(record, out["steps"], cfg, [s.prompt for s in samples],
-                                             tokenizer)
-                if rollout_id == plan.rollout_ids[0]:
-                    torch.save(out["first_step_log_probs"], run_dir / "first_step_log_probs.pt")
-                interval = cfg.checkpoint.save_interval
-                if interval and ((rollout_id + 1) % interval == 0 or rollout_id == plan.rollout_ids[-1]):
-                    save_checkpoint(trainer, tokenizer, run_dir, rollout_id, model_path,
-                                    cfg.checkpoint.keep_last)
+                after_training(run, trainer, rollout_id, samples, record, out)
             metrics.log(record, "rollout_id")
             bar.set_postfix(reward=f"{record['rollout/raw_reward']:.3f}")
     finally:  # trainer ranks first: SGLang's shutdown kills the driver's child processes
-        if metrics:
-            metrics.close()
-        if trainer:
-            trainer.shutdown()
-        if engine:
-            engine.shutdown()
+        for part, close in ((metrics, "close"), (trainer, "shutdown"), (engine, "shutdown")):
+            if part:
+                getattr(part, close)()
     plot_run(run_dir)
 
 
