@@ -16,7 +16,18 @@ from omegaconf import DictConfig
 
 from relax import config
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+def find_conf_dir() -> Path:
+    """conf/ next to the package (a source checkout or editable install), else the copy a
+    regular install puts under <prefix>/share/relax/conf."""
+    for candidate in (Path(__file__).resolve().parent.parent / "conf",
+                      Path(sys.prefix) / "share" / "relax" / "conf"):
+        if (candidate / "config.yaml").is_file():
+            return candidate
+    raise SystemExit("relax: error: cannot find the Hydra config directory (conf/)")
+
+
+CONF_DIR = find_conf_dir()
 
 # The debugging guide's flags -> (config key, takes a value).
 GUIDE_FLAGS = {

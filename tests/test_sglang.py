@@ -159,3 +159,13 @@ def test_rollout_only_then_train_only_and_a_full_loop(tmp_path, tiny_path):
     assert json.loads((run / "built.json").read_text())["rollout_engine"] == "sglang"
     assert json.loads((run / "weight_check.json").read_text())["passed"]
     assert sglang_processes() == already  # no orphan scheduler/detokenizer processes
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs, memory saver)")
+def test_colocated_loop_on_gpu(tmp_path):
+    """On GPU: CUDA graphs on, and the memory saver releases the engine around training."""
+    proc = relax_cli("rollout=sglang", "rollout.colocate=true", "rollout.num_rollout=2",
+                     "rollout.rollout_batch_size=4", "checkpoint.save_interval=null",
+                     cwd=tmp_path, entry=[sys.executable, "-m", "relax"])
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -45,7 +45,9 @@ def engine_args(cfg, model_path: Path) -> list[dict]:
     common = dict(model_path=str(model_path), dtype=cfg.model.dtype, tp_size=tp,
                   mem_fraction_static=memory, skip_tokenizer_init=True,
                   random_seed=cfg.seed, log_level="error")
-    if not GPU:
+    if GPU:  # CUDA graphs stay on; the memory saver lets a colocated engine free GPU memory
+        common.update(enable_memory_saver=r.colocate)
+    else:
         common.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True,
                       max_total_tokens=r.max_total_tokens)
     common.update(dict(r.sglang_server_args))  # anything else, passed through as-is

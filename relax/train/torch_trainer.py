@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
+from tqdm.auto import tqdm
 
 from relax.algo import compute_advantages, masked_sum, token_log_probs
 from relax.debug import faults
@@ -86,7 +87,7 @@ class TorchTrainer:
             scale = self.layout.dp_size / num_tokens
             sums = torch.zeros(len(common.STEP_KEYS))
             self.optimizer.zero_grad(set_to_none=True)
-            for mb in step_mbs:
+            for mb in tqdm(step_mbs, desc="train", leave=False, delay=2, disable=self.layout.rank > 0):
                 loss, mb_sums = common.objective(*self._log_probs(self.actor, mb), mb, self.cfg.algo)
                 (masked_sum(loss, mb.mask) * scale).backward()
                 sums += mb_sums
