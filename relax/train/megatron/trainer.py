@@ -391,7 +391,9 @@ class MegatronTrainer:
                     time.perf_counter() - t0, peak))
         result = None
         if last:
-            if self.save_train_data and self.ps.get_tensor_model_parallel_rank() == 0:
+            ps = self.ps
+            writer = ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+            if self.save_train_data and writer:  # one file per DP shard, not per TP/CP replica
                 common.save_train_data(self.save_train_data, rollout_id, self.ps.get_data_parallel_rank(),
                                        dist.get_rank(), samples, micro_batches, advantages,
                                        self.cfg.algo.kl_loss_type, step_metrics)
