@@ -107,6 +107,16 @@ def test_rl_loop_with_megatron_first_step_kl_is_zero(tmp_path, tiny_path):
     assert json.loads((tmp_path / "weight_check.json").read_text())["passed"]
 
 
+def test_rl_loop_with_an_moe_model_and_expert_parallelism(tmp_path):
+    """The torch engine runs the MoE model; weights come back from Megatron's EP ranks."""
+    rollouts, steps = run_loop(tmp_path, *TRAIN, *MOE[:2], "parallel=ep2", "rollout.num_rollout=2",
+                               "rollout.rollout_batch_size=4", "debug.check_weight_update_equal=true",
+                               "debug.check_weight_update_every_sync=true")
+    assert len(steps) == 2 and rollouts[0]["rollout/log_probs"] == rollouts[0]["rollout/ref_log_probs"]
+    report = json.loads((tmp_path / "weight_check.json").read_text())
+    assert report["passed"] and report["checks"][1]["compared"] > 40  # every expert tensor
+
+
 def test_megatron_refuses_impossible_layouts(tmp_path, tiny_path):
     proc = relax_cli(*TRAIN, "parallel=vpp2", "rollout.num_rollout=1", cwd=tmp_path)
     assert proc.returncode != 0 and "do not split into pp=2 x vpp=2" in proc.stderr + proc.stdout

@@ -22,7 +22,8 @@ from relax.debug import faults
 from relax.errors import ConfigError
 from relax.model import read_hf_config, torch_dtype
 
-ROTARY_CLASSES = {"qwen2": "Qwen2RotaryEmbedding", "llama": "LlamaRotaryEmbedding"}
+ROTARY_CLASSES = {"qwen2": "Qwen2RotaryEmbedding", "llama": "LlamaRotaryEmbedding",
+                  "qwen2_moe": "Qwen2MoeRotaryEmbedding"}
 
 
 @dataclass
@@ -69,7 +70,7 @@ class TorchEngine:
     def __init__(self, model_path: Path, dtype: str, eos_token_ids: list[int], pad_token_id: int):
         hf = read_hf_config(model_path)
         if hf.get("model_type") not in ROTARY_CLASSES:
-            raise ConfigError(f"rollout=torch runs dense Qwen2/Llama models; {model_path} is "
+            raise ConfigError(f"rollout=torch runs Qwen2/Llama/Qwen2-MoE models; {model_path} is "
                               f"{hf.get('model_type')!r} (use rollout=sglang)")
         from transformers import AutoConfig
 
@@ -102,15 +103,50 @@ class TorchEngine:
             fused_qkv = self._fuse(params, [n + ".weight" for n in qkv])
             fused_bias = self._fuse(params, [n + ".bias" for n in qkv]) \
                 if qkv[0] + ".bias" in params else None
-            gate_up = self._fuse(params, [pre + "mlp.gate_proj.weight", pre + "mlp.up_proj.weight"])
             self.layers.append((
                 params[pre + "input_layernorm.weight"], fused_qkv, fused_bias,
                 params[pre + "self_attn.o_proj.weight"], params.get(pre + "self_attn.o_proj.bias"),
-                params[pre + "post_attention_layernorm.weight"], gate_up,
-                params[pre + "mlp.down_proj.weight"]))
+                params[pre + "post_attention_layernorm.weight"], self._mlp(params, pre + "mlp.")))
         if "lm_head.weight" not in params:  # tied embeddings: one tensor, two names
             params["lm_head.weight"] = params["model.embed_tokens.weight"]
         return params
+
+    def _mlp(self, params, pre):
+        """The layer's MLP as a function of the normed hidden states: SwiGLU, or a
+        Qwen2-MoE block (softmax router, top-k experts, optional gated shared expert)."""
+        def swiglu(gate_up, down):
+            def forward(h):
+                gate, up = F.linear(h, gate_up).chunk(2, dim=-1)
+                return F.linear(F.silu(gate) * up, down)
+            return forward
+
+        def fused(prefix):
+            return self._fuse(params, [prefix + "gate_proj.weight", prefix + "up_proj.weight"])
+
+        if pre + "gate.weight" not in params:  # dense
+            return swiglu(fused(pre), params[pre + "down_proj.weight"])
+        router, c = params[pre + "gate.weight"], self.config
+        experts = [swiglu(fused(f"{pre}experts.{e}."), params[f"{pre}experts.{e}.down_proj.weight"])
+                   for e in range(c.num_experts)]
+        shared = None
+        if params.get(pre + "shared_expert.down_proj.weight", torch.empty(0)).numel():
+            shared = swiglu(fused(pre + "shared_expert."), params[pre + "shared_expert.down_proj.weight"])
+
+        def moe(h):
+            x = h.reshape(-1, h.shape[-1])
+            weights, chosen = F.linear(x, router).softmax(-1, dtype=torch.float32).topk(
+                c.num_experts_per_tok, dim=-1)
+            if c.norm_topk_prob:
+                weights = weights / weights.sum(-1, keepdim=True)
+            out = torch.zeros_like(x)
+            for e, expert in enumerate(experts):
+                rows, slot = (chosen == e).nonzero(as_tuple=True)
+                if rows.numel():
+                    out.index_add_(0, rows, expert(x[rows]) * weights[rows, slot, None].to(x.dtype))
+            if shared is not None:
+                out = out + torch.sigmoid(F.linear(x, params[pre + "shared_expert_gate.weight"])) * shared(x)
+            return out.view_as(h)
+        return moe
 
     @staticmethod
     def _fuse(params, names):
@@ -162,7 +198,7 @@ class TorchEngine:
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         x = F.embedding(ids, self.params["model.embed_tokens.weight"])
         end = start + T
-        for (ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, down_w), (keys, values) in zip(self.layers, cache):
+        for (ln1, qkv_w, qkv_b, o_w, o_b, ln2, mlp), (keys, values) in zip(self.layers, cache):
             qk, v = F.linear(rms_norm(x, ln1, self.eps), qkv_w, qkv_b).split(
                 [(H + Hkv) * D, Hkv * D], dim=-1)
             qk = apply_rope(qk.view(B, T, H + Hkv, D), cos, sin).transpose(1, 2)
@@ -172,8 +208,7 @@ class TorchEngine:
                 q, keys[:, :, :end], values[:, :, :end], attn_mask=mask,
                 is_causal=mask is None and T > 1, enable_gqa=True)
             x = x + F.linear(a.transpose(1, 2).reshape(B, T, H * D), o_w, o_b)
-            gate, up = F.linear(rms_norm(x, ln2, self.eps), gate_up_w).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, down_w)
+            x = x + mlp(rms_norm(x, ln2, self.eps))
         x = rms_norm(x[:, -1], self.params["model.norm.weight"], self.eps)
         return F.linear(x, self.params["lm_head.weight"]).float()
 
