@@ -38,6 +38,10 @@ GPU = torch.cuda.is_available()
 
 def check_megatron_layout(cfg, hf_config) -> None:
     p = cfg.parallel
+    if p.fsdp:
+        raise ConfigError(f"parallel={p.name}: fsdp is train=torch's FSDP2; train=megatron shards "
+                          f"optimizer state over dp with its distributed optimizer "
+                          f"(train.use_distributed_optimizer): use a layout with parallel.fsdp=false")
     if hf_config.num_hidden_layers % (p.pp * p.vpp):
         raise ConfigError(f"parallel={p.name}: {hf_config.num_hidden_layers} layers do not split "
                           f"into pp={p.pp} x vpp={p.vpp} equal chunks")
