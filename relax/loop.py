@@ -185,7 +185,7 @@ def rl_loop(cfg, run_dir: Path) -> None:
                 after_training(run, trainer, rollout_id, samples, record, out)
             metrics.log(record, "rollout_id")
             bar.set_postfix(reward=f"{record['rollout/raw_reward']:.3f}")
-    finally:  # trainer ranks first: SGLang's shutdown kills the driver's child processes
+    finally:
         for part, close in ((metrics, "close"), (trainer, "shutdown"), (engine, "shutdown")):
             if part:
                 getattr(part, close)()

@@ -3,8 +3,8 @@
 Why the offline `sglang.Engine` and not server + HTTP: rollouts are generated from token
 ids with per-token log-probs and weights are pushed as tensors, both of which the Engine
 API takes directly (no serialisation over a socket, no port to manage), and Relax's
-driver already owns the process lifecycle. Note that `Engine.shutdown()` kills every
-child of the calling process, so the loop stops the trainer's ranks first.
+driver already owns the process lifecycle. `Engine.shutdown()` kills every child of the
+calling process, so `shutdown()` below narrows it to the engine's own processes.
 
 On a machine without CUDA, SGLang runs for real with the settings of
 docs/findings-sglang-cpu.md (device cpu, torch_native attention, fp32, no CUDA graphs) in
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import tempfile
 from pathlib import Path
 
@@ -157,8 +158,28 @@ class SGLangEngine:
             engine.resume_memory_occupation()
 
     def shutdown(self) -> None:
+        """Stop the engines' processes, and only those: SGLang's own shutdown SIGKILLs every
+        child of this process (trainer ranks, multiprocessing's resource tracker...)."""
+        import atexit
+
+        from sglang.srt.entrypoints import engine as engine_module
+
+        kill = engine_module.kill_process_tree
         for engine in self.engines:
-            engine.shutdown()
+            own = engine.get_all_child_pids()
+
+            def kill_own(pid, include_parent=True, **kwargs):
+                if pid != os.getpid():
+                    return kill(pid, include_parent, **kwargs)
+                for child in own:
+                    kill(child, include_parent=True, **kwargs)
+
+            engine_module.kill_process_tree = kill_own
+            try:
+                engine.shutdown()
+            finally:
+                engine_module.kill_process_tree = kill
+            atexit.unregister(engine.shutdown)
         self.engines = []
 
 
