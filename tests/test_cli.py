@@ -129,3 +129,12 @@ def test_translate_guide_flags():
         translate_args(["--dump-details"])
     with pytest.raises(UsageError, match="--debug-train-only"):
         translate_args(["--debug-train-onyl"])
+
+
+def test_experiment_overrides_the_base_config_and_debug_overrides_the_experiment():
+    from .conftest import make_cfg
+
+    cfg = make_cfg("experiment=arith_grpo_v1")
+    assert cfg.seed == 7 and cfg.train.lr == 4e-4 and cfg.algo.use_kl_loss and cfg.rollout.num_rollout == 300
+    assert make_cfg().seed == 1234
+    assert make_cfg("experiment=arith_grpo_v1", "debug=rollout_only").debug.rollout_only
