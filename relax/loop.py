@@ -145,6 +145,9 @@ def train(run: Run, trainer, engine, rollout_id: int, samples: list[Sample]) -> 
 
 
 def sync_weights(run: Run, trainer, engine, weight_check, rollout_id: int) -> None:
+    if run.cfg.rollout.weight_update_mode == "distributed":  # NCCL, trainer -> engine directly
+        engine.update_weights_from_trainer(trainer)
+        return
     weights = trainer.named_weights()
     engine.update_weights(weights)
     if weight_check and run.cfg.debug.check_weight_update_every_sync:

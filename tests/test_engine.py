@@ -112,3 +112,15 @@ def test_moe_model_greedy_and_log_probs_match_hf(moe_path, tokenizer):
         with torch.no_grad():
             lp, _ = token_log_probs(model(tokens).logits[:, :-1], tokens[:, 1:])
         assert (lp[0, len(prompt) - 1:] - torch.tensor(gen.log_probs)).abs().max() < 1e-4
+
+
+def test_nccl_weight_sync_is_refused_without_gpus():
+    from relax.debug.plan import resolve
+    from relax.errors import ConfigError
+
+    from .conftest import make_cfg
+
+    if torch.cuda.is_available():
+        pytest.skip("GPUs present: the mode is allowed")
+    with pytest.raises(ConfigError, match="needs rollout=sglang and CUDA GPUs"):
+        resolve(make_cfg("rollout=sglang", "rollout.weight_update_mode=distributed"))

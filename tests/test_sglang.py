@@ -169,3 +169,17 @@ def test_colocated_loop_on_gpu(tmp_path):
                      "rollout.rollout_batch_size=4", "checkpoint.save_interval=null",
                      cwd=tmp_path, entry=[sys.executable, "-m", "relax"])
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA GPUs (NCCL)")
+def test_nccl_weight_sync_on_gpu(tmp_path):
+    """On GPU: trainer rank 0 broadcasts the weights into SGLang over NCCL each rollout."""
+    proc = relax_cli("rollout=sglang", "rollout.weight_update_mode=distributed", "rollout.num_rollout=3",
+                     "rollout.rollout_batch_size=4", "checkpoint.save_interval=null",
+                     "hydra.run.dir=outputs/nccl", cwd=tmp_path, entry=[sys.executable, "-m", "relax"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = [json.loads(line) for line in (tmp_path / "outputs/nccl/metrics.jsonl").read_text().splitlines()
+             if '"step"' in line]
+    # the engine generated rollout 2 with the weights broadcast after step 1
+    assert steps[2]["train/train_rollout_logprob_abs_diff"] < 1e-3

@@ -26,13 +26,22 @@ def sampling_params(rollout_cfg):
     return SamplingParams(rollout_cfg.temperature, rollout_cfg.top_p, rollout_cfg.max_new_tokens)
 
 
+def torch_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def check_engine(cfg) -> None:
     if cfg.rollout.engine not in ENGINES:
         raise ConfigError(f"rollout.engine={cfg.rollout.engine!r}: expected one of "
                           f"{', '.join(ENGINES)}")
-    if cfg.rollout.weight_update_mode not in ("tensor", "disk"):
-        raise ConfigError(f"rollout.weight_update_mode={cfg.rollout.weight_update_mode!r}: "
-                          f"expected tensor or disk")
+    mode = cfg.rollout.weight_update_mode
+    if mode not in ("tensor", "disk", "distributed"):
+        raise ConfigError(f"rollout.weight_update_mode={mode!r}: expected tensor, disk or distributed")
+    if mode == "distributed" and (cfg.rollout.engine != "sglang" or not torch_cuda_available()):
+        raise ConfigError("rollout.weight_update_mode=distributed broadcasts weights over NCCL into "
+                          "SGLang: it needs rollout=sglang and CUDA GPUs (use tensor or disk)")
 
 
 def build_engine(cfg, model_path: Path, tokenizer):

@@ -86,6 +86,7 @@ class SGLangEngine:
         self.cfg, self.eos = cfg, eos_token_ids
         self.hf_config = read_hf_config(model_path)
         self.engines = [sglang.Engine(**kwargs) for kwargs in engine_args(cfg, model_path)]
+        self._sync_metadata = None  # (name, dtype, shape) of what NCCL weight sync broadcasts
         log.info("SGLang %s: %d engine(s) on %s", sglang.__version__, len(self.engines),
                  "GPU" if GPU else "CPU")
 
@@ -113,6 +114,31 @@ class SGLangEngine:
             else:
                 self._update_from_tensors(engine, named)
             engine.flush_cache()
+
+    def update_weights_from_trainer(self, trainer) -> None:
+        """rollout.weight_update_mode=distributed (GPU): NCCL broadcast from trainer rank 0
+        into each engine (see relax.train.weight_sync)."""
+        from relax.train.group import free_port
+
+        if self._sync_metadata is None:
+            self._sync_metadata = trainer.call("weight_metadata")
+            tp = self.cfg.rollout.rollout_num_gpus_per_engine
+            for i, engine in enumerate(self.engines):
+                port = free_port()
+                trainer.send("init_weight_sync_group", "127.0.0.1", port, 1 + tp, f"relax_sync_{i}")
+                _check(engine.init_weights_update_group(
+                    master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=1 + tp,
+                    group_name=f"relax_sync_{i}", backend="nccl"), "init_weights_update_group")
+                trainer.collect()
+        names, dtypes, shapes = map(list, zip(*self._sync_metadata))
+        for i, engine in enumerate(self.engines):
+            _check(engine.begin_weight_update(), "begin_weight_update")
+            trainer.send("broadcast_weights", f"relax_sync_{i}")
+            _check(engine.update_weights_from_distributed(
+                names=names, dtypes=dtypes, shapes=shapes, group_name=f"relax_sync_{i}",
+                flush_cache=True), "update_weights_from_distributed")
+            trainer.collect()
+            _check(engine.end_weight_update(), "end_weight_update")
 
     def _update_from_tensors(self, engine, named: dict[str, torch.Tensor]) -> None:
         limit = self.cfg.rollout.weight_update_bucket_mb * 2**20

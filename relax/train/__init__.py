@@ -54,7 +54,10 @@ def build_trainer(cfg, model_path, ref_model_path, pad_token_id, save_train_data
     kwargs = dict(ref_model_path=str(ref_model_path), pad_token_id=pad_token_id,
                   save_train_data=save_train_data)
     world_size = cfg.parallel.world_size
-    if world_size == 1 and cfg.train.backend == "torch":
+    # NCCL weight sync needs the trainer in its own process (it broadcasts while the driver
+    # waits on the engine)
+    in_process = cfg.train.backend == "torch" and cfg.rollout.weight_update_mode != "distributed"
+    if world_size == 1 and in_process:
         return make_trainer(cfg, str(model_path), **kwargs)
     from relax.train.group import TrainerGroup
 

@@ -109,9 +109,17 @@ class TrainerGroup:
                 del pending[rank]
         return results[0]
 
-    def call(self, method: str, *args, **kwargs):
+    def send(self, method: str, *args, **kwargs) -> None:
+        """Start `method` on every rank without waiting (pair with `collect`)."""
         for conn in self.conns:
             conn.send((method, args, kwargs))
+
+    def collect(self):
+        """Wait for the method `send` started; rank 0's result."""
+        return self._collect()
+
+    def call(self, method: str, *args, **kwargs):
+        self.send(method, *args, **kwargs)
         return self._collect()
 
     def train(self, rollout_id, samples):

@@ -22,6 +22,7 @@ from relax.replay import atomic_save, safe_load
 from relax.sample import Sample
 from relax.train import common
 from relax.train.common import MicroBatch
+from relax.train.weight_sync import DistributedWeightSync
 from relax.train.parallel import (
     apply_layout, check_torch_layout, clip_grad_norm, dp_all_gather, dp_all_reduce, full_tensor,
     init_layout, peak_memory_mb)
@@ -29,7 +30,7 @@ from relax.train.parallel import (
 log = logging.getLogger(__name__)
 
 
-class TorchTrainer:
+class TorchTrainer(DistributedWeightSync):
     """Trainer interface: train / named_weights / save_checkpoint / load_checkpoint / shutdown."""
 
     def __init__(self, cfg, model_path: str, ref_model_path: str | None = None,

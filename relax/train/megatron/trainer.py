@@ -31,6 +31,7 @@ from relax.train.common import MicroBatch
 from relax.train.group import free_port
 from relax.train.megatron import convert
 from relax.train.parallel import peak_memory_mb
+from relax.train.weight_sync import DistributedWeightSync
 
 log = logging.getLogger(__name__)
 GPU = torch.cuda.is_available()
@@ -77,7 +78,7 @@ def _init_distributed(rank: int, world_size: int) -> None:
     dist.init_process_group("nccl" if GPU else "gloo", rank=rank, world_size=world_size)
 
 
-class MegatronTrainer:
+class MegatronTrainer(DistributedWeightSync):
     """Trainer interface: train / named_weights / save_checkpoint / load_checkpoint / shutdown."""
 
     def __init__(self, cfg, model_path: str, ref_model_path: str | None = None,
