@@ -290,8 +290,8 @@ class MegatronTrainer(DistributedWeightSync):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator, model):
-            mb = self._cp_local(next(data_iterator))
-            output = model(input_ids=mb.tokens, position_ids=mb.positions, attention_mask=None)
+            mb, positions = self._cp_local(next(data_iterator))
+            output = model(input_ids=mb.tokens, position_ids=positions, attention_mask=None)
             return output, partial(loss_func, mb)
 
         vpp = len(chunks)
@@ -315,12 +315,11 @@ class MegatronTrainer(DistributedWeightSync):
         return [tuple(map(self._cp_full, out)) for out in outputs]
 
     # -- context parallelism: each rank holds sequence chunks r and 2cp-1-r ---------------
-    def _cp_local(self, mb: MicroBatch) -> MicroBatch:
-        """This CP rank's positions of every per-position tensor (and their positions)."""
+    def _cp_local(self, mb: MicroBatch) -> tuple[MicroBatch, torch.Tensor]:
+        """This CP rank's part of every per-position tensor, and the positions it holds."""
         positions = torch.arange(mb.tokens.shape[1]).expand_as(mb.tokens)
         if self.cfg.parallel.cp == 1:
-            mb.positions = positions
-            return mb
+            return mb, positions
         from megatron.core.utils import get_batch_on_this_cp_rank
 
         fields = ("tokens", "targets", "mask", "rollout_log_probs", "old_log_probs",
@@ -329,8 +328,7 @@ class MegatronTrainer(DistributedWeightSync):
         out = MicroBatch(mb.indices, local["tokens"], local["targets"], local["mask"], mb.advantages,
                          local["rollout_log_probs"], local["old_log_probs"], local["ref_log_probs"],
                          local["entropy"])
-        out.positions = local["positions"]
-        return out
+        return out, local["positions"]
 
     def _cp_full(self, local: torch.Tensor) -> torch.Tensor:
         """[b, 2c] on each CP rank -> [b, 2cp*c] in sequence order (no autograd)."""
