@@ -6,7 +6,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from relax.algo import (compute_advantages, group_advantages, kl_estimate, masked_mean,
+from relax.algo import (compute_advantages, group_advantages, kl_estimate, masked_sum,
                         policy_loss, token_log_probs)
 
 
@@ -68,6 +68,6 @@ def test_token_log_probs_and_entropy_by_hand():
     assert lp_t.item() == pytest.approx(math.log(9 / 10))
 
 
-def test_masked_mean():
+def test_masked_sum():
     x = torch.tensor([[1.0, 2.0, 100.0]])
-    assert masked_mean(x, torch.tensor([[1.0, 1.0, 0.0]])).item() == 1.5
+    assert masked_sum(x, torch.tensor([[1.0, 1.0, 0.0]])).item() == 3.0

@@ -12,10 +12,6 @@ def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum()
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return masked_sum(x, mask) / mask.sum().clamp(min=1)
-
-
 def group_advantages(rewards: torch.Tensor, group_size: int, normalize_std: bool = True,
                      eps: float = 1e-6) -> torch.Tensor:
     """GRPO: each reward minus its group's mean, divided by the group's std (unbiased)."""

@@ -71,8 +71,8 @@ class WeightCheck:
 
         self.loaded = snapshot(engine)
         checkpoint = load_safetensors_dir(model_path)
-        dtype = next(iter(self.loaded.values())).dtype
-        self.reference = {k: v.to(dtype) for k, v in checkpoint.items()}
+        self.dtype = next(iter(self.loaded.values())).dtype  # the engine's compute dtype
+        self.reference = {k: v.to(self.dtype) for k, v in checkpoint.items()}
         self.buffers = {k: v for k, v in self.loaded.items() if k not in checkpoint}
         self.path = Path(run_dir) / "weight_check.json"
         self.results: list[dict] = []
@@ -99,6 +99,5 @@ class WeightCheck:
                                                           {**self.reference, **self.buffers}))
 
     def check_sync(self, engine, trained: dict[str, torch.Tensor], rollout_id: int) -> dict:
-        dtype = next(iter(self.loaded.values())).dtype
-        expected = {**{k: v.to(dtype) for k, v in trained.items()}, **self.buffers}
+        expected = {**{k: v.to(self.dtype) for k, v in trained.items()}, **self.buffers}
         return self._record("sync", rollout_id, compare_tensors(snapshot(engine), expected))
