@@ -124,3 +124,28 @@ def test_nccl_weight_sync_is_refused_without_gpus():
         pytest.skip("GPUs present: the mode is allowed")
     with pytest.raises(ConfigError, match="needs rollout=sglang and CUDA GPUs"):
         resolve(make_cfg("rollout=sglang", "rollout.weight_update_mode=distributed"))
+
+
+def test_the_weight_check_on_tensor_parallel_sglang_engines_is_refused_at_start():
+    from relax.debug.plan import resolve
+    from relax.errors import ConfigError
+
+    from .conftest import make_cfg
+
+    with pytest.raises(ConfigError, match="rollout.rollout_num_gpus_per_engine=1"):
+        resolve(make_cfg("rollout=sglang", "rollout.rollout_num_gpus=4",
+                         "rollout.rollout_num_gpus_per_engine=2", "debug.check_weight_update_equal=true"))
+
+
+def test_sglang_deterministic_mode_seeds_each_sample():
+    """Seeds per prompt: reproducible from the rollout seed, distinct within a GRPO group."""
+    from relax.rollout.sglang_engine import sampling_params
+
+    sp = SamplingParams(1.0, 1.0, 8)
+    assert "sampling_seed" not in sampling_params(sp, [2], seed=7, n=16, deterministic=False)
+    seeded = sampling_params(sp, [2], seed=7, n=16, deterministic=True)
+    seeds = [p["sampling_seed"] for p in seeded]
+    assert len(set(seeds)) == 16 and all(0 <= s < 2**62 for s in seeds)
+    assert seeds == [p["sampling_seed"] for p in sampling_params(sp, [2], 7, 16, True)]
+    assert not set(seeds) & {p["sampling_seed"] for p in sampling_params(sp, [2], 8, 16, True)}
+    assert all(p["temperature"] == 1.0 and p["stop_token_ids"] == [2] for p in seeded)

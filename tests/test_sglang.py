@@ -23,6 +23,7 @@ from .conftest import make_cfg, relax_cli  # noqa: E402
 from .test_engine import chat_prompts  # noqa: E402
 
 pytestmark = pytest.mark.sglang
+ROTARY_CACHE = "model.layers.0.self_attn.rotary_emb.cos_sin_cache"  # SGLang's one rotary buffer
 GREEDY = SamplingParams(0.0, 1.0, 8)
 
 
@@ -104,7 +105,10 @@ def test_engine_weights_check_passes_and_names_a_corrupted_tensor(
                            pad_token_id=tokenizer.pad_token_id)
     check = WeightCheck(sglang_engine, tiny_path, tmp_path)
     assert check.results[0]["passed"] and check.results[0]["compared"] == 27  # load
-    assert check.check_first_sync(sglang_engine, trainer)["passed"]  # random -> synced -> equal
+    assert list(check.buffers) == [ROTARY_CACHE]  # read from inside the engine, with the parameters
+    assert check.buffers[ROTARY_CACHE].abs().max() > 0.5  # cos/sin values, not an empty allocation
+    sync = check.check_first_sync(sglang_engine, trainer)  # random -> synced -> equal
+    assert sync["passed"] and sync["compared"] == 28
     monkeypatch.setenv("RELAX_FAULT", "sync_perturb")
     report = check.check_first_sync(sglang_engine, trainer)
     assert not report["passed"]
@@ -161,6 +165,24 @@ def test_rollout_only_then_train_only_and_a_full_loop(tmp_path, tiny_path):
     assert sglang_processes() == already  # no orphan scheduler/detokenizer processes
 
 
+def test_a_dropped_engine_buffer_is_named_and_stops_a_strict_run(tmp_path):
+    """The rotary cache zeroed inside the engine (as a buffer lost across release/resume
+    would be): the check names it, strict mode stops the run, and no SGLang process is left."""
+    already = sglang_processes()
+    proc = relax_cli("rollout=sglang", "rollout.num_rollout=2", "rollout.rollout_batch_size=4",
+                     "debug.check_weight_update_equal=true", "debug.strict_checks=true",
+                     "hydra.run.dir=outputs/drop", cwd=tmp_path, entry=[sys.executable, "-m", "relax"],
+                     env={"RELAX_FAULT": "drop_buffer"})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert ROTARY_CACHE in proc.stderr + proc.stdout
+    load, sync = json.loads((tmp_path / "outputs/drop/weight_check.json").read_text())["checks"]
+    assert load["passed"] and not sync["passed"]
+    assert [m["name"] for m in sync["mismatches"]] == [ROTARY_CACHE]
+    assert sync["mismatches"][0]["max_abs_diff"] > 0.5
+    assert not (tmp_path / "outputs/drop/metrics.jsonl").exists()  # stopped before rollout 0
+    assert sglang_processes() == already
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs, memory saver)")
 def test_colocated_loop_on_gpu(tmp_path):
@@ -169,6 +191,21 @@ def test_colocated_loop_on_gpu(tmp_path):
                      "rollout.rollout_batch_size=4", "checkpoint.save_interval=null",
                      cwd=tmp_path, entry=[sys.executable, "-m", "relax"])
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU attention backend")
+def test_deterministic_mode_reproduces_a_sampled_rollout(tiny_path, tokenizer):
+    cfg = make_cfg("rollout=sglang", "+rollout.sglang_server_args.enable_deterministic_inference=true")
+    engine = SGLangEngine(cfg, tiny_path, [tokenizer.eos_token_id])
+    try:
+        prompts = chat_prompts(tokenizer, 8, repeat=4)
+        first, again, other = (engine.generate(prompts, SamplingParams(1.0, 1.0, 8), seed)
+                               for seed in (3, 3, 4))
+    finally:
+        engine.shutdown()
+    assert [g.tokens for g in first] == [g.tokens for g in again]
+    assert [g.tokens for g in first] != [g.tokens for g in other]
 
 
 @pytest.mark.gpu

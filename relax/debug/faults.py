@@ -20,3 +20,15 @@ def perturb_sync(named: dict) -> dict:
     name = "model.layers.0.mlp.down_proj.weight"
     noise = 3 * named[name].std() * torch.randn_like(named[name])
     return {**named, name: named[name] + noise}
+
+
+SGLANG_DROP_BUFFER = f"{__name__}.drop_rotary_cache"
+
+
+def drop_rotary_cache(model, named_tensors) -> None:
+    """`drop_buffer` inside an SGLang engine (its scheduler process runs this as a custom
+    weight loader): the rotary cos/sin cache zeroed, as a buffer lost across
+    release/resume_memory_occupation would be."""
+    for name, buffer in model.named_buffers():
+        if name.endswith("rotary_emb.cos_sin_cache"):
+            buffer.zero_()

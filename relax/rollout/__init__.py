@@ -42,6 +42,10 @@ def check_engine(cfg) -> None:
     if mode == "distributed" and (cfg.rollout.engine != "sglang" or not torch_cuda_available()):
         raise ConfigError("rollout.weight_update_mode=distributed broadcasts weights over NCCL into "
                           "SGLang: it needs rollout=sglang and CUDA GPUs (use tensor or disk)")
+    if cfg.rollout.engine == "sglang" and cfg.debug.check_weight_update_equal and \
+            cfg.rollout.rollout_num_gpus_per_engine > 1:
+        raise ConfigError("debug.check_weight_update_equal reads the engine's tensors back unsharded: "
+                          "run it with rollout.rollout_num_gpus_per_engine=1")
 
 
 def build_engine(cfg, model_path: Path, tokenizer):

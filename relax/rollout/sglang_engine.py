@@ -32,6 +32,7 @@ from relax.rollout.torch_engine import Generation, SamplingParams
 log = logging.getLogger(__name__)
 GPU = torch.cuda.is_available()
 FINISH = {"stop": "completed", "length": "truncated", "abort": "aborted"}
+EXPORT_TENSORS = f"{__name__}.export_tensors"  # the custom weight loader that reads tensors back
 
 
 def engine_args(cfg, model_path: Path) -> list[dict]:
@@ -52,6 +53,9 @@ def engine_args(cfg, model_path: Path) -> list[dict]:
         common.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True,
                       max_total_tokens=r.max_total_tokens)
     common.update(dict(r.sglang_server_args))  # anything else, passed through as-is
+    # Relax's functions that run inside the scheduler (see export_tensors), kept beside any of yours.
+    common["custom_weight_loader"] = [EXPORT_TENSORS, faults.SGLANG_DROP_BUFFER,
+                                      *(common.get("custom_weight_loader") or [])]
     return [{**common, "base_gpu_id": i * tp} if GPU else common for i in range(engines)]
 
 
@@ -73,6 +77,20 @@ def sglang_to_hf(name: str, tensor: torch.Tensor, hf_config: dict) -> dict[str, 
     return {name: tensor}
 
 
+def sampling_params(sp: SamplingParams, eos: list[int], seed: int, n: int,
+                    deterministic: bool) -> dict | list[dict]:
+    """SGLang sampling params: one dict for all prompts or, in SGLang's deterministic mode
+    (`sglang_server_args.enable_deterministic_inference`, GPU attention backends only), one
+    per prompt with its own `sampling_seed`, so a rollout is reproducible from `seed` and the
+    samples of a GRPO group still differ. Elsewhere SGLang cannot seed sampling, and samples
+    differ run to run."""
+    params = {"temperature": sp.temperature, "top_p": sp.top_p,
+              "max_new_tokens": sp.max_new_tokens, "stop_token_ids": eos}
+    if not deterministic:
+        return params
+    return [{**params, "sampling_seed": (seed * 65_537 + i) % 2**62} for i in range(n)]
+
+
 class SGLangEngine:
     """Rollout engine interface: generate / update_weights / named_tensors / shutdown."""
 
@@ -87,17 +105,17 @@ class SGLangEngine:
         self.hf_config = read_hf_config(model_path)
         self.engines = [sglang.Engine(**kwargs) for kwargs in engine_args(cfg, model_path)]
         self._sync_metadata = None  # (name, dtype, shape) of what NCCL weight sync broadcasts
+        self.deterministic = bool(cfg.rollout.sglang_server_args.get("enable_deterministic_inference"))
         log.info("SGLang %s: %d engine(s) on %s", sglang.__version__, len(self.engines),
                  "GPU" if GPU else "CPU")
 
     def generate(self, prompts: list[list[int]], sp: SamplingParams, seed: int) -> list[Generation]:
-        # SGLang seeds sampling only in its deterministic mode (GPU attention backends), so
-        # `seed` cannot be honoured on CPU; samples differ run to run.
-        params = {"temperature": sp.temperature, "top_p": sp.top_p,
-                  "max_new_tokens": sp.max_new_tokens, "stop_token_ids": self.eos}
-        shares = [prompts[i::len(self.engines)] for i in range(len(self.engines))]
-        results = [e.generate(input_ids=share, sampling_params=params, return_logprob=True)
-                   for e, share in zip(self.engines, shares) if share]
+        params = sampling_params(sp, self.eos, seed, len(prompts), self.deterministic)
+        n = len(self.engines)
+        shares = [prompts[i::n] for i in range(n)]
+        results = [e.generate(input_ids=share, return_logprob=True,
+                              sampling_params=params[i::n] if self.deterministic else params)
+                   for i, (e, share) in enumerate(zip(self.engines, shares)) if share]
         merged = [None] * len(prompts)
         for i, result in enumerate(results):
             merged[i::len(self.engines)] = result
@@ -109,6 +127,8 @@ class SGLangEngine:
         (`rollout.weight_update_mode=disk`); then drop the prefix cache."""
         named = faults.perturb_sync(named)
         for engine in self.engines:
+            if faults.active("drop_buffer"):
+                _run_in_scheduler(engine, faults.SGLANG_DROP_BUFFER)
             if self.cfg.rollout.weight_update_mode == "disk":
                 self._update_from_disk(engine, named)
             else:
@@ -162,15 +182,16 @@ class SGLangEngine:
             _check(engine.update_weights_from_disk(tmp), "update_weights_from_disk")
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
-        """The engine's parameters under HF names, read from its own state_dict (SGLang's
-        `save_sharded_model` in the scheduler process). Non-persistent buffers such as the
-        rotary cos/sin cache are not in a state_dict and cannot be read back."""
+        """Every tensor the first engine computes with — parameters and buffers (the rotary
+        cos/sin cache) — under HF names, exported from its scheduler process."""
+        if self.cfg.rollout.rollout_num_gpus_per_engine > 1:
+            raise ConfigError("reading SGLang's tensors back needs unsharded engines: "
+                              "rollout.rollout_num_gpus_per_engine must be 1")
         with tempfile.TemporaryDirectory(prefix="relax-engine-weights-") as tmp:
-            self.engines[0].save_sharded_model(path=tmp, pattern=None, max_size=None)
+            _run_in_scheduler(self.engines[0], EXPORT_TENSORS, tmp)
             out = {}
-            for f in sorted(Path(tmp).glob("*.safetensors")):
-                for name, tensor in load_file(str(f)).items():
-                    out.update(sglang_to_hf(name, tensor, self.hf_config))
+            for name, tensor in load_file(f"{tmp}/tp0.safetensors").items():
+                out.update(sglang_to_hf(name, tensor, self.hf_config))
         if self.hf_config.get("tie_word_embeddings"):
             out.pop("lm_head.weight", None)
         return out
@@ -207,6 +228,35 @@ class SGLangEngine:
                 engine_module.kill_process_tree = kill
             atexit.unregister(engine.shutdown)
         self.engines = []
+
+
+def export_tensors(model, named_tensors) -> None:
+    """Runs inside SGLang's scheduler process as a `custom_weight_loader` that writes instead
+    of loading: every parameter and buffer of the served model, to <dir>/tp<rank>.safetensors
+    (<dir> is the request's argument). SGLang 0.5.23 has no call that reads buffers:
+    `get_weights_by_name` sees parameters only, and `save_sharded_model` a state_dict, which
+    leaves out non-persistent buffers such as the rotary cos/sin cache."""
+    from sglang.srt.runtime_context import get_parallel
+
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    save_file({k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()},
+              f"{_argument(named_tensors)}/tp{get_parallel().tp_rank}.safetensors")
+
+
+def _run_in_scheduler(engine, loader: str, argument: str = "") -> None:
+    """Call `loader(model, [("relax.argument", bytes)])` in each of the engine's scheduler
+    processes, through the custom-weight-loader hook of `update_weights_from_tensor` (the one
+    way in that SGLang offers; the loader must be listed in `custom_weight_loader`)."""
+    payload = [("relax.argument", torch.tensor(list(argument.encode()), dtype=torch.uint8))]
+    _check(engine.begin_weight_update(), "begin_weight_update")
+    _check(engine.update_weights_from_tensor(named_tensors=payload, load_format=loader,
+                                             flush_cache=False), loader)
+    _check(engine.end_weight_update(), "end_weight_update")
+
+
+def _argument(named_tensors) -> str:
+    (_, encoded), = named_tensors
+    return bytes(encoded.tolist()).decode()
 
 
 def _check(result, what: str) -> None:
