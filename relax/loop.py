@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from relax.checkpoint import find_checkpoint, read_state, save_checkpoint
+from relax.checkpoint import check_layout, find_checkpoint, read_state, save_checkpoint
 from relax.debug import doctor
 from relax.debug.health import response_health
 from relax.debug.plan import Plan, resolve
@@ -24,9 +24,10 @@ from relax.debug.weights import WeightCheck
 from relax.errors import CheckFailed, ConfigError, ReplayError
 from relax.logger import MetricsLogger, plot_run
 from relax.model import load_tokenizer, resolve_model_path
-from relax.replay import build_manifest, fill, load_rollout, save_rollout
+from relax.replay import atomic_save, build_manifest, fill, load_rollout, save_rollout
 from relax.sample import Sample
 from relax.task import Task
+from relax.train import checkpoint_layout
 
 log = logging.getLogger("relax")
 
@@ -75,6 +76,8 @@ def prepare(cfg, run_dir: Path) -> Run:
     checkpoint = find_checkpoint(cfg.resume, run_dir.parent)
     start = read_state(checkpoint)["rollout_id"] + 1 if checkpoint else 0
     plan = resolve(cfg, start)
+    if checkpoint and plan.builds_train:
+        check_layout(checkpoint, checkpoint_layout(cfg))
     task = Task(cfg.task, cfg.seed) if plan.builds_rollout else None
     model_path = Path(read_state(checkpoint)["ref_model_path"]) if checkpoint \
         else resolve_model_path(cfg.model)
@@ -158,14 +161,14 @@ def after_training(run: Run, trainer, rollout_id: int, samples, record: dict, ou
     """First-step checks and records, and checkpoints on schedule."""
     cfg, first, last = run.cfg, run.plan.rollout_ids[0], run.plan.rollout_ids[-1]
     if rollout_id == first:
-        torch.save(out["first_step_log_probs"], run.dir / "first_step_log_probs.pt")
+        atomic_save(out["first_step_log_probs"], run.dir / "first_step_log_probs.pt")
         if cfg.debug.strict_checks:
             doctor.strict_first_step(record, out["steps"], cfg, [s.prompt for s in samples],
                                      run.tokenizer)
     interval = cfg.checkpoint.save_interval
     if interval and ((rollout_id + 1) % interval == 0 or rollout_id == last):
         save_checkpoint(trainer, run.tokenizer, run.dir, rollout_id, run.model_path,
-                        cfg.checkpoint.keep_last)
+                        cfg.checkpoint.keep_last, checkpoint_layout(cfg))
 
 
 def rl_loop(cfg, run_dir: Path) -> None:

@@ -117,6 +117,28 @@ def test_rl_loop_with_an_moe_model_and_expert_parallelism(tmp_path):
     assert report["passed"] and report["checks"][1]["compared"] > 40  # every expert tensor
 
 
+def test_megatron_resume_equals_uninterrupted_run(tmp_path, tiny_path):
+    """dp=2 with the distributed optimizer: the Adam moments sharded over the two ranks are
+    saved and restored, so the steps after resume are the uninterrupted run's, bit for bit
+    (rollout 3 is the first to depend on them: rollout 2 starts from the saved weights)."""
+    common = [*TRAIN[:2], "parallel=dp2", "rollout.num_rollout=4", "rollout.rollout_batch_size=8",
+              "checkpoint.save_interval=2"]
+    full_rollouts, full_steps = run_loop(tmp_path / "full", *common)
+    checkpoint = tmp_path / "full" / "checkpoints" / "rollout_000001"
+    assert sorted(p.name for p in checkpoint.glob("trainer_state_rank*.pt")) == \
+        ["trainer_state_rank000.pt", "trainer_state_rank001.pt"]
+
+    resumed_rollouts, resumed_steps = run_loop(tmp_path / "resumed", *common, f"resume={checkpoint}")
+    assert [r["rollout_id"] for r in resumed_rollouts] == [2, 3]
+    for resumed, full in zip(resumed_steps, full_steps[2:], strict=True):
+        for key in ("train/loss", "train/grad_norm", "train/pg_clipfrac", "train/ppo_kl"):
+            assert resumed[key] == full[key], key
+    assert resumed_rollouts[1]["rollout/log_probs"] == full_rollouts[3]["rollout/log_probs"]
+
+    with pytest.raises(ConfigError, match=r"parallel.dp=2 \(this run: 1\)"):
+        run_loop(tmp_path / "other_layout", *TRAIN[:2], "rollout.num_rollout=4", f"resume={checkpoint}")
+
+
 def test_megatron_refuses_impossible_layouts(tmp_path, tiny_path):
     proc = relax_cli(*TRAIN, "parallel=vpp2", "rollout.num_rollout=1", cwd=tmp_path)
     assert proc.returncode != 0 and "do not split into pp=2 x vpp=2" in proc.stderr + proc.stdout

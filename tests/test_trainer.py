@@ -62,21 +62,24 @@ def test_weight_sync_makes_engine_match_trainer(tiny_path, tokenizer):
 
 
 def test_checkpoint_resume_equals_uninterrupted_run(tmp_path):
-    common = ["rollout.num_rollout=3", "rollout.rollout_batch_size=8", "checkpoint.save_interval=2",
+    """Rollout 2 starts from the saved weights; rollout 3 also needs the saved Adam state."""
+    common = ["rollout.num_rollout=4", "rollout.rollout_batch_size=8", "checkpoint.save_interval=2",
               "checkpoint.keep_last=3"]
     full_rollouts, full_steps = run_loop(tmp_path / "full", *common)
     checkpoints = sorted((tmp_path / "full" / "checkpoints").iterdir())
-    assert [c.name for c in checkpoints] == ["rollout_000001", "rollout_000002"]
+    assert [c.name for c in checkpoints] == ["rollout_000001", "rollout_000003"]
     assert (checkpoints[0] / "hf" / "model.safetensors").is_file()
     assert (checkpoints[0] / "hf" / "tokenizer.json").is_file()
 
     resumed_rollouts, resumed_steps = run_loop(tmp_path / "resumed", *common,
                                                f"resume={checkpoints[0]}")
-    assert [r["rollout_id"] for r in resumed_rollouts] == [2]
-    for key in ("train/loss", "train/grad_norm", "train/pg_clipfrac"):
-        assert resumed_steps[0][key] == full_steps[-1][key], key
-    for key in ("rollout/raw_reward", "rollout/log_probs", "rollout/ref_log_probs"):
-        assert resumed_rollouts[0][key] == full_rollouts[-1][key], key
+    assert [r["rollout_id"] for r in resumed_rollouts] == [2, 3]
+    for resumed, full in zip(resumed_steps, full_steps[2:], strict=True):
+        for key in ("train/loss", "train/grad_norm", "train/pg_clipfrac", "train/ppo_kl"):
+            assert resumed[key] == full[key], key
+    for resumed, full in zip(resumed_rollouts, full_rollouts[2:], strict=True):
+        for key in ("rollout/raw_reward", "rollout/log_probs", "rollout/ref_log_probs"):
+            assert resumed[key] == full[key], key
 
 
 def test_resume_true_without_checkpoint_is_a_clear_error(tmp_path):

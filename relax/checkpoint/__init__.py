@@ -2,8 +2,10 @@
 
 <run dir>/checkpoints/rollout_000099/
     hf/                  the actor as a normal HF directory (config, safetensors, tokenizer)
-    trainer_state.pt     optimizer and RNG state (plain tensors; loaded weights_only)
-    relax_state.json     rollout_id and the reference model's path
+    trainer_state.pt     optimizer and RNG state (plain tensors; loaded weights_only);
+                         train=megatron: trainer_state_rank<R>.pt, one per rank
+    relax_state.json     rollout_id, the reference model's path, and the trainer layout
+                         the state is tied to (checked before a resumed run builds anything)
 Written into a temp directory and renamed into place, so a crash never leaves a half
 checkpoint that resume would pick. Prompts and sampling seeds derive from `rollout_id`,
 so a resumed run continues exactly where the uninterrupted one would be.
@@ -21,7 +23,7 @@ STATE_FILE = "relax_state.json"
 
 
 def save_checkpoint(trainer, tokenizer, run_dir: Path, rollout_id: int, ref_model_path: Path,
-                    keep_last: int) -> Path:
+                    keep_last: int, layout: dict) -> Path:
     root = Path(run_dir) / "checkpoints"
     final = root / f"rollout_{rollout_id:06d}"
     tmp = root / f".{final.name}.tmp"
@@ -29,7 +31,8 @@ def save_checkpoint(trainer, tokenizer, run_dir: Path, rollout_id: int, ref_mode
     trainer.save_checkpoint(str(tmp))
     tokenizer.save_pretrained(tmp / "hf")
     (tmp / STATE_FILE).write_text(json.dumps(
-        {"rollout_id": rollout_id, "ref_model_path": str(ref_model_path)}, indent=2))
+        {"rollout_id": rollout_id, "ref_model_path": str(ref_model_path), "trainer_layout": layout},
+        indent=2))
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     for old in sorted(root.glob("rollout_*"))[:-keep_last]:
@@ -63,3 +66,12 @@ def find_checkpoint(resume, runs_root: Path) -> Path | None:
 
 def read_state(checkpoint: Path) -> dict:
     return json.loads((Path(checkpoint) / STATE_FILE).read_text())
+
+
+def check_layout(checkpoint: Path, layout: dict) -> None:
+    """A resumed trainer must match what its saved state is tied to (relax.train.checkpoint_layout)."""
+    saved = read_state(checkpoint).get("trainer_layout", {})
+    differ = [f"{k}={saved.get(k)} (this run: {v})" for k, v in layout.items() if saved.get(k) != v]
+    if differ:
+        raise ConfigError(f"resume: {checkpoint} holds trainer state saved with {', '.join(differ)}; "
+                          f"resume it with the same settings")

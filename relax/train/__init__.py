@@ -50,6 +50,17 @@ def check_backend(cfg) -> None:
         check_version()
 
 
+def checkpoint_layout(cfg) -> dict:
+    """What a checkpoint's trainer state is tied to: its backend; for Megatron, whose optimizer
+    state is saved per rank, also the parallel sizes and the optimizer kind (train=torch
+    saves full state dicts, which load into any layout)."""
+    layout = {"train.backend": cfg.train.backend}
+    if cfg.train.backend == "megatron":
+        layout |= {f"parallel.{k}": cfg.parallel[k] for k in ("tp", "pp", "vpp", "ep", "etp", "cp", "dp")}
+        layout["train.use_distributed_optimizer"] = cfg.train.use_distributed_optimizer
+    return layout
+
+
 def build_trainer(cfg, model_path, ref_model_path, pad_token_id, save_train_data, log_dir):
     kwargs = dict(ref_model_path=str(ref_model_path), pad_token_id=pad_token_id,
                   save_train_data=save_train_data)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from relax.algo import compute_advantages, masked_sum, token_log_probs
 from relax.errors import ConfigError
 from relax.model import torch_dtype
-from relax.replay import atomic_save
+from relax.replay import atomic_save, safe_load
 from relax.rollout.torch_engine import load_safetensors_dir
 from relax.sample import Sample
 from relax.train import common
@@ -68,6 +68,10 @@ def deterministic_mode() -> None:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")      # deterministic cuBLAS
     os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")   # TE: no atomics-based kernels
     torch.use_deterministic_algorithms(True)
+
+
+def _main_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 def _init_distributed(rank: int, world_size: int) -> None:
@@ -450,21 +454,40 @@ class MegatronTrainer(DistributedWeightSync):
         return weights
 
     def save_checkpoint(self, path: str) -> None:
-        """The actor as an HF directory (weights only: Megatron's optimizer state is not kept)."""
+        """The actor as an HF directory, and per rank the state of each torch optimizer that
+        Megatron wraps (Adam's step and moments) with the params it steps: its main params,
+        i.e. this rank's shard under the distributed optimizer, fp32 copies under bf16."""
         from safetensors.torch import save_file
 
         weights = self.named_weights()
+        state = {"torch_rng": torch.get_rng_state(),
+                 "optimizers": [{"state": inner.state_dict(),
+                                 "main_params": [p.detach().clone() for p in _main_params(inner)]}
+                                for inner in self._inner_optimizers()]}
+        atomic_save(state, Path(path) / f"trainer_state_rank{dist.get_rank():03d}.pt")
         if dist.get_rank() == 0:
             hf = Path(path) / "hf"
             hf.mkdir(parents=True, exist_ok=True)
             self.hf_config.save_pretrained(hf)
             save_file({k: v.contiguous() for k, v in weights.items()}, hf / "model.safetensors",
                       metadata={"format": "pt"})
-            atomic_save({"torch_rng": torch.get_rng_state()}, Path(path) / "trainer_state.pt")
 
+    @torch.no_grad()
     def load_checkpoint(self, path: str) -> None:
-        log.warning("train=megatron resumes from the checkpoint's weights; its optimizer state "
-                    "was not saved, so the first steps after resume differ from an uninterrupted run")
+        """Restore optimizer and RNG state (the weights were loaded from <path>/hf). The files
+        are per rank, so the layout must be the one saved (checked at start-up)."""
+        state = safe_load(Path(path) / f"trainer_state_rank{dist.get_rank():03d}.pt")
+        for inner, saved in zip(self._inner_optimizers(), state["optimizers"], strict=True):
+            inner.load_state_dict(saved["state"])
+            for param, value in zip(_main_params(inner), saved["main_params"], strict=True):
+                param.copy_(value)
+        torch.set_rng_state(state["torch_rng"])
+
+    def _inner_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The torch optimizers inside Megatron's (chained, distributed, mixed-precision) ones.
+        Megatron's own parameter-state loaders expect TE/Apex Adam's state layout (no per-param
+        `step`), so Relax saves and restores the torch optimizers directly."""
+        return [o.optimizer for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer])]
 
     def shutdown(self) -> None:
         self.ps.destroy_model_parallel()
