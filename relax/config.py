@@ -24,6 +24,7 @@ class TinyModelConfig:
     num_kv_heads: int = 2
     intermediate_size: int = 256
     num_experts: int = 0  # >0 builds a Qwen2-MoE variant (for expert parallelism)
+    shared_expert_intermediate_size: int = 0
     seed: int = 3
     warmup_target_accuracy: float = 0.4
     warmup_max_steps: int = 1500

@@ -96,7 +96,8 @@ def moe_path():
 
     from .conftest import make_cfg
 
-    return resolve_model_path(make_cfg("model.tiny.num_experts=4", "model.tiny.warmup_max_steps=0").model)
+    return resolve_model_path(make_cfg("model.tiny.num_experts=4", "model.tiny.warmup_max_steps=0",
+                                       "model.tiny.shared_expert_intermediate_size=64").model)
 
 
 def test_moe_model_greedy_and_log_probs_match_hf(moe_path, tokenizer):

@@ -19,7 +19,10 @@ pytestmark = pytest.mark.slow
 # 2-layer model (rewards that vary, so gradients are not zero), replayed on purpose
 # across models with debug.allow_manifest_mismatch.
 DEEP = ["model.tiny.num_layers=4", "model.tiny.warmup_max_steps=0", "debug.allow_manifest_mismatch=true"]
-MOE = ["model.tiny.num_experts=4", "model.tiny.warmup_max_steps=0", "debug.allow_manifest_mismatch=true"]
+# Qwen2-MoE with its gated shared expert, as in the real models
+MOE = ["model.tiny.num_experts=4", "model.tiny.shared_expert_intermediate_size=64",
+       "model.tiny.warmup_max_steps=0", "debug.allow_manifest_mismatch=true"]
+ZERO_WIDTH_SHARED = ["model.tiny.num_experts=4", "model.tiny.warmup_max_steps=0"]
 TRAIN = ["train=megatron", "train.micro_batch_size=8", "checkpoint.save_interval=null"]
 
 
@@ -35,9 +38,10 @@ def replay(root) -> list[str]:
     return ["debug=train_only", f"debug.load_rollout_data={root}/rollout_data/{{rollout_id}}.pt"]
 
 
-@pytest.mark.parametrize("model,layout", [(DEEP, "single"), (DEEP, "tp2pp2"), (DEEP, "vpp2"), (MOE, "ep2")])
+@pytest.mark.parametrize("model,layout", [(DEEP, "single"), (DEEP, "tp2pp2"), (DEEP, "vpp2"), (MOE, "ep2"),
+                                          (MOE, "tp2"), (ZERO_WIDTH_SHARED, "ep2")])
 def test_hf_megatron_hf_round_trip_is_bit_identical(model, layout):
-    cfg = make_cfg(*model[:2], "train=megatron", f"parallel={layout}")
+    cfg = make_cfg(*model[:3], "train=megatron", f"parallel={layout}")
     path = resolve_model_path(cfg.model)
     trainer = build_trainer(cfg, path, path, 0, None, None)
     try:
@@ -109,7 +113,7 @@ def test_rl_loop_with_megatron_first_step_kl_is_zero(tmp_path, tiny_path):
 
 def test_rl_loop_with_an_moe_model_and_expert_parallelism(tmp_path):
     """The torch engine runs the MoE model; weights come back from Megatron's EP ranks."""
-    rollouts, steps = run_loop(tmp_path, *TRAIN, *MOE[:2], "parallel=ep2", "rollout.num_rollout=2",
+    rollouts, steps = run_loop(tmp_path, *TRAIN, *MOE[:3], "parallel=ep2", "rollout.num_rollout=2",
                                "rollout.rollout_batch_size=4", "debug.check_weight_update_equal=true",
                                "debug.check_weight_update_every_sync=true")
     assert len(steps) == 2 and rollouts[0]["rollout/log_probs"] == rollouts[0]["rollout/ref_log_probs"]

@@ -59,7 +59,8 @@ def build_config(cfg, tokenizer):
 
         return Qwen2MoeConfig(
             **common, num_experts=cfg.num_experts, num_experts_per_tok=2,
-            moe_intermediate_size=cfg.intermediate_size // 2, shared_expert_intermediate_size=0,
+            moe_intermediate_size=cfg.intermediate_size // 2,
+            shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
             decoder_sparse_step=1, norm_topk_prob=True, output_router_logits=False,
         )
     from transformers import Qwen2Config

@@ -1,4 +1,5 @@
-"""HF <-> Megatron-core parameter conversion for Qwen2 / Llama (dense) and Qwen2-MoE.
+"""HF <-> Megatron-core parameter conversion for Qwen2 / Llama (dense) and Qwen2-MoE
+(with its gated shared expert).
 
 No maintained bridge library supports megatron-core 0.16.1 with transformers 5 here, so
 the conversion is written out, one name rule per tensor kind:
@@ -24,7 +25,10 @@ RENAMES = {  # Megatron (within a layer) -> HF (within a layer)
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
     "mlp.router.weight": "mlp.gate.weight",
+    "mlp.shared_experts.linear_fc2.weight": "mlp.shared_expert.down_proj.weight",
+    "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",
 }
+FC1 = {"mlp.linear_fc1.weight": "mlp.", "mlp.shared_experts.linear_fc1.weight": "mlp.shared_expert."}
 TOP = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
        "decoder.final_layernorm.weight": "model.norm.weight",
        "output_layer.weight": "lm_head.weight"}
@@ -64,8 +68,9 @@ def hf_to_megatron(name: str, hf: dict[str, torch.Tensor], layout: Qwen2Layout) 
     if rest.startswith("self_attention.linear_qkv."):
         kind = rest.rsplit(".", 1)[1]
         return layout.fuse_qkv(*(hf[f"{pre}self_attn.{x}_proj.{kind}"] for x in "qkv"))
-    if rest == "mlp.linear_fc1.weight":
-        return torch.cat([hf[pre + "mlp.gate_proj.weight"], hf[pre + "mlp.up_proj.weight"]])
+    if rest in FC1:
+        mlp = pre + FC1[rest]
+        return torch.cat([hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"]])
     expert = EXPERT.match(rest)
     if expert:
         e, which = expert.groups()
@@ -87,9 +92,10 @@ def megatron_to_hf(name: str, tensor: torch.Tensor, layout: Qwen2Layout) -> dict
         q, k, v = layout.split_qkv(tensor)
         return {f"{pre}self_attn.q_proj.{kind}": q, f"{pre}self_attn.k_proj.{kind}": k,
                 f"{pre}self_attn.v_proj.{kind}": v}
-    if rest == "mlp.linear_fc1.weight":
+    if rest in FC1:
         gate, up = tensor.chunk(2)
-        return {pre + "mlp.gate_proj.weight": gate, pre + "mlp.up_proj.weight": up}
+        mlp = pre + FC1[rest]
+        return {mlp + "gate_proj.weight": gate, mlp + "up_proj.weight": up}
     expert = EXPERT.match(rest)
     if expert:
         e, which = expert.groups()

@@ -52,9 +52,6 @@ def check_megatron_layout(cfg, hf_config) -> None:
         raise ConfigError(f"parallel={p.name}: tp={p.tp} must divide the KV heads "
                           f"({hf_config.num_key_value_heads}) and the vocabulary ({hf_config.vocab_size})")
     experts = getattr(hf_config, "num_experts", 0) or 0
-    if getattr(hf_config, "shared_expert_intermediate_size", 0):
-        raise ConfigError("train=megatron: Qwen2-MoE shared experts are not converted yet (this "
-                          "model has shared_expert_intermediate_size > 0)")
     if p.ep > 1 and (not experts or experts % p.ep):
         raise ConfigError(f"parallel={p.name}: ep={p.ep} needs an MoE model whose expert count is "
                           f"divisible by it (this model has {experts} experts); try "
@@ -135,7 +132,10 @@ class MegatronTrainer(DistributedWeightSync):
                    moe_router_pre_softmax=not h.norm_topk_prob,
                    moe_ffn_hidden_size=h.moe_intermediate_size, moe_router_load_balancing_type="none",
                    moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="alltoall",
-                   moe_permute_fusion=t.moe_permute_fusion, moe_grouped_gemm=False) if experts else {}
+                   moe_permute_fusion=t.moe_permute_fusion, moe_grouped_gemm=False,
+                   # Qwen2-MoE's shared expert: sigmoid(x @ gate) * MLP(x), added to the experts'
+                   moe_shared_expert_intermediate_size=h.shared_expert_intermediate_size or None,
+                   moe_shared_expert_gate=bool(h.shared_expert_intermediate_size)) if experts else {}
         return TransformerConfig(
             num_layers=h.num_hidden_layers, hidden_size=h.hidden_size,
             num_attention_heads=h.num_attention_heads, num_query_groups=h.num_key_value_heads,
@@ -213,9 +213,10 @@ class MegatronTrainer(DistributedWeightSync):
             chunks.append(chunk)
         hf = load_safetensors_dir(Path(path))
         self._load_hf(chunks, hf)
-        # HF tensors no Megatron parameter stands for (Qwen2-MoE's zero-width shared expert
+        # HF tensors no Megatron parameter stands for (a zero-width Qwen2-MoE shared expert
         # and its gate) are carried through unchanged, so weight sync and checkpoints stay whole.
-        self.passthrough = {k: v for k, v in hf.items() if "shared_expert" in k}
+        zero_width = not getattr(self.hf_config, "shared_expert_intermediate_size", 0)
+        self.passthrough = {k: v for k, v in hf.items() if "shared_expert" in k and zero_width}
         return chunks
 
     def _global_names(self, chunk) -> dict[str, str]:
