@@ -118,7 +118,7 @@ class SGLangEngine:
                    for i, (e, share) in enumerate(zip(self.engines, shares)) if share]
         merged = [None] * len(prompts)
         for i, result in enumerate(results):
-            merged[i::len(self.engines)] = result
+            merged[i::n] = result
         return [Generation(r["output_ids"], [lp for lp, _, _ in r["meta_info"]["output_token_logprobs"]],
                            FINISH[r["meta_info"]["finish_reason"]["type"]]) for r in merged]
 
