@@ -183,10 +183,8 @@ class SGLangEngine:
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor the first engine computes with — parameters and buffers (the rotary
-        cos/sin cache) — under HF names, exported from its scheduler process."""
-        if self.cfg.rollout.rollout_num_gpus_per_engine > 1:
-            raise ConfigError("reading SGLang's tensors back needs unsharded engines: "
-                              "rollout.rollout_num_gpus_per_engine must be 1")
+        cos/sin cache) — under HF names, exported from its scheduler process. Unsharded
+        engines only: relax.rollout.check_engine refuses the check for TP engines at start-up."""
         with tempfile.TemporaryDirectory(prefix="relax-engine-weights-") as tmp:
             _run_in_scheduler(self.engines[0], EXPORT_TENSORS, tmp)
             out = {}
