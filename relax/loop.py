@@ -74,13 +74,13 @@ class Run:
 def prepare(cfg, run_dir: Path) -> Run:
     """Validate and resolve (plan, model, tokenizer) before anything expensive is built."""
     checkpoint = find_checkpoint(cfg.resume, run_dir.parent)
-    start = read_state(checkpoint)["rollout_id"] + 1 if checkpoint else 0
+    saved = read_state(checkpoint) if checkpoint else None
+    start = saved["rollout_id"] + 1 if saved else 0
     plan = resolve(cfg, start)
-    if checkpoint and plan.builds_train:
-        check_layout(checkpoint, checkpoint_layout(cfg))
+    if saved and plan.builds_train:
+        check_layout(checkpoint, saved, checkpoint_layout(cfg))
     task = Task(cfg.task, cfg.seed) if plan.builds_rollout else None
-    model_path = Path(read_state(checkpoint)["ref_model_path"]) if checkpoint \
-        else resolve_model_path(cfg.model)
+    model_path = Path(saved["ref_model_path"]) if saved else resolve_model_path(cfg.model)
     tokenizer = load_tokenizer(model_path)
     if plan.dump_dir:  # with the rollout/train data, enough to reproduce the run
         tokenizer.save_pretrained(plan.dump_dir / "tokenizer")

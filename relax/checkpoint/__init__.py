@@ -68,9 +68,10 @@ def read_state(checkpoint: Path) -> dict:
     return json.loads((Path(checkpoint) / STATE_FILE).read_text())
 
 
-def check_layout(checkpoint: Path, layout: dict) -> None:
-    """A resumed trainer must match what its saved state is tied to (relax.train.checkpoint_layout)."""
-    saved = read_state(checkpoint).get("trainer_layout", {})
+def check_layout(checkpoint: Path, state: dict, layout: dict) -> None:
+    """A resumed trainer must match what its saved state (`state`, the checkpoint's
+    relax_state.json) is tied to (relax.train.checkpoint_layout)."""
+    saved = state.get("trainer_layout", {})
     differ = [f"{k}={saved.get(k)} (this run: {v})" for k, v in layout.items() if saved.get(k) != v]
     if differ:
         raise ConfigError(f"resume: {checkpoint} holds trainer state saved with {', '.join(differ)}; "

@@ -216,7 +216,7 @@ class MegatronTrainer(DistributedWeightSync):
         # HF tensors no Megatron parameter stands for (a zero-width Qwen2-MoE shared expert
         # and its gate) are carried through unchanged, so weight sync and checkpoints stay whole.
         zero_width = not getattr(self.hf_config, "shared_expert_intermediate_size", 0)
-        self.passthrough = {k: v for k, v in hf.items() if "shared_expert" in k and zero_width}
+        self.passthrough = {k: v for k, v in hf.items() if "shared_expert" in k} if zero_width else {}
         return chunks
 
     def _global_names(self, chunk) -> dict[str, str]:
