@@ -24,7 +24,8 @@ from relax.debug.weights import WeightCheck
 from relax.errors import CheckFailed, ConfigError, ReplayError
 from relax.logger import MetricsLogger, plot_run
 from relax.model import load_tokenizer, resolve_model_path
-from relax.replay import atomic_save, build_manifest, fill, load_rollout, save_rollout
+from relax.files import atomic_save, fill
+from relax.replay import build_manifest, load_rollout, save_rollout
 from relax.sample import Sample
 from relax.task import Task
 from relax.train import checkpoint_layout

@@ -11,7 +11,8 @@ import torch
 
 from relax.debug.plan import resolve
 from relax.errors import ConfigError, ReplayError
-from relax.replay import atomic_save, load_rollout, safe_load, subsample_groups
+from relax.files import atomic_save, safe_load
+from relax.replay import load_rollout, subsample_groups
 
 from .conftest import REPO, make_cfg, only_run_dir, run_loop, status_of
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from relax.replay import safe_load
+from relax.files import safe_load
 
 from .conftest import make_cfg, relax_cli, run_loop
 

@@ -90,7 +90,7 @@ def chat_template_parts(tokenizer) -> tuple[str, str] | None:
 def load_run(path: Path) -> RunData:
     from omegaconf import OmegaConf
 
-    from relax.replay import safe_load
+    from relax.files import safe_load
 
     path = Path(path)
     rollouts, steps = read_metrics(path)

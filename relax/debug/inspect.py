@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from relax.errors import ReplayError
-from relax.replay import safe_load
+from relax.files import safe_load
 
 MAX_ROWS = 20  # longer runs: the first and last rollouts (all of them with --json)
 

@@ -67,7 +67,7 @@ class WeightCheck:
     """Runs the load and sync comparisons and records them in the run dir."""
 
     def __init__(self, engine, model_path: Path, run_dir: Path):
-        from relax.rollout.torch_engine import load_safetensors_dir
+        from relax.model import load_safetensors_dir
 
         self.loaded = snapshot(engine)
         checkpoint = load_safetensors_dir(model_path)

@@ -67,6 +67,19 @@ def tokenizer_fingerprint(tokenizer) -> dict:
     return {"vocab_size": len(vocab), "vocab_hash": digest}
 
 
+def load_safetensors_dir(path: Path) -> dict:
+    """Every tensor of an HF directory's *.safetensors files, by name."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"{path}: no *.safetensors files to load")
+    weights: dict = {}
+    for f in files:
+        weights.update(load_file(str(f)))
+    return weights
+
+
 def torch_dtype(name: str):
     import torch
 

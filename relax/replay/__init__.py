@@ -12,31 +12,18 @@ from __future__ import annotations
 import glob
 import hashlib
 import math
-import os
-import pickle
 import random
 import re
-import tempfile
 from pathlib import Path
 
-import torch
 from omegaconf import OmegaConf
 
 import relax
 from relax.errors import ReplayError
+from relax.files import atomic_save, fill, safe_load
 from relax.sample import Sample
 
 FORMAT_VERSION = 1
-
-
-def fill(template: str, rollout_id: int | None = None, rank: int | None = None) -> Path:
-    """Expand a path template's `{rollout_id}` and `{rank}` (and nothing else)."""
-    path = template
-    if rollout_id is not None:
-        path = path.replace("{rollout_id}", str(rollout_id))
-    if rank is not None:
-        path = path.replace("{rank}", str(rank))
-    return Path(path).expanduser().absolute()
 
 
 def discover_rollout_ids(template: str) -> dict[int, Path]:
@@ -52,44 +39,6 @@ def discover_rollout_ids(template: str) -> dict[int, Path]:
         if m:
             found[int(m.group(1))] = Path(name)
     return dict(sorted(found.items()))
-
-
-def atomic_save(obj, path: Path) -> None:
-    """torch.save to a temp file in the same directory, then rename: never a half file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def safe_load(path: Path) -> dict:
-    """Load plain data; a file that would run code, or is corrupt, is refused by name."""
-    path = Path(path)
-    if not path.is_file():
-        raise ReplayError(f"{path}: no such file")
-    try:
-        data = torch.load(path, weights_only=True, map_location="cpu")
-    except pickle.UnpicklingError as e:
-        # torch wraps the reason in boilerplate paragraphs; keep the reason itself
-        paragraphs = [p.strip() for p in str(e).split("\n\n") if p.strip()]
-        detail = [p for p in paragraphs if not p.startswith("Check the documentation")][-1]
-        if "global" in detail.lower() or "class" in detail.lower():  # a callable to import
-            raise ReplayError(f"{path}: refused: it holds objects other than plain data "
-                              f"({detail}); loaded with weights_only=True, nothing was executed") from None
-        raise ReplayError(f"{path}: corrupt or truncated file ({detail})") from None
-    except Exception as e:  # truncated zip, bad magic number, EOF ...
-        raise ReplayError(f"{path}: corrupt or truncated file ({type(e).__name__}: {e})") from None
-    if not isinstance(data, dict):
-        raise ReplayError(f"{path}: expected a dict, found {type(data).__name__}")
-    return data
 
 
 def build_manifest(cfg, model_path: Path, tokenizer) -> dict:

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from relax.debug import faults
+from relax import faults
+from relax.distributed import free_port
 from relax.errors import ConfigError
 from relax.model import read_hf_config
 from relax.rollout.torch_engine import Generation, SamplingParams
@@ -138,8 +139,6 @@ class SGLangEngine:
     def update_weights_from_trainer(self, trainer) -> None:
         """rollout.weight_update_mode=distributed (GPU): NCCL broadcast from trainer rank 0
         into each engine (see relax.train.weight_sync)."""
-        from relax.train.group import free_port
-
         if self._sync_metadata is None:
             self._sync_metadata = trainer.call("weight_metadata")
             tp = self.cfg.rollout.rollout_num_gpus_per_engine

@@ -15,12 +15,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
-from relax.debug import faults
+from relax import faults
 from relax.errors import ConfigError
-from relax.model import read_hf_config, torch_dtype
+from relax.model import load_safetensors_dir, read_hf_config, torch_dtype
 
 ROTARY_CLASSES = {"qwen2": "Qwen2RotaryEmbedding", "llama": "LlamaRotaryEmbedding",
                   "qwen2_moe": "Qwen2MoeRotaryEmbedding"}
@@ -38,16 +37,6 @@ class Generation:
     tokens: list[int]          # response tokens, stop token included when produced
     log_probs: list[float]     # log p(token) under logits / temperature, per token
     status: str                # completed | truncated
-
-
-def load_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise ConfigError(f"{path}: no *.safetensors files to load")
-    weights: dict[str, torch.Tensor] = {}
-    for f in files:
-        weights.update(load_file(str(f)))
-    return weights
 
 
 def rms_norm(x, weight, eps):

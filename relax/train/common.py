@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from relax.algo import kl_estimate, masked_sum, policy_loss
-from relax.replay import atomic_save, fill
+from relax.files import atomic_save, fill
 from relax.sample import Sample
 
 FIRST_STEP_SAMPLES = 16  # per-token log-probs of these sample indices go to layout comparisons

@@ -15,24 +15,19 @@ import faulthandler
 import logging
 import os
 import signal
-import socket
 import sys
 import traceback
 from multiprocessing.connection import wait
 
 import torch.multiprocessing as mp
 
+from relax.distributed import free_port
+
 log = logging.getLogger(__name__)
 
 
 class RankError(RuntimeError):
     pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:

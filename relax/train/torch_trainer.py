@@ -16,9 +16,9 @@ from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 
 from relax.algo import compute_advantages, masked_sum, token_log_probs
-from relax.debug import faults
+from relax import faults
 from relax.model import load_causal_lm
-from relax.replay import atomic_save, safe_load
+from relax.files import atomic_save, safe_load
 from relax.sample import Sample
 from relax.train import common
 from relax.train.common import MicroBatch

@@ -20,15 +20,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from relax.distributed import free_port
 from relax.algo import compute_advantages, masked_sum, token_log_probs
 from relax.errors import ConfigError
-from relax.model import torch_dtype
-from relax.replay import atomic_save, safe_load
-from relax.rollout.torch_engine import load_safetensors_dir
+from relax.model import load_safetensors_dir, torch_dtype
+from relax.files import atomic_save, safe_load
 from relax.sample import Sample
 from relax.train import common
 from relax.train.common import MicroBatch
-from relax.train.group import free_port
 from relax.train.megatron import convert
 from relax.train.parallel import peak_memory_mb
 from relax.train.weight_sync import DistributedWeightSync
