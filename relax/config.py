@@ -52,6 +52,7 @@ class RolloutConfig:
     max_new_tokens: int = 8
     rollout_num_gpus: int = 1
     rollout_num_gpus_per_engine: int = 1
+    num_engines: Optional[int] = None  # null: rollout_num_gpus / rollout_num_gpus_per_engine on GPU, 1 on CPU
     # rollout=sglang only
     mem_fraction_static: Optional[float] = None
     max_total_tokens: int = 8192
@@ -145,6 +146,21 @@ class CheckpointConfig:
 
 
 @dataclass
+class ClusterConfig:
+    name: str = "local"
+    address: Optional[str] = None
+    num_cpus_per_rank: float = 1
+    num_gpus_per_rank: float = 0
+    num_cpus_per_engine: float = 1
+    num_gpus_per_engine: float = 0
+    resources_per_rank: dict[str, float] = field(default_factory=dict)
+    resources_per_engine: dict[str, float] = field(default_factory=dict)
+    placement_strategy: str = "PACK"
+    placement_timeout_s: float = 300
+    runtime_env: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class RelaxConfig:
     seed: int = 1234
     resume: Any = False
@@ -157,6 +173,7 @@ class RelaxConfig:
     debug: DebugConfig = field(default_factory=DebugConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
 
 def sweep_subdir(task_overrides: Any) -> str:

@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from relax.checkpoint import check_layout, find_checkpoint, read_state, save_checkpoint
+from relax.cluster import open_cluster
 from relax.debug import doctor
 from relax.debug.health import response_health
 from relax.debug.plan import Plan, resolve
@@ -91,24 +92,21 @@ def prepare(cfg, run_dir: Path) -> Run:
                build_manifest(cfg, model_path, tokenizer), task)
 
 
-def build(run: Run):
-    """The engine and/or trainer the plan asks for (and the engine-weights check)."""
-    cfg, engine, trainer, weight_check = run.cfg, None, None, None
-    built = {**run.plan.built(cfg), "model_path": str(run.model_path)}
+def build(run: Run, cluster):
+    """The engines and/or trainer the plan asks for, where the cluster puts them (and the
+    engine-weights check)."""
+    cfg, plan, weight_check = run.cfg, run.plan, None
+    built = {**plan.built(cfg), "cluster": cfg.cluster.name, "model_path": str(run.model_path)}
     log.info("Building %s", ", ".join(f"{k}={v}" for k, v in built.items() if v is not None))
     write_json(run.dir / "built.json", built)
-    if run.plan.builds_rollout:
-        from relax.rollout import build_engine
-
-        engine = build_engine(cfg, run.actor_path, run.tokenizer)
-    if run.plan.builds_train:
-        from relax.train import build_trainer
-
-        trainer = build_trainer(cfg, run.actor_path, run.model_path, run.tokenizer.pad_token_id,
-                                run.plan.save_train_data, str(run.dir))
-        if run.checkpoint:
-            trainer.load_checkpoint(str(run.checkpoint))
-            log.info("Resumed from %s at rollout %d", run.checkpoint, run.start)
+    engine, trainer = cluster.build(
+        (run.actor_path, run.tokenizer) if plan.builds_rollout else None,
+        (run.actor_path, run.model_path, run.tokenizer.pad_token_id, plan.save_train_data)
+        if plan.builds_train else None)
+    write_json(run.dir / "built.json", {**built, "placement": cluster.placement()})
+    if trainer and run.checkpoint:
+        trainer.load_checkpoint(str(run.checkpoint))
+        log.info("Resumed from %s at rollout %d", run.checkpoint, run.start)
     if engine and cfg.debug.check_weight_update_equal:
         weight_check = WeightCheck(engine, run.actor_path, run.dir)
         if trainer:
@@ -174,9 +172,10 @@ def after_training(run: Run, trainer, rollout_id: int, samples, record: dict, ou
 
 def rl_loop(cfg, run_dir: Path) -> None:
     run = prepare(cfg, run_dir)
+    cluster = open_cluster(cfg, run_dir)
     engine = trainer = metrics = None
     try:
-        engine, trainer, weight_check = build(run)
+        engine, trainer, weight_check = build(run, cluster)
         metrics = MetricsLogger(run_dir, cfg.logger, resume_from=run.start)
         bar = tqdm(run.plan.rollout_ids, desc="rollouts", unit="rollout")
         for rollout_id in bar:
@@ -193,7 +192,8 @@ def rl_loop(cfg, run_dir: Path) -> None:
             metrics.log(record, "rollout_id")
             bar.set_postfix(reward=f"{record['rollout/raw_reward']:.3f}")
     finally:
-        for part, close in ((metrics, "close"), (trainer, "shutdown"), (engine, "shutdown")):
+        for part, close in ((metrics, "close"), (trainer, "shutdown"), (engine, "shutdown"),
+                            (cluster, "close")):
             if part:
                 getattr(part, close)()
     plot_run(run_dir)

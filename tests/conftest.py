@@ -46,6 +46,13 @@ def run_loop(run_dir: Path, *overrides: str):
     return read_metrics(run_dir)
 
 
+def build_trainer(cfg, model_path, log_dir=None):
+    """The trainer a run of `cfg` builds (in the driver, or its rank processes / actors)."""
+    from relax.cluster import open_cluster
+
+    return open_cluster(cfg, log_dir).build(None, (model_path, model_path, 0, None))[1]
+
+
 def relax_cli(*args: str, cwd: Path, entry: list[str] | None = None, env: dict | None = None,
               timeout: int = 600) -> subprocess.CompletedProcess:
     """Run the real CLI in a subprocess (outputs/ lands under `cwd`)."""

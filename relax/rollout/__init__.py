@@ -1,7 +1,9 @@
 """Rollout (conf/rollout/): build the engine the config names, and turn prompts into Samples.
 
-An engine implements four calls, small enough for a Ray actor to wrap:
-  generate(prompt_token_lists, SamplingParams, seed) -> list[Generation]
+An engine implements these calls; relax.cluster's EngineGroup runs N of them (in the driver,
+or one Ray actor each) behind the same interface:
+  generate(prompt_token_lists, SamplingParams, seed, first_index) -> list[Generation]
+                                             # sample i is drawn with sample_seed(seed, first_index + i)
   update_weights({hf_name: tensor})          # weight sync from the trainer
   named_tensors() -> {hf_name: tensor}       # parameters and buffers, for weight checks
   release_memory_occupation() / resume_memory_occupation()   # around training, colocated
@@ -42,17 +44,33 @@ def check_engine(cfg) -> None:
     if mode == "distributed" and (cfg.rollout.engine != "sglang" or not torch_cuda_available()):
         raise ConfigError("rollout.weight_update_mode=distributed broadcasts weights over NCCL into "
                           "SGLang: it needs rollout=sglang and CUDA GPUs (use tensor or disk)")
+    if cfg.rollout.num_engines is not None and cfg.rollout.num_engines < 1:
+        raise ConfigError(f"rollout.num_engines={cfg.rollout.num_engines}: expected at least 1 (or null)")
+    if cfg.rollout.engine == "sglang" and not torch_cuda_available() and num_engines(cfg) > 1:
+        raise ConfigError(f"rollout=sglang on CPU runs one engine; got rollout.num_engines="
+                          f"{cfg.rollout.num_engines} (rollout=torch runs several)")
     if cfg.rollout.engine == "sglang" and cfg.debug.check_weight_update_equal and \
             cfg.rollout.rollout_num_gpus_per_engine > 1:
         raise ConfigError("debug.check_weight_update_equal reads the engine's tensors back unsharded: "
                           "run it with rollout.rollout_num_gpus_per_engine=1")
 
 
-def build_engine(cfg, model_path: Path, tokenizer):
+def num_engines(cfg) -> int:
+    """rollout.num_engines, or on GPU rollout_num_gpus / rollout_num_gpus_per_engine (else 1)."""
+    r = cfg.rollout
+    if r.num_engines is not None:
+        return r.num_engines
+    if r.engine == "sglang" and torch_cuda_available():
+        return r.rollout_num_gpus // r.rollout_num_gpus_per_engine
+    return 1
+
+
+def build_engine(cfg, model_path: Path, tokenizer, base_gpu_id: int = 0):
+    """One engine; a GPU engine uses the visible GPUs base_gpu_id.. (its tensor-parallel size)."""
     if cfg.rollout.engine == "sglang":
         from relax.rollout.sglang_engine import SGLangEngine
 
-        return SGLangEngine(cfg, model_path, [tokenizer.eos_token_id])
+        return SGLangEngine(cfg, model_path, [tokenizer.eos_token_id], base_gpu_id)
     from relax.rollout.torch_engine import TorchEngine
 
     if cfg.rollout.rollout_num_gpus > 1:

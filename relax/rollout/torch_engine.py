@@ -32,6 +32,14 @@ class SamplingParams:
     max_new_tokens: int = 8
 
 
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of one sample, from the rollout's seed and the sample's index in the rollout:
+    what a sample draws does not depend on how the rollout is split across engines."""
+    import numpy as np
+
+    return int(np.random.SeedSequence([seed % 2**64, index]).generate_state(1, np.uint64)[0] >> 2)  # < 2**62
+
+
 @dataclass
 class Generation:
     tokens: list[int]          # response tokens, stop token included when produced
@@ -202,7 +210,9 @@ class TorchEngine:
         return F.linear(x, self.params["lm_head.weight"]).float()
 
     @staticmethod
-    def _sample(logits, sp: SamplingParams, generator):
+    def _sample(logits, sp: SamplingParams, uniforms):
+        """One token per row by inverse CDF at that row's own uniform draw: a sample depends on
+        its seed and its logits only, never on which other rows share the batch."""
         if sp.temperature == 0:
             token = logits.argmax(-1)
             return token, logits.log_softmax(-1).gather(-1, token[:, None])[:, 0]
@@ -212,11 +222,16 @@ class TorchEngine:
             sorted_p, order = probs.sort(-1, descending=True)
             drop = sorted_p.cumsum(-1) - sorted_p > sp.top_p
             probs = torch.zeros_like(probs).scatter(-1, order, sorted_p.masked_fill(drop, 0))
-        token = torch.multinomial(probs, 1, generator=generator)[:, 0]
+        cdf = probs.cumsum(-1)
+        token = torch.searchsorted(cdf, uniforms[:, None] * cdf[:, -1:], right=True)[:, 0]
+        last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(-1)  # u*total rounded up
+        token = torch.minimum(token, last)
         return token, logp.gather(-1, token[:, None])[:, 0]
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], sp: SamplingParams, seed: int) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], sp: SamplingParams, seed: int,
+                 first_index: int = 0) -> list[Generation]:
+        """Sample `prompts[i]` with the seed of sample `first_index + i` (see sample_seed)."""
         B, P, N = len(prompts), max(map(len, prompts)), sp.max_new_tokens
         # Identical prompts (a GRPO group) are prefilled once and their KV cache shared.
         unique: dict[tuple, int] = {}
@@ -244,14 +259,15 @@ class TorchEngine:
             logits, valid, positions = logits[row_of], valid[row_of], positions[row_of]
             cache = [(k[row_of], v[row_of]) for k, v in cache]
 
-        generator = torch.Generator().manual_seed(seed)
+        uniforms = torch.stack([torch.rand(N, generator=torch.Generator().manual_seed(
+            sample_seed(seed, first_index + b))) for b in range(B)])
         out_tokens = torch.full((B, N), self.pad_token_id, dtype=torch.long)
         out_logp = torch.zeros(B, N)
         response_lens = torch.zeros(B, dtype=torch.long)
         finished = torch.zeros(B, dtype=torch.bool)
         next_pos = positions[:, -1:] + 1
         for t in tqdm(range(N), desc="generate", leave=False, delay=2):
-            token, logp = self._sample(logits, sp, generator)
+            token, logp = self._sample(logits, sp, uniforms[:, t])
             out_tokens[:, t] = token.masked_fill(finished, self.pad_token_id)
             out_logp[:, t] = logp.masked_fill(finished, 0.0)
             response_lens += ~finished

@@ -5,9 +5,8 @@ A trainer implements, for the driver:
   named_weights() -> {hf_name: tensor}       # what weight sync pushes into the engine
   save_checkpoint(path) / load_checkpoint(path)
   shutdown()
-A single-rank torch trainer runs in the driver process; every other trainer runs in
-`TrainerGroup` rank processes (Megatron always: its CPU compatibility layer and global
-parallel state must not leak into the driver), and the driver cannot tell the difference.
+relax/cluster/ decides where its ranks run (in the driver, local rank processes, or Ray
+actors: see runs_in_driver); the driver cannot tell the difference.
 """
 
 from __future__ import annotations
@@ -61,17 +60,10 @@ def checkpoint_layout(cfg) -> dict:
     return layout
 
 
-def build_trainer(cfg, model_path, ref_model_path, pad_token_id, save_train_data, log_dir):
-    kwargs = dict(ref_model_path=str(ref_model_path), pad_token_id=pad_token_id,
-                  save_train_data=save_train_data)
-    world_size = cfg.parallel.world_size
-    # NCCL weight sync needs the trainer in its own process (it broadcasts while the driver
-    # waits on the engine)
-    in_process = cfg.train.backend == "torch" and cfg.rollout.weight_update_mode != "distributed"
-    if world_size == 1 and in_process:
-        return make_trainer(cfg, str(model_path), **kwargs)
-    from relax.train.group import TrainerGroup
-
-    plain = OmegaConf.to_container(cfg, resolve=True)  # picklable, no resolvers needed
-    return TrainerGroup(make_trainer, world_size, args=(plain, str(model_path)), kwargs=kwargs,
-                        log_dir=log_dir)
+def runs_in_driver(cfg) -> bool:
+    """A single-rank torch trainer can run in the driver process (cluster=local); Megatron never
+    does (its CPU compatibility layer and global parallel state must not leak into the driver),
+    nor a trainer that NCCL weight sync needs in its own process (it broadcasts while the driver
+    waits on the engine)."""
+    return (cfg.parallel.world_size == 1 and cfg.train.backend == "torch"
+            and cfg.rollout.weight_update_mode != "distributed")
