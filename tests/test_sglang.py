@@ -12,6 +12,7 @@ import torch
 
 pytest.importorskip("sglang", reason="needs the SGLang environment (scripts/setup_sglang_cpu.sh)")
 
+from relax.cluster.engines import EngineGroup, InDriver  # noqa: E402
 from relax.debug.weights import WeightCheck  # noqa: E402
 from relax.rollout import generate_rollout  # noqa: E402
 from relax.rollout.sglang_engine import SGLangEngine  # noqa: E402
@@ -103,14 +104,16 @@ def test_engine_weights_check_passes_and_names_a_corrupted_tensor(
     cfg = make_cfg()
     trainer = make_trainer(cfg, str(tiny_path), ref_model_path=str(tiny_path),
                            pad_token_id=tokenizer.pad_token_id)
-    check = WeightCheck(sglang_engine, tiny_path, tmp_path)
+    engines = EngineGroup(InDriver([sglang_engine], ["cpu"]), cfg.rollout)
+    check = WeightCheck(engines, tiny_path, tmp_path)
     assert check.results[0]["passed"] and check.results[0]["compared"] == 27  # load
-    assert list(check.buffers) == [ROTARY_CACHE]  # read from inside the engine, with the parameters
-    assert check.buffers[ROTARY_CACHE].abs().max() > 0.5  # cos/sin values, not an empty allocation
-    sync = check.check_first_sync(sglang_engine, trainer)  # random -> synced -> equal
+    buffers, = check.buffers
+    assert list(buffers) == [ROTARY_CACHE]  # read from inside the engine, with the parameters
+    assert buffers[ROTARY_CACHE].abs().max() > 0.5  # cos/sin values, not an empty allocation
+    sync, = check.check_first_sync(engines, trainer)  # random -> synced -> equal
     assert sync["passed"] and sync["compared"] == 28
     monkeypatch.setenv("RELAX_FAULT", "sync_perturb")
-    report = check.check_first_sync(sglang_engine, trainer)
+    report, = check.check_first_sync(engines, trainer)
     assert not report["passed"]
     assert [m["name"] for m in report["mismatches"]] == ["model.layers.0.mlp.down_proj.weight"]
 
