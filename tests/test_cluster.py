@@ -19,7 +19,7 @@ import torch
 
 from relax.logger import read_metrics
 
-from .conftest import REPO, make_cfg, run_loop
+from .conftest import REPO, make_cfg, only_run_dir, relax_cli, run_loop
 
 TINY = ["rollout.num_rollout=2", "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4",
         "checkpoint.save_interval=null"]
@@ -267,3 +267,31 @@ def test_placement_timeout_names_what_was_asked_and_offered(two_nodes, ray_repla
         run_loop(tmp_path, *on(two_nodes, "cluster.num_cpus_per_rank=8", "cluster.placement_timeout_s=2"),
                  *TINY, *replay(ray_replay))
     assert time.monotonic() - start < 20
+
+
+def test_sweep_local_vs_ray_private_instance_is_equivalent(ray_replay, tmp_path):
+    """`relax -m cluster=local,ray ... parallel=dp2` (the Ray job on a private instance of its
+    own): `relax compare` says equivalent, and the numbers are in fact bit-equal."""
+    proc = relax_cli("-m", "cluster=local,ray", "parallel=dp2", *replay(ray_replay), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    multirun = only_run_dir(tmp_path, "multiruns")
+    local, ray_job = multirun / "cluster=local", multirun / "cluster=ray"
+    assert placement(ray_job)["private_instance"] and len(placement(ray_job)["trainer_ranks"]) == 2
+    report = json.loads(relax_cli("compare", str(multirun), "--json", cwd=tmp_path).stdout)
+    assert report["baseline"] == "cluster=local"
+    assert [j["verdict"] for j in report["jobs"]] == ["equivalent", "equivalent"]
+    assert first_step(ray_job) == first_step(local)
+    assert [s["train/grad_norm"] for s in read_metrics(ray_job)[1]] == \
+        [s["train/grad_norm"] for s in read_metrics(local)[1]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["parallel=tp2"], ["parallel=fsdp2"], ["train=megatron", "parallel=tp2"],
+                                    ["train=megatron", "parallel=pp2"]], ids=" ".join)
+def test_layouts_with_ranks_on_two_nodes_train_like_local(two_nodes, ray_replay, local_single, tmp_path,
+                                                         layout):
+    run_loop(tmp_path, *on(two_nodes, "cluster.placement_strategy=STRICT_SPREAD"), *replay(ray_replay),
+             *layout)
+    ranks = placement(tmp_path)["trainer_ranks"]
+    assert len({r["node_id"] for r in ranks}) == 2
+    assert_same_training(tmp_path, local_single, logprob_atol=1e-5, grad_rtol=1e-4)

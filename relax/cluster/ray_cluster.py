@@ -197,11 +197,11 @@ class RayCluster:
         if ray.is_initialized():  # inside a Ray job (e.g. a sweep on Ray): use its cluster
             log.info("Already connected to Ray: this job's actors join that cluster")
             return
-        if c.address is None:  # a private instance, sized to fit this job, reachable by it only
+        if c.address is None:  # a new private instance (even where RAY_ADDRESS is set), sized to fit the job
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
             self.reaper, since = Reaper(), now_ticks()
             custom = {k: v for k, v in needs.items() if k not in ("CPU", "GPU")}
-            ray.init(num_cpus=max(os.cpu_count() or 1, int(-(-needs.get("CPU", 0) // 1))),
+            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(-(-needs.get("CPU", 0) // 1))),
                      resources=custom or None, include_dashboard=False, runtime_env=runtime_env,
                      logging_level=logging.WARNING)
             self.reaper.watch(descendants(os.getpid(), since))
