@@ -9,7 +9,9 @@ private instance start their own. Rollouts are tiny: 4 prompts x 4 samples.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -258,15 +260,21 @@ def test_errors_name_the_rank_or_engine_node_and_traceback(two_nodes, tiny_path,
         cluster.close()
 
 
-def test_placement_timeout_names_what_was_asked_and_offered(two_nodes, ray_replay, tmp_path):
+def test_placement_timeout_names_what_was_asked_and_offered(two_nodes, ray_replay, tmp_path, monkeypatch,
+                                                           caplog):
+    from relax.cluster import placement as placement_module
     from relax.cluster.placement import PlacementTimeout
 
+    monkeypatch.setattr(placement_module, "WAIT_LOG_S", 0.5)  # 30 s in real runs
+    caplog.set_level(logging.INFO, logger="relax.cluster.placement")
     start = time.monotonic()
     with pytest.raises(PlacementTimeout, match=r"asked for 1 x \{CPU: 8\} \(PACK\); the cluster offers "
                                                r"2 node\(s\)"):
         run_loop(tmp_path, *on(two_nodes, "cluster.num_cpus_per_rank=8", "cluster.placement_timeout_s=2"),
                  *TINY, *replay(ray_replay))
     assert time.monotonic() - start < 20
+    waiting = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Waiting")]
+    assert len(waiting) >= 2 and "to place 1 x {CPU: 8} (PACK); the cluster offers 2 node(s)" in waiting[0]
 
 
 def test_sweep_local_vs_ray_private_instance_is_equivalent(ray_replay, tmp_path):
@@ -295,3 +303,74 @@ def test_layouts_with_ranks_on_two_nodes_train_like_local(two_nodes, ray_replay,
     ranks = placement(tmp_path)["trainer_ranks"]
     assert len({r["node_id"] for r in ranks}) == 2
     assert_same_training(tmp_path, local_single, logprob_atol=1e-5, grad_rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_run_fails_it_naming_the_rank_and_resume_continues(two_nodes, tmp_path):
+    from relax.cluster.ranks import RankError
+
+    common = [*on(two_nodes, *ROLES), *TINY, "rollout.num_rollout=3", "checkpoint.save_interval=1",
+              "parallel=dp2"]
+    kill = "+cluster.runtime_env.env_vars.RELAX_FAULT='sigkill_rank:1:1'"  # SIGKILL as rollout 1 trains
+    with pytest.raises(RankError, match=r"trainer rank 1 \(node .*, pid \d+\) died"):
+        run_loop(tmp_path / "killed", *common, kill)
+    pid = placement(tmp_path / "killed")["trainer_ranks"][1]["pid"]
+    assert not alive(pid)
+    checkpoints = sorted((tmp_path / "killed" / "checkpoints").iterdir())
+    assert [c.name for c in checkpoints] == ["rollout_000000"]  # the last one, whole
+    assert (checkpoints[0] / "relax_state.json").is_file()
+    assert (checkpoints[0] / "hf" / "config.json").is_file()
+    rollouts, _ = run_loop(tmp_path / "resumed", *common, "resume=true")
+    assert [r["rollout_id"] for r in rollouts] == [1, 2]
+
+
+def run_driver(tmp_path, *args) -> tuple[subprocess.Popen, list[tuple[int, int]]]:
+    """`relax cluster=ray ...` in its own session; once its actors are up, its processes
+    (Ray's, the actors', the reaper) as (pid, start time)."""
+    from relax.cluster.reaper import descendants
+
+    driver = subprocess.Popen([sys.executable, "-m", "relax", "cluster=ray", *args], cwd=tmp_path,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and driver.poll() is None:
+        built = list((tmp_path / "outputs" / "runs").glob("*/built.json"))
+        if built and "placement" in built[0].read_text():
+            return driver, descendants(driver.pid)
+        time.sleep(0.5)
+    raise AssertionError(f"the driver never came up: {driver.stderr.read()[-3000:]}")
+
+
+@pytest.mark.parametrize("end", ["kill -9", *(pytest.param(e, marks=pytest.mark.slow)
+                                                for e in ("completes", "Ctrl-C"))])
+def test_a_private_instance_leaves_no_process_behind(tmp_path, tiny_path, end):
+    from relax.cluster.reaper import start_time
+
+    num_rollout = 2 if end == "completes" else 100_000
+    driver, processes = run_driver(tmp_path, *TINY, f"rollout.num_rollout={num_rollout}", "parallel=dp2")
+    assert len(processes) >= 6  # GCS, raylet, agents, 2 ranks and an engine at least
+    if end == "kill -9":
+        driver.kill()
+    elif end == "Ctrl-C":  # what a terminal sends: SIGINT to the job's whole process group
+        os.killpg(driver.pid, signal.SIGINT)
+    code = driver.wait(timeout=120)
+    assert (code == 0) == (end == "completes"), driver.stderr.read()[-3000:]
+    deadline = time.time() + 30
+    left = processes
+    while left and time.time() < deadline:
+        left = [(pid, started) for pid, started in left if start_time(pid) == started]
+        time.sleep(0.2)
+    assert left == [], [open(f"/proc/{pid}/cmdline").read() for pid, _ in left]
+
+
+@pytest.mark.slow
+def test_a_killed_driver_leaves_no_actor_on_a_joined_cluster(two_nodes, tmp_path):
+    driver, _ = run_driver(tmp_path, f"cluster.address={two_nodes.address}", *ROLES, *TINY,
+                           "rollout.num_rollout=100000", "parallel=dp2")
+    run = next((tmp_path / "outputs" / "runs").iterdir())
+    where = json.loads((run / "built.json").read_text())["placement"]
+    actors = [p["pid"] for p in where["trainer_ranks"] + where["engines"]]
+    assert len(actors) == 3 and not where["private_instance"]
+    driver.kill()
+    driver.wait()
+    assert wait_gone(actors, 60) == []
