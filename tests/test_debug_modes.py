@@ -183,9 +183,9 @@ def test_replay_reproduces_the_original_run_exactly(tmp_path, dumped):
     dump, rollouts, steps = dumped
     replay_rollouts, replay_steps = run_loop(
         tmp_path, *SHORT, f"debug.load_rollout_data={dump}/rollout_data/{{rollout_id}}.pt")
-    for a, b in zip(steps, replay_steps):
+    for a, b in zip(steps, replay_steps, strict=True):
         assert a["train/loss"] == b["train/loss"] and a["train/grad_norm"] == b["train/grad_norm"]
-    for a, b in zip(rollouts, replay_rollouts):
+    for a, b in zip(rollouts, replay_rollouts, strict=True):
         for key in ("rollout/log_probs", "rollout/ref_log_probs", "rollout/raw_reward"):
             assert a[key] == b[key], key
 

@@ -7,7 +7,7 @@ driver already owns the process lifecycle. `Engine.shutdown()` kills every child
 calling process, so `shutdown()` below narrows it to the engine's own processes.
 
 On a machine without CUDA, SGLang runs for real with the settings of
-docs/findings-sglang-cpu.md (device cpu, torch_native attention, fp32, no CUDA graphs) in
+docs/measured-on-cpu.md (device cpu, torch_native attention, fp32, no CUDA graphs) in
 the environment scripts/setup_sglang_cpu.sh builds. GPU-only paths (CUDA graphs, several
 engines with tensor parallelism, the memory saver) are the same code with other
 settings, exercised only where a GPU exists.
