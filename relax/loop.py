@@ -22,12 +22,13 @@ from relax.debug.health import response_health
 from relax.debug.plan import Plan, resolve
 from relax.debug.weights import WeightCheck
 from relax.errors import CheckFailed, ConfigError, ReplayError
-from relax.logger import MetricsLogger, plot_run
+from relax.config import instantiate, load_target
+from relax.logger import plot_run
 from relax.model import load_tokenizer, resolve_model_path
 from relax.files import atomic_save, fill
 from relax.replay import build_manifest, load_rollout, save_rollout
 from relax.sample import Sample
-from relax.task import Task
+from relax.task import Task, build_task
 from relax.train import checkpoint_layout
 
 log = logging.getLogger("relax")
@@ -80,7 +81,8 @@ def prepare(cfg, run_dir: Path) -> Run:
     plan = resolve(cfg, start)
     if saved and plan.builds_train:
         check_layout(checkpoint, saved, checkpoint_layout(cfg))
-    task = Task(cfg.task, cfg.seed) if plan.builds_rollout else None
+    task = build_task(cfg) if plan.builds_rollout else None
+    load_target(cfg, "logger")  # a logger._target_ that does not import stops the run here
     model_path = Path(saved["ref_model_path"]) if saved else resolve_model_path(cfg.model)
     tokenizer = load_tokenizer(model_path)
     if plan.dump_dir:  # with the rollout/train data, enough to reproduce the run
@@ -177,7 +179,7 @@ def rl_loop(cfg, run_dir: Path) -> None:
     engine = trainer = metrics = None
     try:
         engine, trainer, weight_check = build(run)
-        metrics = MetricsLogger(run_dir, cfg.logger, resume_from=run.start)
+        metrics = instantiate(cfg, "logger", run_dir=run_dir, resume_from=run.start)
         bar = tqdm(run.plan.rollout_ids, desc="rollouts", unit="rollout")
         for rollout_id in bar:
             samples, record = rollout(run, engine, rollout_id)

@@ -23,6 +23,7 @@ DEEP = ["model.tiny.num_layers=4", "model.tiny.warmup_max_steps=0", "debug.allow
 MOE = ["model.tiny.num_experts=4", "model.tiny.shared_expert_intermediate_size=64",
        "model.tiny.warmup_max_steps=0", "debug.allow_manifest_mismatch=true"]
 ZERO_WIDTH_SHARED = ["model.tiny.num_experts=4", "model.tiny.warmup_max_steps=0"]
+MEGATRON = "relax.train.megatron.trainer.MegatronTrainer"  # train=megatron's _target_
 TRAIN = ["train=megatron", "train.micro_batch_size=8", "checkpoint.save_interval=null"]
 
 
@@ -64,7 +65,7 @@ def test_layout_sweep_with_megatron_is_equivalent(tmp_path, deep_replay):
     assert out.returncode == 0, report
     jobs = {j["layout"]: j for j in report["jobs"]}
     assert set(jobs) == {"single", "tp2", "pp2", "tp2pp2", "vpp2", "cp2", "dp2", "tp2sp"}
-    assert all(j["backend"] == "megatron" for j in jobs.values())
+    assert all(j["backend"] == MEGATRON for j in jobs.values())
     assert len(jobs["single"]["grad_norm"]) == 4 and jobs["single"]["grad_norm"][0] > 0.1
     for layout, job in jobs.items():
         # vpp2 guards gloo trap 1 (batched p2p), cp2 trap 2 (two K/V all-gathers)
@@ -95,7 +96,7 @@ def test_megatron_and_torch_backends_agree(tmp_path, deep_replay, model):
     report = json.loads(out.stdout)
     assert out.returncode == 0, report
     megatron = report["jobs"][1]
-    assert megatron["backend"] == "megatron" and megatron["verdict"] == "equivalent"
+    assert megatron["backend"] == MEGATRON and megatron["verdict"] == "equivalent"
     assert megatron["max_logprob_diff"] <= 1e-5 and megatron["max_grad_norm_rel_diff"] <= 1e-4
 
 

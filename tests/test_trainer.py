@@ -3,22 +3,22 @@
 import pytest
 import torch
 
-from relax.rollout import generate_rollout
-from relax.rollout.torch_engine import SamplingParams, TorchEngine
-from relax.task import Task
+from relax.rollout import SamplingParams, generate_rollout
+from relax.rollout.torch_engine import TorchEngine
+from relax.task import build_task
 from relax.train import make_trainer
 
 from .conftest import make_cfg, run_loop
 
 
 def rollout(cfg, engine, tokenizer, rollout_id=0):
-    return generate_rollout(engine, Task(cfg.task, cfg.seed), tokenizer, cfg.rollout, rollout_id,
+    return generate_rollout(engine, build_task(cfg), tokenizer, cfg.rollout, rollout_id,
                             cfg.seed)
 
 
 def test_first_step_log_probs_equal_ref_and_kl_zero(tiny_path, tokenizer):
     cfg = make_cfg("rollout.rollout_batch_size=8", "algo.use_kl_loss=true", "algo.kl_loss_coef=0.1")
-    engine = TorchEngine(tiny_path, "float32", [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    engine = TorchEngine(cfg, tiny_path, [tokenizer.eos_token_id], tokenizer.pad_token_id)
     trainer = make_trainer(cfg, str(tiny_path), ref_model_path=str(tiny_path),
                            pad_token_id=tokenizer.pad_token_id)
     out = trainer.train(0, rollout(cfg, engine, tokenizer))
@@ -36,7 +36,7 @@ def test_first_step_log_probs_equal_ref_and_kl_zero(tiny_path, tokenizer):
 
 def test_weight_sync_makes_engine_match_trainer(tiny_path, tokenizer):
     cfg = make_cfg("rollout.rollout_batch_size=16", "train.lr=0.02")
-    engine = TorchEngine(tiny_path, "float32", [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    engine = TorchEngine(cfg, tiny_path, [tokenizer.eos_token_id], tokenizer.pad_token_id)
     trainer = make_trainer(cfg, str(tiny_path), ref_model_path=str(tiny_path),
                            pad_token_id=tokenizer.pad_token_id)
     samples = rollout(cfg, engine, tokenizer)
