@@ -141,7 +141,7 @@ class LoggerConfig:
 @dataclass
 class CheckpointConfig:
     save_interval: Optional[int] = 100
-    keep_last: int = 2
+    keep_last: Optional[int] = 2
 
 
 @dataclass

@@ -16,12 +16,12 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from relax.checkpoint import check_layout, find_checkpoint, read_state, save_checkpoint
+from relax.checkpoint import check_config, check_layout, find_checkpoint, read_state, save_checkpoint
 from relax.debug import doctor
 from relax.debug.health import response_health
 from relax.debug.plan import Plan, resolve
 from relax.debug.weights import WeightCheck
-from relax.errors import CheckFailed, ConfigError, ReplayError
+from relax.errors import CheckFailed, ConfigError, DiskFull, ReplayError
 from relax.logger import MetricsLogger, plot_run
 from relax.model import load_tokenizer, resolve_model_path
 from relax.files import atomic_save, fill
@@ -74,6 +74,7 @@ class Run:
 
 def prepare(cfg, run_dir: Path) -> Run:
     """Validate and resolve (plan, model, tokenizer) before anything expensive is built."""
+    check_config(cfg.checkpoint)
     checkpoint = find_checkpoint(cfg.resume, run_dir.parent)
     saved = read_state(checkpoint) if checkpoint else None
     start = saved["rollout_id"] + 1 if saved else 0
@@ -209,7 +210,7 @@ def run_job(cfg) -> None:
     try:
         with logging_redirect_tqdm():
             rl_loop(cfg, run_dir)
-    except (ConfigError, ReplayError, CheckFailed) as e:
+    except (ConfigError, ReplayError, CheckFailed, DiskFull) as e:
         write_json(status, {"status": "failed", "error": str(e)})
         if hydra_cfg.mode == RunMode.MULTIRUN:
             raise  # Hydra records the failed job and the sweep goes on

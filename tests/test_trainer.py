@@ -85,5 +85,5 @@ def test_checkpoint_resume_equals_uninterrupted_run(tmp_path):
 def test_resume_true_without_checkpoint_is_a_clear_error(tmp_path):
     from relax.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="no checkpoint"):
+    with pytest.raises(ConfigError, match="no complete checkpoint"):
         run_loop(tmp_path / "runs" / "a", "resume=true")
