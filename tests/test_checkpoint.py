@@ -124,3 +124,20 @@ def test_disk_full_in_a_run_exits_2_with_the_message(tmp_path, monkeypatch):
     assert "disk full while writing checkpoint" in proc.stderr + proc.stdout
     status = json.loads(next(tmp_path.glob("outputs/runs/*/status.json")).read_text())
     assert status["status"] == "failed" and "disk full" in status["error"]
+
+
+def test_resumed_runs_hold_each_rollout_once_in_a_new_or_the_same_dir(tmp_path):
+    common = ["rollout.num_rollout=4", "rollout.rollout_batch_size=4", "checkpoint.save_interval=2",
+              "checkpoint.keep_last=null"]
+    rollouts, steps = run_loop(tmp_path / "a", *common)
+    first = (tmp_path / "a" / "first_step_log_probs.pt").read_bytes()
+    # As if the run died after rollout 3's metrics were written but before its checkpoint.
+    shutil.rmtree(tmp_path / "a" / "checkpoints" / "rollout_000003")
+    for run_dir in (tmp_path / "b", tmp_path / "a"):  # a new run dir, then the crashed run's own
+        again_rollouts, again_steps = run_loop(run_dir, *common, f"resume={tmp_path / 'a'}")
+        assert [r["rollout_id"] for r in again_rollouts] == [0, 1, 2, 3]
+        assert [(s["rollout_id"], s["step"]) for s in again_steps] == [(i, 0) for i in range(4)]
+        assert again_steps == steps[:2] + again_steps[2:]  # rows up to the checkpoint, verbatim
+        for a, b in zip(again_steps, steps, strict=True):
+            assert a["train/loss"] == b["train/loss"] and a["train/grad_norm"] == b["train/grad_norm"]
+        assert (run_dir / "first_step_log_probs.pt").read_bytes() == first

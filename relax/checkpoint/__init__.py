@@ -4,6 +4,9 @@
     hf/                  the actor as a normal HF directory (config, safetensors, tokenizer)
     trainer_state.pt     optimizer and RNG state (plain tensors; loaded weights_only);
                          train=megatron: trainer_state_rank<R>.pt, one per rank
+    history/             the run's metrics.jsonl and first_step_log_probs.pt as they were at
+                         this rollout: a resumed run starts from them, so its metrics hold
+                         every rollout exactly once, whenever the first run died
     relax_state.json     rollout_id, the reference model's path, the trainer layout the state
                          is tied to, and the size of every file above (written last)
 A checkpoint is written into `.rollout_000099.tmp/` and renamed into place; one being
@@ -25,10 +28,11 @@ from pathlib import Path
 
 from relax import faults
 from relax.errors import ConfigError, DiskFull
-from relax.files import atomic_write_text
+from relax.files import atomic_open, atomic_write_text
 
 log = logging.getLogger(__name__)
 STATE_FILE = "relax_state.json"
+HISTORY = ("metrics.jsonl", "first_step_log_probs.pt")  # run files a checkpoint carries
 HEADROOM = 1.2  # a new checkpoint needs the newest one's size, plus this margin
 
 
@@ -106,6 +110,10 @@ def save_checkpoint(trainer, tokenizer, run_dir: Path, rollout_id: int, ref_mode
         if faults.active("disk_full"):
             raise OSError(errno.ENOSPC, "No space left on device", str(tmp / "hf"))
         tokenizer.save_pretrained(tmp / "hf")
+        (tmp / "history").mkdir()
+        for name in HISTORY:
+            if (Path(run_dir) / name).is_file():
+                shutil.copy2(Path(run_dir) / name, tmp / "history" / name)
         files = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
         atomic_write_text(tmp / STATE_FILE, json.dumps(
             {"rollout_id": rollout_id, "ref_model_path": str(ref_model_path), "trainer_layout": layout,
@@ -153,6 +161,19 @@ def find_checkpoint(resume, runs_root: Path) -> Path | None:
         raise ConfigError(f"resume={resume!r}: neither a checkpoint ({STATE_FILE}) nor a run "
                           f"dir with complete checkpoints/")
     return latest
+
+
+def restore_history(checkpoint: Path, run_dir: Path) -> None:
+    """The run dir's history files as the checkpoint saw them (rows of rollouts after the
+    checkpoint, which the resumed run redoes, are dropped; also when resuming in the same dir)."""
+    for name in HISTORY:
+        saved = Path(checkpoint) / "history" / name
+        if saved.is_file():
+            with atomic_open(Path(run_dir) / name) as f:
+                f.write(saved.read_bytes())
+        else:
+            log.warning("%s has no history/%s (saved by an older Relax): the resumed run's %s "
+                        "starts empty", checkpoint, name, name)
 
 
 def read_state(checkpoint: Path) -> dict:
