@@ -166,7 +166,7 @@ class LoggerConfig:
 @dataclass
 class CheckpointConfig:
     save_interval: Optional[int] = 100  # save every N rollouts (null: never); the last one is always saved
-    keep_last: int = 2  # checkpoints kept per run (older ones are deleted)
+    keep_last: Optional[int] = 2  # checkpoints kept per run, >= 1 (older ones are deleted; null: keep all)
 
 
 @dataclass

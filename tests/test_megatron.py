@@ -134,11 +134,11 @@ def test_megatron_resume_equals_uninterrupted_run(tmp_path, tiny_path):
         ["trainer_state_rank000.pt", "trainer_state_rank001.pt"]
 
     resumed_rollouts, resumed_steps = run_loop(tmp_path / "resumed", *common, f"resume={checkpoint}")
-    assert [r["rollout_id"] for r in resumed_rollouts] == [2, 3]
-    for resumed, full in zip(resumed_steps, full_steps[2:], strict=True):
+    assert [r["rollout_id"] for r in resumed_rollouts] == [0, 1, 2, 3]  # with the checkpoint's history
+    for resumed, full in zip(resumed_steps, full_steps, strict=True):
         for key in ("train/loss", "train/grad_norm", "train/pg_clipfrac", "train/ppo_kl"):
             assert resumed[key] == full[key], key
-    assert resumed_rollouts[1]["rollout/log_probs"] == full_rollouts[3]["rollout/log_probs"]
+    assert resumed_rollouts[3]["rollout/log_probs"] == full_rollouts[3]["rollout/log_probs"]
 
     with pytest.raises(ConfigError, match=r"parallel.dp=2 \(this run: 1\)"):
         run_loop(tmp_path / "other_layout", *TRAIN[:2], "rollout.num_rollout=4", f"resume={checkpoint}")

@@ -73,11 +73,11 @@ def test_checkpoint_resume_equals_uninterrupted_run(tmp_path):
 
     resumed_rollouts, resumed_steps = run_loop(tmp_path / "resumed", *common,
                                                f"resume={checkpoints[0]}")
-    assert [r["rollout_id"] for r in resumed_rollouts] == [2, 3]
-    for resumed, full in zip(resumed_steps, full_steps[2:], strict=True):
+    assert [r["rollout_id"] for r in resumed_rollouts] == [0, 1, 2, 3]  # with the checkpoint's history
+    for resumed, full in zip(resumed_steps, full_steps, strict=True):
         for key in ("train/loss", "train/grad_norm", "train/pg_clipfrac", "train/ppo_kl"):
             assert resumed[key] == full[key], key
-    for resumed, full in zip(resumed_rollouts, full_rollouts[2:], strict=True):
+    for resumed, full in zip(resumed_rollouts, full_rollouts, strict=True):
         for key in ("rollout/raw_reward", "rollout/log_probs", "rollout/ref_log_probs"):
             assert resumed[key] == full[key], key
 
@@ -85,5 +85,5 @@ def test_checkpoint_resume_equals_uninterrupted_run(tmp_path):
 def test_resume_true_without_checkpoint_is_a_clear_error(tmp_path):
     from relax.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="no checkpoint"):
+    with pytest.raises(ConfigError, match="no complete checkpoint"):
         run_loop(tmp_path / "runs" / "a", "resume=true")
