@@ -106,13 +106,13 @@ def test_samples_do_not_depend_on_the_engine_count(tiny_path, tokenizer):
     from relax.cluster.engines import EngineGroup, InDriver
     from relax.rollout import generate_rollout
     from relax.rollout.torch_engine import TorchEngine
-    from relax.task import Task
+    from relax.task import build_task
 
     cfg = make_cfg(*TINY, "rollout.rollout_batch_size=6")
-    task = Task(cfg.task, cfg.seed)
+    task = build_task(cfg)
 
     def rollout(n):
-        engines = [TorchEngine(tiny_path, "float32", [tokenizer.eos_token_id], tokenizer.pad_token_id)
+        engines = [TorchEngine(cfg, tiny_path, [tokenizer.eos_token_id], tokenizer.pad_token_id)
                    for _ in range(n)]
         group = EngineGroup(InDriver(engines, ["cpu"] * n), cfg.rollout)
         return generate_rollout(group, task, tokenizer, cfg.rollout, 1, cfg.seed)

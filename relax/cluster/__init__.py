@@ -1,7 +1,7 @@
 """Where trainer ranks and rollout engines run (conf/cluster/): local processes or Ray actors.
 
-`open_cluster(cfg, run_dir)` checks the `cluster.*` keys and returns a cluster that starts
-nothing yet; then
+`open_cluster(cfg, run_dir)` builds the class `cluster._target_` names, after its start-up
+checks (`check_config`); it starts nothing yet. Then
   cluster.build(engine_spec, trainer_spec) -> (EngineGroup | None, trainer | None)
   cluster.placement() -> where every rank and engine runs (for built.json)
   cluster.close()     -> after the trainer and engines are shut down, also on errors
@@ -18,16 +18,14 @@ import socket
 
 from omegaconf import OmegaConf
 
-from relax.cluster.placement import check_cluster
+from relax.config import load_target
 
 
 def open_cluster(cfg, run_dir):
-    check_cluster(cfg)
-    if cfg.cluster.name == "ray":
-        from relax.cluster.ray_cluster import RayCluster
-
-        return RayCluster(cfg, run_dir)
-    return LocalCluster(cfg, run_dir)
+    cluster = load_target(cfg, "cluster")
+    if hasattr(cluster, "check_config"):
+        cluster.check_config(cfg)
+    return cluster(cfg, run_dir)
 
 
 class LocalCluster:
@@ -46,12 +44,11 @@ class LocalCluster:
 
     def _engines(self, model_path, tokenizer):
         from relax.cluster.engines import EngineGroup, InDriver, make_engine
-        from relax.rollout import num_engines, torch_cuda_available
+        from relax.rollout import num_engines, uses_gpus
 
         cfg, engines = self.cfg, []
         tp = cfg.rollout.rollout_num_gpus_per_engine
-        gpu = cfg.rollout.engine == "sglang" and torch_cuda_available()
-        devices = [f"cuda:{i * tp}" if gpu else "cpu" for i in range(num_engines(cfg))]
+        devices = [f"cuda:{i * tp}" if uses_gpus(cfg) else "cpu" for i in range(num_engines(cfg))]
         try:
             for i in range(len(devices)):
                 engines.append(make_engine(cfg, model_path, tokenizer, base_gpu_id=i * tp))

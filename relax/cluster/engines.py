@@ -85,7 +85,9 @@ class EngineGroup:
     def generate(self, prompts: list[list[int]], sp, seed: int) -> list:
         n, total = self.num_engines, len(prompts)
         bounds = [total * i // n for i in range(n + 1)]  # contiguous: a GRPO group stays together
-        shares = [(prompts[a:b], sp, seed, a) for a, b in zip(bounds, bounds[1:]) if b > a]
+        # the first share starts at sample 0: an engine that runs alone needs no first_index
+        shares = [(prompts[a:b], sp, seed, a) if a else (prompts[a:b], sp, seed)
+                  for a, b in zip(bounds, bounds[1:]) if b > a]
         return [g for part in self.hosts.map("generate", shares) for g in part]
 
     def update_weights(self, named: dict) -> None:

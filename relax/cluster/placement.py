@@ -50,11 +50,8 @@ def _shape(cpus: float, gpus: float, custom) -> dict[str, float]:
 
 
 def check_cluster(cfg) -> None:
+    """cluster=ray's start-up refusals (RayCluster.check_config), before Ray starts."""
     c = cfg.cluster
-    if c.name not in ("local", "ray"):
-        raise ConfigError(f"cluster={c.name!r}: expected local or ray")
-    if c.name == "local":
-        return
     if c.placement_strategy not in STRATEGIES:
         raise ConfigError(f"cluster.placement_strategy={c.placement_strategy!r}: expected one of "
                           f"{', '.join(STRATEGIES)}")

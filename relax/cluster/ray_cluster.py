@@ -26,7 +26,7 @@ from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from relax.cluster.engines import EngineGroup, make_engine
-from relax.cluster.placement import plan_bundles, reserve
+from relax.cluster.placement import check_cluster, plan_bundles, reserve
 from relax.cluster.ranks import RankError, RankGroup, run_method, start_rank
 from relax.cluster.reaper import Reaper, descendants, now_ticks
 from relax.distributed import free_port
@@ -184,6 +184,8 @@ def check_reachable(address: str) -> None:
 
 
 class RayCluster:
+    check_config = staticmethod(check_cluster)
+
     def __init__(self, cfg, log_dir):
         self.cfg, self.log_dir = cfg, str(log_dir)
         self.connected = self.private = False

@@ -1,31 +1,48 @@
-"""Rollout (conf/rollout/): build the engine the config names, and turn prompts into Samples.
+"""Rollout (conf/rollout/): build the engine `rollout._target_` names, and turn prompts into Samples.
 
-An engine implements these calls; relax.cluster's EngineGroup runs N of them (in the driver,
-or one Ray actor each) behind the same interface:
-  generate(prompt_token_lists, SamplingParams, seed, first_index) -> list[Generation]
-                                             # sample i is drawn with sample_seed(seed, first_index + i)
+An engine is constructed as `Engine(cfg, model_path, eos_token_ids, pad_token_id)` (the
+whole config: engines read model.*, seed and rollout.*; a GPU engine also takes
+`base_gpu_id`, the first of the visible GPUs it uses). relax.cluster's EngineGroup runs
+rollout.num_engines of them (in the driver, or one Ray actor each) behind these calls:
+  generate(prompt_token_lists, SamplingParams, seed[, first_index]) -> list[Generation]
+        # prompt i drawn with sample_seed(seed, first_index + i); first_index (default 0) is
+        # passed only to the 2nd.. of several engines, so an engine that runs alone may omit it
   update_weights({hf_name: tensor})          # weight sync from the trainer
   named_tensors() -> {hf_name: tensor}       # parameters and buffers, for weight checks
-  release_memory_occupation() / resume_memory_occupation()   # around training, colocated
   shutdown()
+and, optionally, what some settings need (refused at start-up where the engine lacks it):
+  release_memory_occupation() / resume_memory_occupation()   # rollout.colocate=true
+  init_weight_sync(address, port, world_size, group_name)    # weight_update_mode=distributed:
+  receive_weights(metadata, group_name)      # an NCCL group with trainer rank 0, which broadcasts
+  check_config(cfg)                          # a static method: the engine's own start-up refusals
 """
 
 from __future__ import annotations
 
-import logging
+from dataclasses import dataclass
 from pathlib import Path
 
+from relax.config import load_target
 from relax.errors import ConfigError
 from relax.sample import Sample
 
-log = logging.getLogger(__name__)
-ENGINES = ("torch", "sglang")
+
+@dataclass
+class SamplingParams:
+    temperature: float         # 0: greedy (log-probs: relax.sample.log_prob_temperature)
+    top_p: float
+    max_new_tokens: int
+
+    @classmethod
+    def of(cls, rollout_cfg) -> "SamplingParams":
+        return cls(rollout_cfg.temperature, rollout_cfg.top_p, rollout_cfg.max_new_tokens)
 
 
-def sampling_params(rollout_cfg):
-    from relax.rollout.torch_engine import SamplingParams
-
-    return SamplingParams(rollout_cfg.temperature, rollout_cfg.top_p, rollout_cfg.max_new_tokens)
+@dataclass
+class Generation:
+    tokens: list[int]          # response tokens, stop token included when produced
+    log_probs: list[float]     # log p(token) at relax.sample.log_prob_temperature, per token
+    status: str                # completed | truncated | aborted
 
 
 def torch_cuda_available() -> bool:
@@ -35,49 +52,57 @@ def torch_cuda_available() -> bool:
 
 
 def check_engine(cfg) -> None:
-    if cfg.rollout.engine not in ENGINES:
-        raise ConfigError(f"rollout.engine={cfg.rollout.engine!r}: expected one of "
-                          f"{', '.join(ENGINES)}")
-    mode = cfg.rollout.weight_update_mode
-    if mode not in ("tensor", "disk", "distributed"):
-        raise ConfigError(f"rollout.weight_update_mode={mode!r}: expected tensor, disk or distributed")
-    if mode == "distributed" and (cfg.rollout.engine != "sglang" or not torch_cuda_available()):
+    """Start-up refusals: the engine class imports and supports what the config asks of it."""
+    engine = load_target(cfg, "rollout")
+    r = cfg.rollout
+    if r.weight_update_mode not in ("tensor", "disk", "distributed"):
+        raise ConfigError(f"rollout.weight_update_mode={r.weight_update_mode!r}: expected tensor, "
+                          f"disk or distributed")
+    if r.weight_update_mode == "distributed" and (
+            not hasattr(engine, "receive_weights") or not torch_cuda_available()):
         raise ConfigError("rollout.weight_update_mode=distributed broadcasts weights over NCCL into "
                           "SGLang: it needs rollout=sglang and CUDA GPUs (use tensor or disk)")
-    if cfg.rollout.num_engines is not None and cfg.rollout.num_engines < 1:
-        raise ConfigError(f"rollout.num_engines={cfg.rollout.num_engines}: expected at least 1 (or null)")
-    if cfg.rollout.engine == "sglang" and not torch_cuda_available() and num_engines(cfg) > 1:
-        raise ConfigError(f"rollout=sglang on CPU runs one engine; got rollout.num_engines="
-                          f"{cfg.rollout.num_engines} (rollout=torch runs several)")
-    if cfg.rollout.engine == "sglang" and cfg.debug.check_weight_update_equal and \
-            cfg.rollout.rollout_num_gpus_per_engine > 1:
-        raise ConfigError("debug.check_weight_update_equal reads the engine's tensors back unsharded: "
-                          "run it with rollout.rollout_num_gpus_per_engine=1")
+    if r.colocate and not hasattr(engine, "release_memory_occupation"):
+        raise ConfigError(f"rollout.colocate=true: {r._target_} cannot release its memory while the "
+                          f"trainer runs (it has no release_memory_occupation; rollout=torch runs on CPU "
+                          f"in the driver: no accelerator memory to share); use rollout=sglang or "
+                          f"rollout.colocate=false")
+    if r.num_engines is not None and r.num_engines < 1:
+        raise ConfigError(f"rollout.num_engines={r.num_engines}: expected at least 1 (or null)")
+    if hasattr(engine, "check_config"):
+        engine.check_config(cfg)
 
 
 def num_engines(cfg) -> int:
-    """rollout.num_engines, or on GPU rollout_num_gpus / rollout_num_gpus_per_engine (else 1)."""
+    """rollout.num_engines, or else rollout_num_gpus / rollout_num_gpus_per_engine GPU engines
+    (1 on CPU)."""
     r = cfg.rollout
     if r.num_engines is not None:
         return r.num_engines
-    if r.engine == "sglang" and torch_cuda_available():
-        return r.rollout_num_gpus // r.rollout_num_gpus_per_engine
-    return 1
+    return r.rollout_num_gpus // r.rollout_num_gpus_per_engine if uses_gpus(cfg) else 1
+
+
+def uses_gpus(cfg) -> bool:
+    """Whether the engine places itself on GPUs (it takes `base_gpu_id`) and there are GPUs."""
+    import inspect
+
+    engine = load_target(cfg, "rollout")
+    return torch_cuda_available() and "base_gpu_id" in inspect.signature(engine).parameters
 
 
 def build_engine(cfg, model_path: Path, tokenizer, base_gpu_id: int = 0):
-    """One engine; a GPU engine uses the visible GPUs base_gpu_id.. (its tensor-parallel size)."""
-    if cfg.rollout.engine == "sglang":
-        from relax.rollout.sglang_engine import SGLangEngine
+    """One engine; a GPU engine on the visible GPUs base_gpu_id.. (its tensor-parallel size)."""
+    gpus = {"base_gpu_id": base_gpu_id} if uses_gpus(cfg) else {}
+    return load_target(cfg, "rollout")(cfg, model_path, [tokenizer.eos_token_id], tokenizer.pad_token_id,
+                                       **gpus)
 
-        return SGLangEngine(cfg, model_path, [tokenizer.eos_token_id], base_gpu_id)
-    from relax.rollout.torch_engine import TorchEngine
 
-    if cfg.rollout.rollout_num_gpus > 1:
-        log.info("rollout=torch runs in-process on CPU; rollout_num_gpus=%d is used by "
-                 "GPU engines", cfg.rollout.rollout_num_gpus)
-    return TorchEngine(model_path, cfg.model.dtype, [tokenizer.eos_token_id],
-                       tokenizer.pad_token_id)
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of one sample, from the rollout's seed and the sample's index in the rollout:
+    what a sample draws does not depend on how the rollout is split across engines."""
+    import numpy as np
+
+    return int(np.random.SeedSequence([seed % 2**64, index]).generate_state(1, np.uint64)[0] >> 2)  # < 2**62
 
 
 def generate_rollout(engine, task, tokenizer, rollout_cfg, rollout_id: int, seed: int) -> list[Sample]:
@@ -85,7 +110,7 @@ def generate_rollout(engine, task, tokenizer, rollout_cfg, rollout_id: int, seed
     n = rollout_cfg.n_samples_per_prompt
     prompts = task.prompts(rollout_id, rollout_cfg.rollout_batch_size, tokenizer)
     repeated = [p for p in prompts for _ in range(n)]
-    generations = engine.generate([p.tokens for p in repeated], sampling_params(rollout_cfg),
+    generations = engine.generate([p.tokens for p in repeated], SamplingParams.of(rollout_cfg),
                                   seed=seed * 1_000_003 + rollout_id)
     samples = []
     for i, (prompt, gen) in enumerate(zip(repeated, generations)):

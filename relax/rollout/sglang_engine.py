@@ -9,7 +9,7 @@ is one engine; relax.cluster's EngineGroup runs several (in the driver, or one R
 each), splits the rollout across them and syncs them all.
 
 On a machine without CUDA, SGLang runs for real with the settings of
-docs/findings-sglang-cpu.md (device cpu, torch_native attention, fp32, no CUDA graphs) in
+docs/measured-on-cpu.md (device cpu, torch_native attention, fp32, no CUDA graphs) in
 the environment scripts/setup_sglang_cpu.sh builds. GPU-only paths (CUDA graphs, several
 engines with tensor parallelism, the memory saver) are the same code with other
 settings, exercised only where a GPU exists.
@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 from relax import faults
 from relax.errors import ConfigError
 from relax.model import read_hf_config
-from relax.rollout.torch_engine import Generation, SamplingParams, sample_seed
+from relax.rollout import Generation, SamplingParams, num_engines, sample_seed
 
 log = logging.getLogger(__name__)
 GPU = torch.cuda.is_available()
@@ -78,8 +78,8 @@ def sglang_to_hf(name: str, tensor: torch.Tensor, hf_config: dict) -> dict[str, 
     return {name: tensor}
 
 
-def sampling_params(sp: SamplingParams, eos: list[int], seed: int, n: int,
-                    deterministic: bool, first_index: int = 0) -> dict | list[dict]:
+def sglang_sampling_params(sp: SamplingParams, eos: list[int], seed: int, n: int,
+                           deterministic: bool, first_index: int = 0) -> dict | list[dict]:
     """SGLang sampling params: one dict for all prompts or, in SGLang's deterministic mode
     (`sglang_server_args.enable_deterministic_inference`, GPU attention backends only), one
     per prompt with its own `sampling_seed` (from its index in the rollout: `sample_seed`), so a
@@ -93,9 +93,20 @@ def sampling_params(sp: SamplingParams, eos: list[int], seed: int, n: int,
 
 
 class SGLangEngine:
-    """Rollout engine interface: generate / update_weights / named_tensors / shutdown."""
+    """Rollout engine interface (relax/rollout/__init__.py), with colocation and NCCL weight sync."""
 
-    def __init__(self, cfg, model_path: Path, eos_token_ids: list[int], base_gpu_id: int = 0):
+    @staticmethod
+    def check_config(cfg) -> None:
+        if cfg.debug.check_weight_update_equal and cfg.rollout.rollout_num_gpus_per_engine > 1:
+            raise ConfigError("debug.check_weight_update_equal reads the engine's tensors back "
+                              "unsharded: run it with rollout.rollout_num_gpus_per_engine=1")
+        if not GPU and num_engines(cfg) > 1:
+            raise ConfigError(f"rollout=sglang on CPU runs one engine; got rollout.num_engines="
+                              f"{cfg.rollout.num_engines} (rollout=torch runs several)")
+
+    def __init__(self, cfg, model_path: Path, eos_token_ids: list[int], pad_token_id: int,
+                 base_gpu_id: int = 0):
+        """`pad_token_id` is unused: SGLang batches prompts of any length without padding."""
         try:
             import sglang
         except ImportError:
@@ -111,7 +122,7 @@ class SGLangEngine:
 
     def generate(self, prompts: list[list[int]], sp: SamplingParams, seed: int,
                  first_index: int = 0) -> list[Generation]:
-        params = sampling_params(sp, self.eos, seed, len(prompts), self.deterministic, first_index)
+        params = sglang_sampling_params(sp, self.eos, seed, len(prompts), self.deterministic, first_index)
         results = self.engine.generate(input_ids=prompts, return_logprob=True, sampling_params=params)
         return [Generation(r["output_ids"], [lp for lp, _, _ in r["meta_info"]["output_token_logprobs"]],
                            FINISH[r["meta_info"]["finish_reason"]["type"]]) for r in results]
@@ -167,7 +178,7 @@ class SGLangEngine:
     def named_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor the engine computes with — parameters and buffers (the rotary cos/sin
         cache) — under HF names, exported from its scheduler process. Unsharded engines only:
-        relax.rollout.check_engine refuses the check for TP engines at start-up."""
+        check_config refuses the check for TP engines at start-up."""
         with tempfile.TemporaryDirectory(prefix="relax-engine-weights-") as tmp:
             _run_in_scheduler(self.engine, EXPORT_TENSORS, tmp)
             out = {}
