@@ -249,11 +249,17 @@ def sweep_subdir(task_overrides: Any) -> str:
     """The multirun job folder name: only the overrides that vary across the sweep.
 
     `relax -m debug=train_only debug.load_rollout_data=/x/{rollout_id}.pt parallel=tp1,tp2`
-    gives `parallel=tp2`, not a path-laden `override_dirname` with slashes in it.
+    gives `parallel=tp2`, not a path-laden `override_dirname` with slashes in it. The command
+    line comes from RELAX_ARGV where relax.cli set it: a job that a launcher runs in another
+    process (hydra/launcher=ray) has another sys.argv.
     """
+    import json
+    import os
+
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    overrides = [a for a in sys.argv[1:] if "=" in a and not a.startswith("-")]
+    argv = json.loads(os.environ["RELAX_ARGV"]) if "RELAX_ARGV" in os.environ else sys.argv[1:]
+    overrides = [a for a in argv if "=" in a and not a.startswith("-")]
     swept = {
         o.key_or_group
         for o in OverridesParser.create().parse_overrides(overrides)

@@ -374,3 +374,30 @@ def test_a_killed_driver_leaves_no_actor_on_a_joined_cluster(two_nodes, tmp_path
     driver.kill()
     driver.wait()
     assert wait_gone(actors, 60) == []
+
+
+def log_span(job) -> tuple[str, str]:
+    """(first, last) timestamp of a job's relax.log."""
+    lines = [line[1:24] for line in (job / "relax.log").read_text().splitlines() if line.startswith("[20")]
+    return lines[0], lines[-1]
+
+
+@pytest.mark.slow
+def test_a_sweep_on_the_ray_launcher_runs_jobs_at_once_and_survives_a_failure(ray_replay, tmp_path):
+    """`relax -m hydra/launcher=ray ...` (hydra-ray-launcher, local mode): the jobs run as Ray
+    tasks side by side, the failing one is reported without stopping the others, and
+    `relax compare` reads the sweep as it reads one from the basic launcher."""
+    launcher = ["hydra/launcher=ray", "hydra.launcher.ray.init.address=local",  # a new one, not two_nodes
+                "+hydra.launcher.ray.init.num_cpus=2", "+hydra.launcher.ray.init.include_dashboard=false"]
+    proc = relax_cli("-m", *launcher, "parallel=single,dp2,pp2",  # 2 CPUs: the first two side by side
+                     *replay(ray_replay), cwd=tmp_path, env={"RAY_AUTH_MODE": "disabled"})
+    assert proc.returncode != 0  # the sweep reports the failed job
+    multirun = only_run_dir(tmp_path, "multiruns")
+    assert sorted(p.name for p in multirun.iterdir() if p.is_dir()) == [
+        "parallel=dp2", "parallel=pp2", "parallel=single"]
+    report = json.loads(relax_cli("compare", str(multirun), "--json", cwd=tmp_path).stdout)
+    jobs = {j["layout"]: j for j in report["jobs"]}
+    assert jobs["pp2"]["verdict"] == "FAILED" and "use train=megatron" in jobs["pp2"]["reasons"][0]
+    assert jobs["dp2"]["verdict"] == "equivalent" and jobs["single"]["status"] == "completed"
+    spans = sorted(log_span(multirun / name) for name in ("parallel=single", "parallel=dp2"))
+    assert spans[1][0] < spans[0][1]  # the second job started before the first one ended
