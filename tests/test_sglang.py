@@ -225,3 +225,23 @@ def test_nccl_weight_sync_on_gpu(tmp_path):
              if '"step"' in line]
     # the engine generated rollout 2 with the weights broadcast after step 1
     assert steps[2]["train/train_rollout_logprob_abs_diff"] < 1e-3
+
+
+def test_sglang_engine_as_a_ray_actor(tmp_path):
+    """cluster=ray (a private instance): the SGLang engine runs in its own Ray actor, weights reach
+    it through Ray's object store, the engine-weights check passes after every sync, and no
+    SGLang or Ray process is left."""
+    pytest.importorskip("ray", reason="the SGLang environment without ray")
+    already = sglang_processes()
+    proc = relax_cli("rollout=sglang", "cluster=ray", "rollout.num_rollout=2", "rollout.rollout_batch_size=4",
+                     "checkpoint.save_interval=null", "debug.check_weight_update_equal=true",
+                     "debug.check_weight_update_every_sync=true", "hydra.run.dir=outputs/ray", cwd=tmp_path,
+                     entry=[sys.executable, "-m", "relax"], env={"RAY_AUTH_MODE": "disabled"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "outputs" / "ray"
+    placement = json.loads((run / "built.json").read_text())["placement"]
+    assert placement["private_instance"] and [e["engine"] for e in placement["engines"]] == [0]
+    report = json.loads((run / "weight_check.json").read_text())
+    assert report["passed"] and [(c["stage"], c["rollout_id"]) for c in report["checks"]] == [
+        ("load", None), ("sync", None), ("sync", 0), ("sync", 1)]
+    assert sglang_processes() == already
