@@ -139,14 +139,20 @@ def test_cluster_local_never_imports_ray(tmp_path, tiny_path):
     assert len(placement(tmp_path)["engines"]) == 2
 
 
-def test_an_unreachable_address_fails_fast_naming_it(tmp_path):
+@pytest.mark.parametrize("auto", [False, True], ids=["host:port", "auto"])
+def test_an_unreachable_address_fails_fast_naming_it(tmp_path, monkeypatch, auto):
+    pytest.importorskip("ray", reason="needs the [ray] extra")
     from relax.distributed import free_port
     from relax.errors import ConfigError
 
     address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    if auto:  # where `auto` leads (RAY_ADDRESS, or the file of a cluster that has stopped)
+        monkeypatch.setenv("RAY_ADDRESS", address)
+    port = address.rpartition(":")[2]
+    named = rf"auto \([\d.]+:{port}\)" if auto else rf"{address} \([\d.]+:{port}\)"  # and where it leads
     start = time.monotonic()
-    with pytest.raises(ConfigError, match=f"cluster.address={address}: no Ray cluster answers there"):
-        run_loop(tmp_path, *TINY, "cluster=ray", f"cluster.address={address}")
+    with pytest.raises(ConfigError, match=rf"cluster.address={named}: no Ray cluster answers there"):
+        run_loop(tmp_path, *TINY, "cluster=ray", f"cluster.address={'auto' if auto else address}")
     assert time.monotonic() - start < 30
 
 

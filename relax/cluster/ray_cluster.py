@@ -172,14 +172,23 @@ class RayRanks(RankGroup):
 
 
 def check_reachable(address: str) -> None:
-    """Fail within seconds, naming the address, where ray.init would retry for minutes."""
-    if address == "auto" or "://" in address:
+    """Fail within seconds, naming the address, where ray.init would retry for minutes. `auto`
+    is what Ray would pick (RAY_ADDRESS, else the last cluster `ray start` recorded), which may
+    be a cluster that has since stopped."""
+    if "://" in address:  # Ray Client: ray.init reports it
         return
-    host, _, port = address.rpartition(":")
+    from ray._private.services import canonicalize_bootstrap_address
+
+    try:
+        resolved = canonicalize_bootstrap_address(address)
+    except (ConnectionError, ValueError) as e:
+        raise ConfigError(f"cluster.address={address}: {e}") from None
+    host, _, port = resolved.rpartition(":")
     try:
         socket.create_connection((host, int(port)), timeout=10).close()
     except (OSError, ValueError) as e:
-        raise ConfigError(f"cluster.address={address}: no Ray cluster answers there ({e}). Start one with "
+        where = address if resolved == address else f"{address} ({resolved})"
+        raise ConfigError(f"cluster.address={where}: no Ray cluster answers there ({e}). Start one with "
                           f"`ray start --head`, or use cluster.address=null for a private instance") from None
 
 
