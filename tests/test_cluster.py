@@ -128,6 +128,11 @@ def test_samples_do_not_depend_on_the_engine_count(tiny_path, tokenizer):
     assert [s.rollout_log_probs for s in again] == [s.rollout_log_probs for s in one]  # bit-equal
 
 
+def test_help_lists_the_cluster_group(tmp_path):
+    proc = relax_cli("--help", cwd=tmp_path)
+    assert proc.returncode == 0 and "cluster: local, ray" in proc.stdout
+
+
 def test_cluster_local_never_imports_ray(tmp_path, tiny_path):
     code = ("import sys\nfrom pathlib import Path\nfrom tests.conftest import run_loop\n"
             f"run_loop(Path({str(tmp_path)!r}), *{TINY!r}, 'rollout.num_engines=2', 'parallel=dp2')\n"
