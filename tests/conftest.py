@@ -83,3 +83,32 @@ def tokenizer(tiny_path):
     from relax.model import load_tokenizer
 
     return load_tokenizer(tiny_path)
+
+
+# -- Ray (tests/test_cluster*.py) --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    """A real two-node Ray cluster on this machine: two raylets, 2 CPUs each; node A carries
+    the custom resource `trainer`, node B `rollout`. One per test module that asks for it."""
+    pytest.importorskip("ray", reason="needs the [ray] extra")
+    from ray.cluster_utils import Cluster
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a test cluster: no login token
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "resources": {"trainer": 2}, "include_dashboard": False})
+    cluster.add_node(num_cpus=2, resources={"rollout": 2})
+    cluster.wait_for_nodes()
+    yield cluster
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_replay(two_nodes, tmp_path_factory):
+    """Rollouts saved by a rollout_only run on `two_nodes` with 2 engines (and no trainer)."""
+    root = tmp_path_factory.mktemp("ray_replay")
+    run_loop(root / "run", "cluster=ray", f"cluster.address={two_nodes.address}", "debug=rollout_only",
+             "rollout.num_rollout=2", "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4",
+             "checkpoint.save_interval=null", "rollout.num_engines=2",
+             f"debug.save_rollout_data={root}/rollout_data/{{rollout_id}}.pt")
+    return root

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -128,11 +126,6 @@ def test_samples_do_not_depend_on_the_engine_count(tiny_path, tokenizer):
     assert [s.rollout_log_probs for s in again] == [s.rollout_log_probs for s in one]  # bit-equal
 
 
-def test_help_lists_the_cluster_group(tmp_path):
-    proc = relax_cli("--help", cwd=tmp_path)
-    assert proc.returncode == 0 and "cluster: local, ray" in proc.stdout
-
-
 def test_cluster_local_never_imports_ray(tmp_path, tiny_path):
     code = ("import sys\nfrom pathlib import Path\nfrom tests.conftest import run_loop\n"
             f"run_loop(Path({str(tmp_path)!r}), *{TINY!r}, 'rollout.num_engines=2', 'parallel=dp2')\n"
@@ -161,36 +154,13 @@ def test_an_unreachable_address_fails_fast_naming_it(tmp_path, monkeypatch, auto
     assert time.monotonic() - start < 30
 
 
-# -- Ray: a real two-node cluster on this machine ---------------------------------------------
-
-@pytest.fixture(scope="module")
-def two_nodes():
-    pytest.importorskip("ray", reason="needs the [ray] extra")
-    from ray.cluster_utils import Cluster
-
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a test cluster: no login token
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 2, "resources": {"trainer": 2}, "include_dashboard": False})
-    cluster.add_node(num_cpus=2, resources={"rollout": 2})
-    cluster.wait_for_nodes()
-    yield cluster
-    cluster.shutdown()
-
+# -- Ray: a real two-node cluster on this machine (`two_nodes`, `ray_replay`: conftest.py) ------
 
 def on(cluster, *more) -> list[str]:
     return ["cluster=ray", f"cluster.address={cluster.address}", *more]
 
 
 ROLES = ["+cluster.resources_per_rank.trainer=1", "+cluster.resources_per_engine.rollout=1"]
-
-
-@pytest.fixture(scope="module")
-def ray_replay(two_nodes, tmp_path_factory):
-    """Rollouts saved by a rollout_only run on Ray with 2 engines (and no trainer at all)."""
-    root = tmp_path_factory.mktemp("ray_replay")
-    run_loop(root / "run", *on(two_nodes), *TINY, "debug=rollout_only", "rollout.num_engines=2",
-             f"debug.save_rollout_data={root}/rollout_data/{{rollout_id}}.pt")
-    return root
 
 
 def replay(root) -> list[str]:
@@ -314,101 +284,3 @@ def test_layouts_with_ranks_on_two_nodes_train_like_local(two_nodes, ray_replay,
     ranks = placement(tmp_path)["trainer_ranks"]
     assert len({r["node_id"] for r in ranks}) == 2
     assert_same_training(tmp_path, local_single, logprob_atol=1e-5, grad_rtol=1e-4)
-
-
-@pytest.mark.slow
-def test_a_rank_killed_mid_run_fails_it_naming_the_rank_and_resume_continues(two_nodes, tmp_path):
-    from relax.cluster.ranks import RankError
-
-    common = [*on(two_nodes, *ROLES), *TINY, "rollout.num_rollout=3", "checkpoint.save_interval=1",
-              "parallel=dp2"]
-    kill = "+cluster.runtime_env.env_vars.RELAX_FAULT='sigkill_rank:1:1'"  # SIGKILL as rollout 1 trains
-    with pytest.raises(RankError, match=r"trainer rank 1 \(node .*, pid \d+\) died"):
-        run_loop(tmp_path / "killed", *common, kill)
-    pid = placement(tmp_path / "killed")["trainer_ranks"][1]["pid"]
-    assert not alive(pid)
-    checkpoints = sorted((tmp_path / "killed" / "checkpoints").iterdir())
-    assert [c.name for c in checkpoints] == ["rollout_000000"]  # the last one, whole
-    assert (checkpoints[0] / "relax_state.json").is_file()
-    assert (checkpoints[0] / "hf" / "config.json").is_file()
-    rollouts, _ = run_loop(tmp_path / "resumed", *common, "resume=true")
-    assert [r["rollout_id"] for r in rollouts] == [1, 2]
-
-
-def run_driver(tmp_path, *args) -> tuple[subprocess.Popen, list[tuple[int, int]]]:
-    """`relax cluster=ray ...` in its own session; once its actors are up, its processes
-    (Ray's, the actors', the reaper) as (pid, start time)."""
-    from relax.cluster.reaper import descendants
-
-    driver = subprocess.Popen([sys.executable, "-m", "relax", "cluster=ray", *args], cwd=tmp_path,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                              start_new_session=True)
-    deadline = time.time() + 300
-    while time.time() < deadline and driver.poll() is None:
-        built = list((tmp_path / "outputs" / "runs").glob("*/built.json"))
-        if built and "placement" in built[0].read_text():
-            return driver, descendants(driver.pid)
-        time.sleep(0.5)
-    raise AssertionError(f"the driver never came up: {driver.stderr.read()[-3000:]}")
-
-
-@pytest.mark.parametrize("end", ["kill -9", *(pytest.param(e, marks=pytest.mark.slow)
-                                                for e in ("completes", "Ctrl-C"))])
-def test_a_private_instance_leaves_no_process_behind(tmp_path, tiny_path, end):
-    from relax.cluster.reaper import start_time
-
-    num_rollout = 2 if end == "completes" else 100_000
-    driver, processes = run_driver(tmp_path, *TINY, f"rollout.num_rollout={num_rollout}", "parallel=dp2")
-    assert len(processes) >= 6  # GCS, raylet, agents, 2 ranks and an engine at least
-    if end == "kill -9":
-        driver.kill()
-    elif end == "Ctrl-C":  # what a terminal sends: SIGINT to the job's whole process group
-        os.killpg(driver.pid, signal.SIGINT)
-    code = driver.wait(timeout=120)
-    assert (code == 0) == (end == "completes"), driver.stderr.read()[-3000:]
-    deadline = time.time() + 30
-    left = processes
-    while left and time.time() < deadline:
-        left = [(pid, started) for pid, started in left if start_time(pid) == started]
-        time.sleep(0.2)
-    assert left == [], [open(f"/proc/{pid}/cmdline").read() for pid, _ in left]
-
-
-@pytest.mark.slow
-def test_a_killed_driver_leaves_no_actor_on_a_joined_cluster(two_nodes, tmp_path):
-    driver, _ = run_driver(tmp_path, f"cluster.address={two_nodes.address}", *ROLES, *TINY,
-                           "rollout.num_rollout=100000", "parallel=dp2")
-    run = next((tmp_path / "outputs" / "runs").iterdir())
-    where = json.loads((run / "built.json").read_text())["placement"]
-    actors = [p["pid"] for p in where["trainer_ranks"] + where["engines"]]
-    assert len(actors) == 3 and not where["private_instance"]
-    driver.kill()
-    driver.wait()
-    assert wait_gone(actors, 60) == []
-
-
-def log_span(job) -> tuple[str, str]:
-    """(first, last) timestamp of a job's relax.log."""
-    lines = [line[1:24] for line in (job / "relax.log").read_text().splitlines() if line.startswith("[20")]
-    return lines[0], lines[-1]
-
-
-@pytest.mark.slow
-def test_a_sweep_on_the_ray_launcher_runs_jobs_at_once_and_survives_a_failure(ray_replay, tmp_path):
-    """`relax -m hydra/launcher=ray ...` (hydra-ray-launcher, local mode): the jobs run as Ray
-    tasks side by side, the failing one is reported without stopping the others, and
-    `relax compare` reads the sweep as it reads one from the basic launcher."""
-    launcher = ["hydra/launcher=ray", "hydra.launcher.ray.init.address=local",  # a new one, not two_nodes
-                "+hydra.launcher.ray.init.num_cpus=2", "+hydra.launcher.ray.init.include_dashboard=false"]
-    proc = relax_cli("-m", *launcher, "parallel=single,dp2,pp2",  # 2 CPUs: the first two side by side
-                     *replay(ray_replay), cwd=tmp_path, env={"RAY_AUTH_MODE": "disabled"})
-    assert proc.returncode != 0  # the sweep reports the failed job
-    multirun = only_run_dir(tmp_path, "multiruns")
-    assert sorted(p.name for p in multirun.iterdir() if p.is_dir()) == [
-        "parallel=dp2", "parallel=pp2", "parallel=single"]
-    report = json.loads(relax_cli("compare", str(multirun), "--json", cwd=tmp_path).stdout)
-    jobs = {j["layout"]: j for j in report["jobs"]}
-    assert jobs["pp2"]["verdict"] == "FAILED" and "use train=megatron" in jobs["pp2"]["reasons"][0]
-    assert jobs["dp2"]["verdict"] == "equivalent" and jobs["single"]["status"] == "completed"
-    spans = sorted(log_span(multirun / name) for name in ("parallel=single", "parallel=dp2"))
-    assert spans[1][0] < spans[0][1]  # the second job started before the first one ended
