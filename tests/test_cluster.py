@@ -128,7 +128,7 @@ def test_samples_do_not_depend_on_the_engine_count(tiny_path, tokenizer):
 
 def test_cluster_local_never_imports_ray(tmp_path, tiny_path):
     code = ("import sys\nfrom pathlib import Path\nfrom tests.conftest import run_loop\n"
-            f"run_loop(Path({str(tmp_path)!r}), *{TINY!r}, 'rollout.num_engines=2', 'parallel=dp2')\n"
+            f"run_loop(Path({str(tmp_path)!r}), *{TINY!r}, 'rollout.num_engines=2')\n"
             "print('ray' in sys.modules, sorted(m for m in sys.modules if m.startswith('relax.cluster')))\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
