@@ -50,6 +50,7 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 8
+    dtype: Optional[str] = None
     rollout_num_gpus: int = 1
     rollout_num_gpus_per_engine: int = 1
     # rollout=sglang only
@@ -72,6 +73,7 @@ class TrainConfig:
     num_steps_per_rollout: int = 1
     micro_batch_size: int = 64
     clip_grad: float = 1.0
+    on_nonfinite: str = "error"
     num_threads: int = 1
     # train=megatron only
     attention_backend: str = "auto"
@@ -101,10 +103,18 @@ class AlgoConfig:
     grpo_std_normalization: bool = True
     eps_clip: float = 0.2
     eps_clip_high: Optional[float] = None
+    eps_clip_c: Optional[float] = 3.0
+    policy_loss: str = "ppo"
+    loss_agg_mode: str = "token-mean"
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.0
     kl_loss_type: str = "low_var_kl"
     entropy_coef: float = 0.0
+    tis: Optional[str] = None
+    tis_cap: float = 2.0
+    mis: Optional[str] = None
+    mis_low: float = 0.5
+    mis_high: float = 2.0
 
 
 @dataclass

@@ -11,3 +11,8 @@ class ReplayError(ValueError):
 
 class CheckFailed(RuntimeError):
     """A precision check failed during a run with debug.strict_checks=true."""
+
+
+class NonFiniteError(RuntimeError):
+    """A NaN or Inf where training needs finite numbers (a reward, a loss, a grad norm,
+    weights about to be checkpointed); the message names the sample or file to look at."""

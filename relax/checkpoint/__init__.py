@@ -17,9 +17,22 @@ import json
 import shutil
 from pathlib import Path
 
-from relax.errors import ConfigError
+from relax.errors import ConfigError, NonFiniteError
 
 STATE_FILE = "relax_state.json"
+
+
+def check_finite_weights(hf_dir: Path) -> None:
+    """Refuse to checkpoint NaN/Inf weights, tensor by tensor (nothing is held in memory)."""
+    import torch
+    from safetensors import safe_open
+
+    for file in sorted(Path(hf_dir).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if not torch.isfinite(f.get_tensor(name)).all():
+                    raise NonFiniteError(f"checkpoint: weight {name} is not finite; no checkpoint was "
+                                         f"written (the run trained on a non-finite step)")
 
 
 def save_checkpoint(trainer, tokenizer, run_dir: Path, rollout_id: int, ref_model_path: Path,
@@ -29,6 +42,11 @@ def save_checkpoint(trainer, tokenizer, run_dir: Path, rollout_id: int, ref_mode
     tmp = root / f".{final.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     trainer.save_checkpoint(str(tmp))
+    try:
+        check_finite_weights(tmp / "hf")
+    except NonFiniteError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     tokenizer.save_pretrained(tmp / "hf")
     (tmp / STATE_FILE).write_text(json.dumps(
         {"rollout_id": rollout_id, "ref_model_path": str(ref_model_path), "trainer_layout": layout},

@@ -32,7 +32,16 @@ def torch_cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def engine_dtype(cfg) -> str:
+    """The engine's dtype: rollout.dtype, or the model's (a bf16 engine against an fp32
+    trainer is the classic rollout/train mismatch that algo.tis corrects)."""
+    return cfg.rollout.dtype or cfg.model.dtype
+
+
 def check_engine(cfg) -> None:
+    if cfg.rollout.max_new_tokens < 1:
+        raise ConfigError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}: a rollout needs at least "
+                          f"one generated token (an empty response has nothing to train on)")
     if cfg.rollout.engine not in ENGINES:
         raise ConfigError(f"rollout.engine={cfg.rollout.engine!r}: expected one of "
                           f"{', '.join(ENGINES)}")
@@ -58,7 +67,7 @@ def build_engine(cfg, model_path: Path, tokenizer):
     if cfg.rollout.rollout_num_gpus > 1:
         log.info("rollout=torch runs in-process on CPU; rollout_num_gpus=%d is used by "
                  "GPU engines", cfg.rollout.rollout_num_gpus)
-    return TorchEngine(model_path, cfg.model.dtype, [tokenizer.eos_token_id],
+    return TorchEngine(model_path, engine_dtype(cfg), [tokenizer.eos_token_id],
                        tokenizer.pad_token_id)
 
 

@@ -37,6 +37,11 @@ def check_backend(cfg) -> None:
     if cfg.train.backend not in BACKENDS:
         raise ConfigError(f"train.backend={cfg.train.backend!r}: expected one of "
                           f"{', '.join(BACKENDS)}")
+    if cfg.train.on_nonfinite not in ("error", "skip"):
+        raise ConfigError(f"train.on_nonfinite={cfg.train.on_nonfinite!r}: expected error or skip")
+    from relax.algo import check_algo
+
+    check_algo(cfg.algo, cfg.rollout)
     if cfg.train.backend == "torch":
         from relax.train.parallel import check_torch_layout
 

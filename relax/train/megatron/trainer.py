@@ -10,6 +10,7 @@ distributed optimizer, and its grad clipping (`train/grad_norm` comes from Megat
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 import warnings
@@ -21,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from relax.distributed import free_port
-from relax.algo import compute_advantages, masked_sum, token_log_probs
+from relax.algo import masked_sum, token_log_probs
 from relax.errors import ConfigError
 from relax.model import load_safetensors_dir, torch_dtype
 from relax.files import atomic_save, safe_load
@@ -117,6 +118,7 @@ class MegatronTrainer(DistributedWeightSync):
         self.ref = self._build(ref_model_path or model_path)
         actor = self._build(model_path)
         self.actor, self.optimizer = self._wrap_for_training(actor)
+        self.skipped_steps = 0
 
     # -- building ------------------------------------------------------------------------
     def _transformer_config(self):
@@ -326,13 +328,22 @@ class MegatronTrainer(DistributedWeightSync):
             return mb, positions
         from megatron.core.utils import get_batch_on_this_cp_rank
 
-        fields = ("tokens", "targets", "mask", "rollout_log_probs", "old_log_probs",
-                  "ref_log_probs", "entropy")
-        local = get_batch_on_this_cp_rank({f: getattr(mb, f) for f in fields} | {"positions": positions})
-        out = MicroBatch(mb.indices, local["tokens"], local["targets"], local["mask"], mb.advantages,
-                         local["rollout_log_probs"], local["old_log_probs"], local["ref_log_probs"],
-                         local["entropy"])
+        fields = ("tokens", "targets", "mask", "rollout_log_probs", "loss_weights", "old_log_probs",
+                  "ref_log_probs", "entropy", "is_weights")
+        per_position = {f: getattr(mb, f) for f in fields if getattr(mb, f) is not None}
+        flags = dict(enumerate(mb.is_flags or ()))
+        local = get_batch_on_this_cp_rank(per_position | {f"flag{k}": v for k, v in flags.items()}
+                                          | {"positions": positions})
+        out = MicroBatch(mb.indices, advantages=mb.advantages, **{f: local.get(f) for f in fields},
+                         is_flags=tuple(local[f"flag{k}"] for k in flags) or None)
         return out, local["positions"]
+
+    def _seq_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-sequence sums of a CP-local [b, t] tensor over the whole sequence (no autograd)."""
+        total = x.sum(-1)
+        if self.cfg.parallel.cp > 1:
+            dist.all_reduce(total, group=self.ps.get_context_parallel_group())
+        return total
 
     def _cp_full(self, local: torch.Tensor) -> torch.Tensor:
         """[b, 2c] on each CP rank -> [b, 2cp*c] in sequence order (no autograd)."""
@@ -365,12 +376,13 @@ class MegatronTrainer(DistributedWeightSync):
 
     def train(self, rollout_id: int, samples: list[Sample]) -> dict:
         t = self.cfg.train
-        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float)
-        advantages = compute_advantages(rewards, common.group_size_of(samples), self.cfg.algo)
+        advantages = common.advantages_of(samples, self.cfg.algo)
         steps = common.shard_steps(samples, advantages, t.num_steps_per_rollout,
                                    self.ps.get_data_parallel_world_size(),
                                    self.ps.get_data_parallel_rank(), t.micro_batch_size, self.pad_id,
-                                   fixed_shape=True, length_multiple=self._length_multiple())
+                                   fixed_shape=True, length_multiple=self._length_multiple(),
+                                   loss_agg_mode=self.cfg.algo.loss_agg_mode,
+                                   horizon=self.cfg.rollout.max_new_tokens)
         micro_batches = [mb for step in steps for mb in step]
         last = self._is_last_stage()
 
@@ -379,23 +391,34 @@ class MegatronTrainer(DistributedWeightSync):
         if last:
             for mb, (ref_lp, _), (old_lp, entropy) in zip(micro_batches, ref, old):
                 mb.ref_log_probs, mb.old_log_probs, mb.entropy = ref_lp, old_lp, entropy
+            common.attach_is_weights(micro_batches, self.cfg.algo)
             rollout_metrics = common.rollout_record(self._dp_sum(common.rollout_sums(micro_batches)))
-        step_metrics = []
-        for step_mbs in steps:
+        step_metrics, nonfinite = [], []
+        for step, step_mbs in enumerate(steps):
             t0 = time.perf_counter()
             for chunk in self.actor:
                 chunk.train()
                 chunk.zero_grad_buffer()
             self.optimizer.zero_grad()
             losses = self._schedule(self.actor, step_mbs, self._loss, forward_only=False)
-            _, grad_norm, _ = self.optimizer.step()
+            sums = self._dp_sum(sum(losses), with_context_parallel=True) if last else None
+            stepped, grad_norm = self._optimizer_step(sums is None or bool(torch.isfinite(sums[0])))
             peak = peak_memory_mb()  # a collective over every rank
+            if not stepped:
+                self.skipped_steps += 1
             if last:
-                sums = self._dp_sum(sum(losses), with_context_parallel=True)
                 num_tokens = self._dp_sum(sum(mb.mask.sum() for mb in step_mbs))
+                if not stepped:
+                    bad = [None] * self.ps.get_data_parallel_world_size()
+                    dist.all_gather_object(bad, common.nonfinite_indices(step_mbs, [x[0] for x in losses]),
+                                           group=self.ps.get_data_parallel_group())
+                    nonfinite.append(common.nonfinite_event(step, (sums[0] / num_tokens).item(), grad_norm,
+                                                            [i for part in bad for i in part]))
                 step_metrics.append(common.step_record(
                     sums, num_tokens, grad_norm, self.optimizer.param_groups[0]["lr"],
-                    time.perf_counter() - t0, peak))
+                    time.perf_counter() - t0, peak, self.skipped_steps))
+            if not stepped and t.on_nonfinite == "error":
+                break
         result = None
         if last:
             ps = self.ps
@@ -407,15 +430,35 @@ class MegatronTrainer(DistributedWeightSync):
             first = [None] * self.ps.get_data_parallel_world_size()
             dist.all_gather_object(first, common.first_step_log_probs(micro_batches),
                                    group=self.ps.get_data_parallel_group())
-            result = {"rollout": rollout_metrics, "steps": step_metrics,
+            result = {"rollout": rollout_metrics, "steps": step_metrics, "nonfinite": nonfinite,
                       "first_step_log_probs": {i: lp for part in first for i, lp in part.items()}}
         return self._from_last_stage(result)
 
+    def _optimizer_step(self, loss_finite: bool) -> tuple[bool, float]:
+        """Megatron's optimizer.step(), split so that a non-finite loss (known on the last
+        stage) or grad norm skips the update on every rank: with fp32 params Megatron has
+        no inf check, and a NaN norm fails its `clip_coeff < 1` test and steps anyway."""
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        found_inf = self.optimizer.prepare_grads()
+        grad_norm = float(self.optimizer.get_grad_norm())
+        bad = torch.tensor(float(found_inf or not loss_finite or not math.isfinite(grad_norm)))
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        if bad.item():
+            return False, grad_norm
+        for inner in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            params = inner.get_parameters()
+            if inner.config.clip_grad > 0 and params:
+                clip_grad_by_total_norm_fp32(params, inner.config.clip_grad, grad_norm,
+                                             inner.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+        return self.optimizer.step_with_ready_grads(), grad_norm
+
     def _loss(self, mb: MicroBatch, logits: torch.Tensor):
         log_probs, entropy = token_log_probs(logits, mb.targets, self.temperature)
-        loss, sums = common.objective(log_probs, entropy, mb, self.cfg.algo)
-        # Megatron divides by the step's token count (all-reduced over DP): a token mean.
-        return masked_sum(loss, mb.mask), mb.mask.sum().int(), sums
+        loss, sums = common.objective(log_probs, entropy, mb, self.cfg.algo, self._seq_sum)
+        # Megatron divides by the step's token count (all-reduced over DP): with the loss
+        # weights, the algo.loss_agg_mode aggregate.
+        return masked_sum(loss, mb.loss_weights), mb.mask.sum().int(), sums
 
     def _length_multiple(self) -> int:
         p = self.cfg.parallel
