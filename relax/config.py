@@ -94,6 +94,7 @@ class ParallelConfig:
     dp: int = 1
     sequence_parallel: bool = False
     fsdp: bool = False
+    noise_ulp: int = 0  # >0: each initial actor weight nudged by that many ulps (parallel=twin)
     world_size: int = II("mul:${.tp},${.pp},${.cp},${.dp}")
 
 

@@ -43,6 +43,17 @@ class MicroBatch:
     is_flags: tuple | None = None           # ([b, T] truncated, [b, T] dropped)
 
 
+def nudge_ulps(params, ulps: int, seed: int) -> None:
+    """parallel.noise_ulp: move every weight `ulps` representable values up or down (random
+    signs from `seed`): a twin run whose distance from the original is rounding noise."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in params:
+            target = torch.where(torch.rand(p.shape, generator=generator) < 0.5, -torch.inf, torch.inf)
+            for _ in range(ulps):
+                p.copy_(torch.nextafter(p, target.to(p.dtype)))
+
+
 def group_size_of(samples: list[Sample]) -> int:
     groups = [s.group_index for s in samples]
     size = groups.count(groups[0])

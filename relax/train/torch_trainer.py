@@ -6,6 +6,7 @@ raw rewards, reference and old log-probs, then `num_steps_per_rollout` PPO-clip 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -45,6 +46,7 @@ class TorchTrainer(DistributedWeightSync):
         self.model = load_causal_lm(Path(model_path), cfg.model.dtype)
         ref = load_causal_lm(Path(ref_model_path or model_path), cfg.model.dtype)
         ref.requires_grad_(False)
+        common.nudge_ulps(self.model.parameters(), cfg.parallel.noise_ulp, cfg.seed)
         if faults.active("trainer_dropout"):  # a noisy forward
             self.model.config.attention_dropout = 0.5
             for module in self.model.modules():
@@ -62,6 +64,12 @@ class TorchTrainer(DistributedWeightSync):
             self.model.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
             eps=t.adam_eps, weight_decay=t.weight_decay)
         self.skipped_steps = 0
+
+    def _grad_sync(self):
+        """DDP all-reduces gradients in backward; the `no_allreduce` fault skips that."""
+        if faults.active(f"no_allreduce:{self.cfg.parallel.name}") and hasattr(self.actor, "no_sync"):
+            return self.actor.no_sync()
+        return contextlib.nullcontext()
 
     def _log_probs(self, model, mb: MicroBatch):
         return token_log_probs(model(input_ids=mb.tokens).logits, mb.targets, self.temperature)
@@ -91,11 +99,14 @@ class TorchTrainer(DistributedWeightSync):
             # DDP/FSDP average gradients over dp ranks; the loss weights make the result the
             # algo.loss_agg_mode aggregate once divided by the step's token count.
             scale = self.layout.dp_size / num_tokens
+            if faults.active(f"grad_scale:{self.cfg.parallel.name}") and self.layout.rank == 1:
+                scale = scale * 1.01  # one rank's gradient off by 1%
             sums, mb_losses = torch.zeros(len(common.STEP_KEYS)), []
             self.optimizer.zero_grad(set_to_none=True)
             for mb in tqdm(step_mbs, desc="train", leave=False, delay=2, disable=self.layout.rank > 0):
-                loss, mb_sums = common.objective(*self._log_probs(self.actor, mb), mb, self.cfg.algo)
-                (masked_sum(loss, mb.loss_weights) * scale).backward()
+                with self._grad_sync():  # (DDP decides in forward whether backward all-reduces)
+                    loss, mb_sums = common.objective(*self._log_probs(self.actor, mb), mb, self.cfg.algo)
+                    (masked_sum(loss, mb.loss_weights) * scale).backward()
                 sums += mb_sums
                 mb_losses.append(mb_sums[0])
             sums = dp_all_reduce(sums, self.layout)
