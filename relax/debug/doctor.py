@@ -74,7 +74,7 @@ class RunData:
     chat_template_parts: tuple[str, str] | None = None          # (prefix, suffix) of a user turn
     first_train_data: list[dict] = field(default_factory=list)   # per-sample rows, first rollout
     weight_check: dict | None = None
-    backend: str = "torch"
+    backend: str = ""  # train._target_: the trainer class
 
 
 # -- reading a run ------------------------------------------------------------------------
@@ -106,7 +106,7 @@ def load_run(path: Path) -> RunData:
     if config.is_file():
         cfg = OmegaConf.load(config)
         run.num_steps_per_rollout = cfg.train.num_steps_per_rollout
-        run.backend = cfg.train.backend
+        run.backend = cfg.train._target_
     log_file = path / "relax.log"
     if log_file.is_file():
         for line in log_file.read_text().splitlines():
@@ -278,7 +278,7 @@ def check_first_step(run: RunData, th: Thresholds) -> Check:
     if not problems:
         return Check(4, name, PASS, f"KL 0, grad_norm {step['train/grad_norm']:.3g}", evidence)
     causes = ["a trainer backend bug (Megatron / Transformer Engine) or a non-deterministic forward"]
-    if run.backend == "megatron":
+    if "megatron" in run.backend:
         causes.append("MoE on Megatron: set train.moe_permute_fusion=true")
     return Check(4, name, FAIL, "; ".join(problems), evidence, causes=causes,
                  next_steps=["compare layouts on fixed data: relax -m debug=train_only "
@@ -360,7 +360,7 @@ def diagnose(run: RunData, th: Thresholds | None = None) -> list[Check]:
 
 def strict_first_step(record: dict, steps: list[dict], cfg, prompts: list[str], tokenizer) -> None:
     run = RunData(path=Path("."), rollouts=[record], steps=steps, prompts=prompts,
-                  num_steps_per_rollout=cfg.train.num_steps_per_rollout, backend=cfg.train.backend,
+                  num_steps_per_rollout=cfg.train.num_steps_per_rollout, backend=cfg.train._target_,
                   chat_template_parts=chat_template_parts(tokenizer))
     failed = [c for c in (check_logprobs_vs_ref(run, Thresholds()), check_first_step(run, Thresholds()),
                           check_train_rollout_diff(run, Thresholds()), check_finite(run, Thresholds()))

@@ -5,7 +5,7 @@ Megatron's CP splits each sequence into 2·cp chunks and gives rank r chunks r a
 Each rank gathers every rank's K and V, restores sequence order and runs causal SDPA for
 its own queries. K and V travel in ONE all-gather of cat([K, V]): two separate autograd
 all-gathers let ranks run the backward collectives in different orders on gloo, which
-gave gradients off by up to 30% with a correct forward (a silent trap; see the findings).
+gave gradients off by up to 30% with a correct forward (a silent trap; docs/measured-on-cpu.md).
 """
 
 from __future__ import annotations

@@ -26,10 +26,10 @@ from relax.algo import masked_sum, token_log_probs
 from relax.errors import ConfigError
 from relax.model import load_safetensors_dir, torch_dtype
 from relax.files import atomic_save, safe_load
-from relax.sample import Sample
+from relax.sample import Sample, log_prob_temperature
 from relax.train import common
 from relax.train.common import MicroBatch
-from relax.train.megatron import convert
+from relax.train.megatron import checks, convert
 from relax.train.parallel import peak_memory_mb
 from relax.train.weight_sync import DistributedWeightSync
 
@@ -81,6 +81,8 @@ def _init_distributed(rank: int, world_size: int) -> None:
 
 class MegatronTrainer(DistributedWeightSync):
     """Trainer interface: train / named_weights / save_checkpoint / load_checkpoint / shutdown."""
+    check_config = staticmethod(checks.check_config)
+    checkpoint_layout = staticmethod(checks.checkpoint_layout)
 
     def __init__(self, cfg, model_path: str, ref_model_path: str | None = None,
                  pad_token_id: int = 0, save_train_data: str | None = None,
@@ -102,7 +104,7 @@ class MegatronTrainer(DistributedWeightSync):
         if GPU and cfg.train.deterministic:
             deterministic_mode()
         torch.set_num_threads(cfg.train.num_threads)
-        self.temperature = cfg.rollout.temperature or 1.0
+        self.temperature = log_prob_temperature(cfg.rollout.temperature)
         p = cfg.parallel
         _init_distributed(rank, world_size)
         ps.initialize_model_parallel(
