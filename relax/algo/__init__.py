@@ -12,12 +12,13 @@ import logging
 import torch
 
 from relax.algo.advantages import ESTIMATORS, compute_advantages, group_advantages, reinforce_plus_plus
-from relax.algo.kl import IS_LEVELS, KL_TYPES, kl_estimate, mismatch_kl, rollout_is_weights
+from relax.algo.kl import IS_LEVELS, KL_TYPES, kl_estimate, mismatch_kl, mismatch_ratio, rollout_is_weights
 from relax.algo.losses import (LOSS_AGG_MODES, POLICY_LOSSES, gspo_loss, policy_loss,
                                sequence_loss_scales)
 from relax.errors import ConfigError
 
 __all__ = ["compute_advantages", "group_advantages", "reinforce_plus_plus", "kl_estimate", "mismatch_kl",
+           "mismatch_ratio",
            "rollout_is_weights", "gspo_loss", "policy_loss", "sequence_loss_scales", "masked_sum",
            "token_log_probs", "check_algo"]
 log = logging.getLogger(__name__)

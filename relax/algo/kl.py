@@ -39,13 +39,9 @@ def rollout_is_weights(old_log_probs, rollout_log_probs, mask, algo, seq_sum=Non
     per-token flags: truncated, dropped. None when both are off."""
     if algo.tis is None and algo.mis is None:
         return None
-    seq_sum = seq_sum or (lambda x: x.sum(-1))
     with torch.no_grad():
-        token_log_ratio = (old_log_probs - rollout_log_probs) * mask
-
         def raw(level):
-            lr = token_log_ratio if level == "token" else seq_sum(token_log_ratio)[:, None].expand_as(mask)
-            return torch.exp(lr.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)) * mask
+            return mismatch_ratio(old_log_probs, rollout_log_probs, mask, level, seq_sum)
 
         weights, truncated, dropped = mask.clone(), torch.zeros_like(mask), torch.zeros_like(mask)
         if algo.tis is not None:
@@ -57,6 +53,16 @@ def rollout_is_weights(old_log_probs, rollout_log_probs, mask, algo, seq_sum=Non
             dropped = ((w < algo.mis_low) | (w > algo.mis_high)).float() * mask
             weights = weights * (1 - dropped)
     return weights, truncated, dropped
+
+
+def mismatch_ratio(old_log_probs, rollout_log_probs, mask, level: str = "token", seq_sum=None):
+    """pi_train / pi_rollout per token, or per sequence (the product of its token ratios,
+    broadcast over its tokens); 0 at masked positions, log-ratio clamped to ±20."""
+    seq_sum = seq_sum or (lambda x: x.sum(-1))
+    log_ratio = (old_log_probs - rollout_log_probs) * mask
+    if level == "sequence":
+        log_ratio = seq_sum(log_ratio)[:, None].expand_as(mask)
+    return torch.exp(log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)) * mask
 
 
 def mismatch_kl(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor) -> torch.Tensor:

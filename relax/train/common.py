@@ -16,15 +16,16 @@ from dataclasses import dataclass
 import torch
 
 from relax import faults
-from relax.algo import (compute_advantages, gspo_loss, kl_estimate, masked_sum, mismatch_kl, policy_loss,
-                        rollout_is_weights, sequence_loss_scales)
+from relax.algo import (compute_advantages, gspo_loss, kl_estimate, masked_sum, mismatch_kl, mismatch_ratio,
+                        policy_loss, rollout_is_weights, sequence_loss_scales)
 from relax.files import atomic_save, fill
 from relax.sample import Sample
 
 FIRST_STEP_SAMPLES = 16  # per-token log-probs of these sample indices go to layout comparisons
 STEP_KEYS = ("train/loss", "train/pg_loss", "train/pg_clipfrac", "train/pg_clipfrac_lower", "train/ppo_kl",
              "train/kl_loss", "train/entropy_loss", "train/train_rollout_logprob_abs_diff",
-             "train/mismatch_kl", "train/tis_weight_mean", "train/tis_clipfrac", "train/mis_dropfrac")
+             "train/mismatch_kl", "train/mismatch_residual", "train/tis_weight_mean", "train/tis_clipfrac",
+             "train/mis_dropfrac")
 
 
 @dataclass
@@ -153,9 +154,13 @@ def objective(log_probs: torch.Tensor, entropy: torch.Tensor, mb: MicroBatch, al
     with torch.no_grad():
         diff = (log_probs - mb.rollout_log_probs).abs()
         mismatch = mismatch_kl(mb.old_log_probs, mb.rollout_log_probs)
+        # the part of pi_train/pi_rollout the update leaves uncorrected: its bias is
+        # E_rollout[(weight - ratio) * A * grad log pi]
+        ratio = mismatch_ratio(mb.old_log_probs, mb.rollout_log_probs, mb.mask, algo.tis or "token", seq_sum)
+        residual = (is_weights - ratio).abs()
         sums = torch.stack([masked_sum(loss.detach(), mb.loss_weights)] + [
             masked_sum(x.detach(), mb.mask) for x in (pg, clipfrac, clipfrac_lower, ppo_kl, kl, entropy, diff,
-                                                      mismatch, is_weights, truncated, dropped)])
+                                                      mismatch, residual, is_weights, truncated, dropped)])
     return loss, sums
 
 
