@@ -48,6 +48,7 @@ def clean(tmp_path_factory, long_replay):
     return sweep(tmp_path_factory.mktemp("clean"), long_replay, "single,twin,dp2")
 
 
+@pytest.mark.slow
 def test_equivalent_layout_stays_in_the_twins_envelope(clean):
     code, jobs = compare(clean)
     assert code == 0, jobs
@@ -62,6 +63,7 @@ def test_equivalent_layout_stays_in_the_twins_envelope(clean):
     assert strict["twin"]["diverged_at_step"] >= 2  # the twin too: same mechanism
 
 
+@pytest.mark.slow
 def test_broken_layouts_diverge_at_step_0_or_1(tmp_path, long_replay, clean):
     faults = "no_allreduce:dp2,grad_scale:fsdp2,perturb_shard:tp2"
     broken = sweep(tmp_path, long_replay, "dp2,fsdp2,tp2", env={"RELAX_FAULT": faults})
@@ -74,6 +76,7 @@ def test_broken_layouts_diverge_at_step_0_or_1(tmp_path, long_replay, clean):
         assert report[layout]["diverged_at_step"] in (0, 1), (layout, report[layout]["reasons"])
 
 
+@pytest.mark.slow
 def test_nan_metrics_are_diverged_naming_the_metric(tmp_path, long_replay, clean):
     proc = relax_cli(*replay(long_replay), "rollout.num_rollout=2", "train.on_nonfinite=skip",
                      f"hydra.run.dir={tmp_path}/nan", cwd=tmp_path, env={"RELAX_FAULT": "nan_log_probs"})
@@ -109,3 +112,18 @@ def test_envelope_rules_by_hand():
     assert late.diverged_at_step == 5
     judge(inside, base, tol, None)
     assert inside.verdict == "DIVERGED" and inside.diverged_at_step == 3
+
+
+def test_the_twin_moves_every_weight_by_one_ulp():
+    import torch
+
+    from relax.train.common import nudge_ulps
+
+    weights = torch.nn.Parameter(torch.tensor([1.0, -2.0, 0.5, 3.0, 1e-30, 7.0]))
+    before = weights.detach().clone()
+    nudge_ulps([weights], 1, seed=0)
+    up = torch.nextafter(before, torch.tensor(torch.inf))
+    down = torch.nextafter(before, torch.tensor(-torch.inf))
+    moved = weights.detach()
+    assert torch.all((moved == up) | (moved == down)) and not torch.equal(moved, before)
+    assert 0 < int((moved == up).sum()) < 6  # random signs, both present

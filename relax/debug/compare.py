@@ -62,7 +62,8 @@ def load_job(path: Path) -> Job:
     config = path / ".hydra" / "config.yaml"
     if config.is_file():
         cfg = OmegaConf.load(config)
-        job.backend, job.layout = cfg.train._target_, cfg.parallel.name
+        # runs recorded before train._target_ existed name their trainer train.backend
+        job.backend, job.layout = cfg.train.get("_target_", cfg.train.get("backend", "?")), cfg.parallel.name
         job.noise_ulp = cfg.parallel.get("noise_ulp", 0)
     status_file = path / "status.json"
     if status_file.is_file():

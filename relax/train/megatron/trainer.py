@@ -119,7 +119,7 @@ class MegatronTrainer(DistributedWeightSync):
         self.config = self._transformer_config()
         self.ref = self._build(ref_model_path or model_path)
         actor = self._build(model_path)
-        common.nudge_ulps([p for chunk in actor for p in chunk.parameters()], p.noise_ulp, cfg.seed)
+        common.nudge_ulps([param for chunk in actor for param in chunk.parameters()], p.noise_ulp, cfg.seed)
         self.actor, self.optimizer = self._wrap_for_training(actor)
         self.skipped_steps = 0
 
