@@ -4,8 +4,8 @@ Two references:
 - `Verl*` below restate, line for line, verl 0.9.1's `compute_policy_loss_vanilla` (with
   `clip_ratio_c`), `kl_penalty` (`kl_penalty_forward`), `agg_loss`,
   `compute_grpo_outcome_advantage` and `compute_reinforce_plus_plus_outcome_advantage`
-  (gamma 1), and `rollout_corr_helper.compute_rollout_correction_weights` (TIS); they
-  always run.
+  (gamma 1), `compute_policy_loss_gspo`, and `rollout_corr_helper.compute_rollout_correction_weights`
+  (TIS); they always run.
 - when verl itself imports (it is not a Relax dependency: its pins conflict with ours;
   `pip install --no-deps verl==0.9.1 tensordict pyvers cloudpickle orjson codetiming
   pylatexenc` into a side directory on PYTHONPATH is enough), the same comparisons run
@@ -22,8 +22,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from relax.algo import (group_advantages, kl_estimate, policy_loss, reinforce_plus_plus, rollout_is_weights,
-                        sequence_loss_scales)
+from relax.algo import (group_advantages, gspo_loss, kl_estimate, policy_loss, reinforce_plus_plus,
+                        rollout_is_weights, sequence_loss_scales)
 from relax.algo.losses import LOSS_AGG_MODES
 
 try:  # pragma: no cover - depends on the machine
@@ -66,6 +66,19 @@ def verl_policy_loss_vanilla(old, lp, adv, mask, clip, clip_c, mode, loss_scale_
     pg_clipfrac_lower = masked_mean(torch.gt(clip_pg_losses1, pg_losses3) * (adv < 0).float(), mask)
     pg_losses = torch.where(adv < 0, clip_pg_losses2, clip_pg_losses1)
     return verl_agg_loss(pg_losses, mask, mode, loss_scale_factor), pg_clipfrac, ppo_kl, pg_clipfrac_lower
+
+
+def verl_policy_loss_gspo(old, lp, adv, mask, clip, mode, loss_scale_factor):
+    negative_approx_kl = lp - old
+    seq_lengths = torch.sum(mask, dim=-1).clamp(min=1)
+    negative_approx_kl_seq = torch.sum(negative_approx_kl * mask, dim=-1) / seq_lengths
+    log_seq_importance_ratio = lp - lp.detach() + negative_approx_kl_seq.detach().unsqueeze(-1)
+    seq_importance_ratio = torch.exp(torch.clamp(log_seq_importance_ratio, max=10.0))
+    pg_losses1 = -adv * seq_importance_ratio
+    pg_losses2 = -adv * torch.clamp(seq_importance_ratio, 1 - clip, 1 + clip)
+    pg_losses = torch.maximum(pg_losses1, pg_losses2)
+    clipfrac = masked_mean(torch.gt(pg_losses2, pg_losses1).float(), mask)
+    return verl_agg_loss(pg_losses, mask, mode, loss_scale_factor), clipfrac
 
 
 def verl_kl_penalty(lp, ref, kind):
@@ -136,6 +149,20 @@ def test_policy_loss_matches_verl_vanilla_with_dual_clip(mode):
     assert masked_mean(clipfrac, mask).item() == pytest.approx(ref_clipfrac.item(), rel=1e-6)
     assert masked_mean(lower, mask).item() == pytest.approx(ref_lower.item(), rel=1e-6)
     assert masked_mean(ppo_kl, mask).item() == pytest.approx(ref_kl.item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_gspo_matches_verl_with_its_gradient(mode):
+    old, lp, adv, mask = batch()
+    lp = (old + (lp - old).clamp(-3, 3)).requires_grad_()  # GSPO clamps only above: keep e^ratio sane
+    ours, clipfrac, _, _ = gspo_loss(lp, old, adv, mask, 0.2, 0.2)
+    ours = relax_agg(ours, mask, mode, 7)
+    (ours_grad,) = torch.autograd.grad(ours, lp)
+    theirs, their_clipfrac = verl_policy_loss_gspo(old, lp, adv, mask, 0.2, mode, 7)
+    (their_grad,) = torch.autograd.grad(theirs, lp)
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-6)
+    assert masked_mean(clipfrac, mask).item() == pytest.approx(their_clipfrac.item(), rel=1e-6)
+    assert torch.allclose(ours_grad, their_grad, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("kind", ["k1", "k2", "k3", "low_var_kl"])
