@@ -20,7 +20,8 @@ builds a tiny-model variant, fills the file cache).
 
 Per run: per-step time = median interval between consecutive steps in the loop (Relax: the
 timestamps of `Finish rollout` in relax.log; TRL: on_step_end), so it holds for async too;
-loop time = mean interval x rollouts; whole-process = wall clock of the subprocess; reward
+loop time = mean interval x rollouts; whole-process = wall clock of the subprocess (and its
+CPU seconds, user + system, which other jobs on a shared machine disturb less); reward
 first-3 -> last-3 = mean raw reward of the first and last 3 rollouts. The summary gives
 medians [min..max] over repeats and the goals of the Throughput issue with verdicts.
 
@@ -46,6 +47,7 @@ import argparse
 import hashlib
 import json
 import re
+import resource
 import shutil
 import statistics
 import subprocess
@@ -88,6 +90,7 @@ class Run:
     step_s: float                # median interval between consecutive steps
     loop_s: float                # mean interval x steps
     whole_s: float               # subprocess wall clock
+    cpu_s: float                 # subprocess user + system CPU seconds
     rewards: list[float]
     gen_s: float | None = None   # Relax: median perf/rollout_time
     train_s: float | None = None  # Relax: median perf/train_time
@@ -110,16 +113,17 @@ def intervals(times: list[float]) -> tuple[float, float]:
     return statistics.median(gaps), statistics.fmean(gaps) * len(times)
 
 
-def run_logged(cmd: list[str], log: Path) -> float:
-    """Run `cmd` with its output in `log`; its wall-clock seconds; exit on failure."""
-    t0 = time.perf_counter()
+def run_logged(cmd: list[str], log: Path) -> tuple[float, float]:
+    """Run `cmd` with its output in `log`; its (wall-clock, CPU) seconds; exit on failure."""
+    t0, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     with log.open("w") as f:
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO).returncode
-    seconds = time.perf_counter() - t0
+    seconds, after = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     if rc:
         tail = "".join(log.read_text().splitlines(keepends=True)[-25:])
         raise SystemExit(f"vs_trl: {' '.join(cmd)} failed (exit {rc}); the end of {log}:\n{tail}")
-    return seconds
+    return seconds, cpu
 
 
 def relax_config(relax: str, overrides: list[str]) -> str:
@@ -168,15 +172,15 @@ def read_relax(run_dir: Path) -> tuple[list[float], list[dict]]:
     return stamps, [r for r in records if "step" not in r]
 
 
-def measure(job: str, variant: str, out: Path, tag: str, whole: float) -> Run:
+def measure(job: str, variant: str, out: Path, tag: str, whole: tuple[float, float]) -> Run:
     if variant == "trl":
         result = json.loads((out / f"{tag}.json").read_text())
-        return Run(job, variant, *intervals(result["step_ends"]), whole, result["rewards"],
+        return Run(job, variant, *intervals(result["step_ends"]), *whole, result["rewards"],
                    extra={"settings": result["settings"], "dataset_s": result["dataset_s"]})
     stamps, rollouts = read_relax(out / tag)
-    return Run(job, variant, *intervals(stamps), whole, [r["rollout/raw_reward"] for r in rollouts],
-               statistics.median(r["perf/rollout_time"] for r in rollouts),
-               statistics.median(r["perf/train_time"] for r in rollouts))
+    return Run(job, variant, *intervals(stamps), *whole, [r["rollout/raw_reward"] for r in rollouts],
+               gen_s=statistics.median(r["perf/rollout_time"] for r in rollouts),
+               train_s=statistics.median(r["perf/train_time"] for r in rollouts))
 
 
 def spread(values: list[float], fmt: str) -> str:
@@ -193,15 +197,15 @@ def summary(runs: list[Run], job: str, n_rollouts: int, repeats: int) -> dict[st
     by = {v: [r for r in runs if r.job == job and r.variant == v] for v in ("sync", "trl", "async")}
     by = {v: rs for v, rs in by.items() if rs}
     print(f"\n== {job}: {JOBS[job].about}; {n_rollouts} rollouts, {repeats} repeat(s): median [min..max] ==")
-    header = ["per-step ms", "loop s", "whole-process s"]
-    print(f"{'variant':<12}" + "".join(f"{h:>20}" for h in header) + "   reward first-3 -> last-3")
+    header = ["per-step ms", "loop s", "whole-process s", "whole-process CPU s"]
+    print(f"{'variant':<12}" + "".join(f" {h:>20}" for h in header) + "   reward first-3 -> last-3")
     for variant, rs in by.items():
-        columns = [spread([r.step_s * 1e3 for r in rs], ".0f"), spread([r.loop_s for r in rs], ".1f"),
-                   spread([r.whole_s for r in rs], ".1f")]
+        columns = [spread([getattr(r, key) * scale for r in rs], fmt) for key, scale, fmt in (
+            ("step_s", 1e3, ".0f"), ("loop_s", 1, ".1f"), ("whole_s", 1, ".1f"), ("cpu_s", 1, ".1f"))]
         first, last = statistics.median(r.first3 for r in rs), statistics.median(r.last3 for r in rs)
         name = "trl" if variant == "trl" else f"relax {variant}"
         gain = spread([r.last3 - r.first3 for r in rs], "+.3f")
-        print(f"{name:<12}" + "".join(f"{c:>20}" for c in columns)
+        print(f"{name:<12}" + "".join(f" {c:>20}" for c in columns)
               + f"   {first:.3f} -> {last:.3f} (gain {gain})")
     if "sync" in by:
         rs = by["sync"]
@@ -219,8 +223,9 @@ def versus_trl(sync: list[Run], trl: list[Run]) -> None:
     med = statistics.median
     step = med(r.step_s for r in trl) / med(r.step_s for r in sync)
     whole = med(r.whole_s for r in trl) / med(r.whole_s for r in sync)
+    cpu = med(r.cpu_s for r in trl) / med(r.cpu_s for r in sync)
     verdict(step >= 2, f"relax sync >= 2x TRL per optimizer step in-loop: {step:.2f}x")
-    verdict(whole >= 1.5, f"relax sync >= 1.5x TRL whole-process: {whole:.2f}x")
+    verdict(whole >= 1.5, f"relax sync >= 1.5x TRL whole-process: {whole:.2f}x (in CPU seconds: {cpu:.2f}x)")
     relax_gain, trl_gain = ([r.last3 - r.first3 for r in rs] for rs in (sync, trl))
     if len(sync) > 1 and len(trl) > 1:
         noise = max(max(relax_gain) - min(relax_gain), max(trl_gain) - min(trl_gain))
@@ -313,7 +318,7 @@ def main() -> None:
         fixed = JOBS[job].rollouts
         return args.rollouts if fixed is None else min(fixed, args.rollouts)
 
-    def run(job: str, variant: str, tag: str, overrides: list[str]) -> float:
+    def run(job: str, variant: str, tag: str, overrides: list[str]) -> tuple[float, float]:
         cmd = command(variant, [*JOBS[job].overrides, *overrides], out, tag, args.relax, trl_python)
         return run_logged(cmd, out / f"{tag}.out")
 
@@ -325,12 +330,13 @@ def main() -> None:
     for rep in range(args.repeats):
         for job, variant in plan:
             tag = f"{job}-{variant}-rep{rep}"
-            whole = run(job, variant, tag, [f"rollout.num_rollout={rollouts(job)}", f"seed={seed + rep}"])
-            r = measure(job, variant, out, tag, whole)
+            seconds = run(job, variant, tag, [f"rollout.num_rollout={rollouts(job)}", f"seed={seed + rep}"])
+            r = measure(job, variant, out, tag, seconds)
             runs.append(r)
             eta = (time.perf_counter() - t0) / len(runs) * (total - len(runs))
             print(f"[{len(runs)}/{total}] {job:<9} {variant:<5} rep {rep}: {r.step_s * 1e3:6.1f} ms/step, "
-                  f"loop {r.loop_s:6.1f} s, whole {r.whole_s:6.1f} s, reward {r.first3:.3f} -> {r.last3:.3f}"
+                  f"loop {r.loop_s:6.1f} s, whole {r.whole_s:6.1f} s ({r.cpu_s:.1f} s CPU), "
+                  f"reward {r.first3:.3f} -> {r.last3:.3f}"
                   + (f" (prompt dataset {r.extra['dataset_s']:.1f} s)" if "dataset_s" in r.extra else "")
                   + f"  (eta {eta / 60:.1f} min)", flush=True)
     trl_runs = [r for r in runs if r.variant == "trl"]
