@@ -1,6 +1,6 @@
 """Relax against Hugging Face TRL's GRPOTrainer on the same job: step time, process time, reward.
 
-    python bench/vs_trl.py            # both jobs, 400 rollouts, 3 interleaved repeats (~15 min on 2 cores)
+    python bench/vs_trl.py            # both jobs, 400 rollouts, 3 interleaved repeats (~25 min, busy 2 cores)
     python bench/vs_trl.py --quick    # smoke run: 20 rollouts, 1 repeat (~3 min)
     python bench/vs_trl.py --jobs default --variants sync,trl --rollouts 100 --repeats 5
 
