@@ -17,14 +17,14 @@ from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from relax.checkpoint import check_layout, find_checkpoint, read_state, save_checkpoint
-from relax.debug import doctor
-from relax.debug.health import response_health
+from relax.debug import checks
+from relax.debug.health import SAMPLES_FILE, response_health, sample_record
 from relax.debug.plan import Plan, resolve
 from relax.debug.weights import WeightCheck
 from relax.errors import CheckFailed, ConfigError, ReplayError
 from relax.logger import MetricsLogger, plot_run
 from relax.model import load_tokenizer, resolve_model_path
-from relax.files import atomic_save, fill
+from relax.files import append_jsonl, atomic_save, fill
 from relax.replay import build_manifest, load_rollout, save_rollout
 from relax.sample import Sample
 from relax.task import Task
@@ -46,11 +46,13 @@ def rollout_stats(samples: list[Sample], seconds: float, tokenizer, answer_forma
     }
 
 
-def log_finish_rollout(rollout_id: int, samples: list[Sample]) -> None:
-    s = samples[0]
-    mean = sum(x.reward for x in samples) / len(samples)
+def log_finish_rollout(run: Run, rollout_id: int, samples: list[Sample]) -> None:
+    """The rollout's example sample: a `Finish rollout` line for people, a samples.jsonl line
+    for `relax doctor`."""
+    s = sample_record(rollout_id, samples, run.tokenizer, run.cfg.task.answer_format)
     log.info("Finish rollout %d: %d samples, mean reward %.3f | prompt=%r response=%r reward=%g",
-             rollout_id, len(samples), mean, s.prompt, s.response, s.reward)
+             rollout_id, s["num_samples"], s["mean_reward"], s["prompt"], s["response"], s["reward"])
+    append_jsonl(run.dir / SAMPLES_FILE, s)
 
 
 def write_json(path: Path, obj) -> None:
@@ -114,7 +116,7 @@ def build(run: Run):
         if trainer:
             weight_check.check_first_sync(engine, trainer)
         if cfg.debug.strict_checks:
-            doctor.strict_weights({"checks": weight_check.results})
+            checks.strict_weights({"checks": weight_check.results})
     return engine, trainer, weight_check
 
 
@@ -133,7 +135,7 @@ def rollout(run: Run, engine, rollout_id: int) -> tuple[list[Sample], dict]:
         samples, time.perf_counter() - t0, run.tokenizer, cfg.task.answer_format)}
     if run.plan.save_rollout_data:
         save_rollout(fill(run.plan.save_rollout_data, rollout_id), rollout_id, samples, run.manifest)
-    log_finish_rollout(rollout_id, samples)
+    log_finish_rollout(run, rollout_id, samples)
     return samples, record
 
 
@@ -164,7 +166,7 @@ def after_training(run: Run, trainer, rollout_id: int, samples, record: dict, ou
     if rollout_id == first:
         atomic_save(out["first_step_log_probs"], run.dir / "first_step_log_probs.pt")
         if cfg.debug.strict_checks:
-            doctor.strict_first_step(record, out["steps"], cfg, [s.prompt for s in samples],
+            checks.strict_first_step(record, out["steps"], cfg, [s.prompt for s in samples],
                                      run.tokenizer)
     interval = cfg.checkpoint.save_interval
     if interval and ((rollout_id + 1) % interval == 0 or rollout_id == last):
