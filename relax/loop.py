@@ -23,7 +23,7 @@ from relax.debug.plan import Plan, resolve
 from relax.debug.weights import WeightCheck
 from relax.errors import CheckFailed, ConfigError, ReplayError
 from relax.logger import MetricsLogger, plot_run
-from relax.model import load_tokenizer, resolve_model_path
+from relax.model import load_tokenizer, read_hf_config, resolve_model_path
 from relax.files import append_jsonl, atomic_save, fill
 from relax.replay import build_manifest, load_rollout, save_rollout
 from relax.sample import Sample
@@ -79,7 +79,7 @@ def prepare(cfg, run_dir: Path) -> Run:
     checkpoint = find_checkpoint(cfg.resume, run_dir.parent)
     saved = read_state(checkpoint) if checkpoint else None
     start = saved["rollout_id"] + 1 if saved else 0
-    plan = resolve(cfg, start)
+    plan = resolve(cfg, start, read_hf_config(saved["ref_model_path"]) if saved else None)
     if saved and plan.builds_train:
         check_layout(checkpoint, saved, checkpoint_layout(cfg))
     task = Task(cfg.task, cfg.seed) if plan.builds_rollout else None

@@ -33,21 +33,25 @@ def make_trainer(cfg, *args, **kwargs):
     return getattr(importlib.import_module(module), cls)(cfg, *args, **kwargs)
 
 
-def check_backend(cfg) -> None:
+def check_backend(cfg, hf_config: dict) -> None:
+    """Refuse, before any rank starts, a backend or layout that cannot train this model
+    (`hf_config`: its config.json, see relax.model.model_config)."""
     if cfg.train.backend not in BACKENDS:
         raise ConfigError(f"train.backend={cfg.train.backend!r}: expected one of "
                           f"{', '.join(BACKENDS)}")
     if cfg.train.backend == "torch":
         from relax.train.parallel import check_torch_layout
 
-        check_torch_layout(cfg.parallel)
+        check_torch_layout(cfg.parallel, hf_config)
     if cfg.train.backend == "megatron":
         if cfg.train.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"train.attention_backend={cfg.train.attention_backend!r}: expected one "
                               f"of {', '.join(ATTENTION_BACKENDS)}")
         from relax.train.megatron.cpu_compat import check_version
+        from relax.train.megatron.layout import check_megatron_layout
 
         check_version()
+        check_megatron_layout(cfg.parallel, hf_config)
 
 
 def checkpoint_layout(cfg) -> dict:
