@@ -10,6 +10,7 @@ import json
 import os
 import pickle
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -27,20 +28,34 @@ def fill(template: str, rollout_id: int | None = None, rank: int | None = None) 
     return Path(path).expanduser().absolute()
 
 
-def atomic_save(obj, path: Path) -> None:
-    """torch.save to a temp file in the same directory, then rename: never a half file."""
+@contextmanager
+def atomic_open(path: Path, mode: str = "wb"):
+    """A file in the same directory as `path`, renamed onto it once written and synced: readers
+    see the old file or the new one, never half of one (a crash leaves a hidden .tmp)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+        with os.fdopen(fd, mode) as f:
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_save(obj, path: Path) -> None:
+    """torch.save, atomically."""
+    with atomic_open(path) as f:
+        torch.save(obj, f)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """A small text file (JSON state, status), atomically."""
+    with atomic_open(path, "w") as f:
+        f.write(text)
 
 
 def safe_load(path: Path) -> dict:

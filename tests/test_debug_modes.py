@@ -105,7 +105,8 @@ def test_rollout_only_never_constructs_a_trainer(tmp_path, monkeypatch, tiny_pat
     monkeypatch.setattr("relax.train.build_trainer", boom)
     rollouts, steps = run_loop(tmp_path, *SHORT, "debug=rollout_only")
     assert len(rollouts) == 3 and steps == []
-    assert built(tmp_path)["trainer"] is None and built(tmp_path)["rollout_engine"] == "torch"
+    assert built(tmp_path)["trainer"] is None
+    assert built(tmp_path)["rollout_engine"] == "relax.rollout.torch_engine.TorchEngine"
 
 
 def test_train_only_never_constructs_an_engine(tmp_path, monkeypatch, dumped):
@@ -183,9 +184,9 @@ def test_replay_reproduces_the_original_run_exactly(tmp_path, dumped):
     dump, rollouts, steps = dumped
     replay_rollouts, replay_steps = run_loop(
         tmp_path, *SHORT, f"debug.load_rollout_data={dump}/rollout_data/{{rollout_id}}.pt")
-    for a, b in zip(steps, replay_steps):
+    for a, b in zip(steps, replay_steps, strict=True):
         assert a["train/loss"] == b["train/loss"] and a["train/grad_norm"] == b["train/grad_norm"]
-    for a, b in zip(rollouts, replay_rollouts):
+    for a, b in zip(rollouts, replay_rollouts, strict=True):
         for key in ("rollout/log_probs", "rollout/ref_log_probs", "rollout/raw_reward"):
             assert a[key] == b[key], key
 

@@ -30,7 +30,16 @@ def test_saved_tokenizer_loads_back_identically(tiny_path):
                                    add_generation_prompt=True, tokenize=False)
     assert chat == "<|user|>1+2=<|assistant|>"
     assert tok.convert_ids_to_tokens(tok.eos_token_id) == "<|end|>"
-    assert tokenizer_fingerprint(tok) == tokenizer_fingerprint(load_tokenizer(tiny_path))
+
+
+def test_tokenizer_fingerprint_survives_a_round_trip_and_tracks_the_vocabulary(tiny_path, tmp_path):
+    tok = load_tokenizer(tiny_path)
+    tok.save_pretrained(tmp_path / "copy")
+    assert tokenizer_fingerprint(load_tokenizer(tmp_path / "copy")) == tokenizer_fingerprint(tok)
+    tok.add_tokens(["<|tool|>"])
+    changed = tokenizer_fingerprint(tok)
+    assert changed["vocab_size"] == tokenizer_fingerprint(load_tokenizer(tiny_path))["vocab_size"] + 1
+    assert changed["vocab_hash"] != tokenizer_fingerprint(load_tokenizer(tiny_path))["vocab_hash"]
 
 
 def test_model_fingerprint_tracks_architecture(tiny_path, tmp_path):

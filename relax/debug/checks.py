@@ -190,7 +190,7 @@ def check_first_step(run: RunData, th: Thresholds) -> Check:
     if not problems:
         return Check(4, name, PASS, f"KL 0, grad_norm {step['train/grad_norm']:.3g}", evidence)
     causes = ["a trainer backend bug (Megatron / Transformer Engine) or a non-deterministic forward"]
-    if run.backend == "megatron":
+    if "megatron" in run.backend:
         causes.append("MoE on Megatron: set train.moe_permute_fusion=true")
     return Check(4, name, FAIL, "; ".join(problems), evidence, causes=causes,
                  next_steps=["compare layouts on fixed data: relax -m debug=train_only "
@@ -251,7 +251,7 @@ def diagnose(run: RunData, th: Thresholds | None = None) -> list[Check]:
 
 def strict_first_step(record: dict, steps: list[dict], cfg, prompts: list[str], tokenizer) -> None:
     run = RunData(path=Path("."), rollouts=[record], steps=steps, prompts=prompts,
-                  num_steps_per_rollout=cfg.train.num_steps_per_rollout, backend=cfg.train.backend,
+                  num_steps_per_rollout=cfg.train.num_steps_per_rollout, backend=cfg.train._target_,
                   chat_template_parts=chat_template_parts(tokenizer))
     failed = [c for c in (check_logprobs_vs_ref(run, Thresholds()), check_first_step(run, Thresholds()),
                           check_train_rollout_diff(run, Thresholds())) if c.verdict == FAIL]

@@ -39,8 +39,8 @@ class Plan:
         """Which subsystems this run builds (logged and written to built.json)."""
         return {
             "mode": self.mode,
-            "rollout_engine": cfg.rollout.engine if self.builds_rollout else None,
-            "trainer": cfg.train.backend if self.builds_train else None,
+            "rollout_engine": cfg.rollout._target_ if self.builds_rollout else None,
+            "trainer": cfg.train._target_ if self.builds_train else None,
             "parallel": cfg.parallel.name if self.builds_train else None,
             "world_size": cfg.parallel.world_size if self.builds_train else None,
             "replay_from": self.load_rollout_data,
@@ -111,9 +111,9 @@ def resolve(cfg, start_rollout_id: int = 0, hf_config: dict | None = None) -> Pl
                           f"{load!r}: the replay would overwrite its own input")
     if builds_train:
         from relax.model import model_config
-        from relax.train import check_backend
+        from relax.train import check_trainer
 
-        check_backend(cfg, hf_config or model_config(cfg.model))
+        check_trainer(cfg, hf_config or model_config(cfg.model))
     if not train_only:
         from relax.rollout import check_engine
 

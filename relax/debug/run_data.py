@@ -27,7 +27,7 @@ class RunData:
     chat_template_parts: tuple[str, str] | None = None          # (prefix, suffix) of a user turn
     first_train_data: list[dict] = field(default_factory=list)   # per-sample rows, first rollout
     weight_check: dict | None = None
-    backend: str = "torch"
+    backend: str = ""  # train._target_: the trainer class
 
 
 def chat_template_parts(tokenizer) -> tuple[str, str] | None:
@@ -52,7 +52,7 @@ def load_run(path: Path) -> RunData:
     if config.is_file():
         cfg = OmegaConf.load(config)
         run.num_steps_per_rollout = cfg.train.num_steps_per_rollout
-        run.backend = cfg.train.backend
+        run.backend = cfg.train._target_
     if (path / SAMPLES_FILE).is_file():
         run.samples = {s["rollout_id"]: s for s in read_jsonl(path / SAMPLES_FILE)}
     else:

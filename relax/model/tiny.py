@@ -3,7 +3,7 @@
 No download: a character-level tokenizer is built with `tokenizers`, the model is a
 transformers Qwen2 initialised from a fixed seed, and a short supervised warm-up on the
 arithmetic task brings greedy accuracy to `warmup_target_accuracy`, so that GRPO starts
-with sampled rewards around 0.2-0.4 (where it learns; see docs/findings-tiny-grpo.md).
+with sampled rewards around 0.2-0.4 (where it learns; see docs/measured-on-cpu.md).
 The result is an ordinary HF directory, reused on later runs.
 """
 

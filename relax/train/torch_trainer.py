@@ -18,26 +18,32 @@ from relax.algo import compute_advantages, masked_sum, token_log_probs
 from relax import faults
 from relax.model import load_causal_lm, save_hf_dir
 from relax.files import atomic_save, safe_load
-from relax.sample import Sample
+from relax.sample import Sample, log_prob_temperature
 from relax.train import common
 from relax.train.common import MicroBatch
 from relax.train.weight_sync import DistributedWeightSync
 from relax.train.parallel import (
-    apply_layout, clip_grad_norm, dp_all_gather, dp_all_reduce, full_tensor,
+    apply_layout, check_torch_layout, clip_grad_norm, dp_all_gather, dp_all_reduce, full_tensor,
     init_layout, peak_memory_mb)
 
 log = logging.getLogger(__name__)
 
 
 class TorchTrainer(DistributedWeightSync):
-    """Trainer interface: train / named_weights / save_checkpoint / load_checkpoint / shutdown."""
+    """Trainer interface (relax/train/__init__.py): train / named_weights / save_checkpoint /
+    load_checkpoint / shutdown."""
+    runs_in_driver = True  # one rank needs no process of its own
+
+    @staticmethod
+    def check_config(cfg, hf_config: dict) -> None:
+        check_torch_layout(cfg.parallel, hf_config)
 
     def __init__(self, cfg, model_path: str, ref_model_path: str | None = None,
                  pad_token_id: int = 0, save_train_data: str | None = None,
                  rank: int = 0, world_size: int = 1):
         self.cfg, self.pad_id, self.save_train_data = cfg, pad_token_id, save_train_data
         self.layout = init_layout(cfg.parallel, rank, world_size)
-        self.temperature = cfg.rollout.temperature or 1.0  # greedy rollouts: plain log-probs
+        self.temperature = log_prob_temperature(cfg.rollout.temperature)
         torch.manual_seed(cfg.seed)
         self.model = load_causal_lm(Path(model_path), cfg.model.dtype)
         ref = load_causal_lm(Path(ref_model_path or model_path), cfg.model.dtype)

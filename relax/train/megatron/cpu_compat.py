@@ -2,7 +2,7 @@
 
 Applied only when no CUDA device is present; on GPU Megatron runs untouched (TE specs,
 NCCL). What fails on CPU unmodified, and how each is handled here
-(see docs/findings-cpu-backends.md):
+(see docs/measured-on-cpu.md):
 - schedules, clip_grads and utils allocate with `device="cuda"` (some with
   `pin_memory=True`): a TorchFunctionMode rewrites CUDA device arguments to CPU and
   drops pinning;

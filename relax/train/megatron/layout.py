@@ -1,11 +1,7 @@
-"""Megatron's parallel layout (conf/parallel/ with train=megatron): refused at plan time when
-impossible, then set up once per rank.
-
-`check_megatron_layout` runs in `relax.train.check_backend`, before any rank starts: what
-the sizes allow among themselves, and what they need of the model's config.json (layer,
-head, vocabulary and expert counts). Megatron itself would refuse most of these only inside
-a rank, after start-up. `init_layout` sets up `parallel_state` on a rank and reads this
-rank's place in every dimension into a `Layout`, which is all the trainer reads.
+"""Megatron's parallel layout on a rank (train=megatron): `init_layout` sets up
+`parallel_state` and reads this rank's place in every dimension into a `Layout`, once;
+the trainer, its weights and its CP slicing read only that. Layouts a model cannot take
+are refused earlier, at plan time (relax/train/megatron/checks.py).
 """
 
 from __future__ import annotations
@@ -18,35 +14,6 @@ import torch
 import torch.distributed as dist
 
 from relax.distributed import free_port
-from relax.errors import ConfigError
-from relax.train.parallel import check_divides
-
-
-def check_megatron_layout(p, hf: dict) -> None:
-    if p.fsdp:
-        raise ConfigError(f"parallel={p.name}: fsdp is train=torch's FSDP2; train=megatron shards "
-                          f"optimizer state over dp with its distributed optimizer "
-                          f"(train.use_distributed_optimizer): use a layout with parallel.fsdp=false")
-    if p.vpp > 1 and p.pp == 1:
-        raise ConfigError(f"parallel={p.name}: virtual pipeline stages (vpp) need pp > 1")
-    if p.sequence_parallel and p.tp == 1:
-        raise ConfigError(f"parallel={p.name}: sequence_parallel shards activations over the "
-                          f"tensor-parallel group and needs tp > 1")
-    if p.world_size % (p.etp * p.ep * p.pp):
-        raise ConfigError(f"parallel={p.name}: etp={p.etp} x ep={p.ep} x pp={p.pp} must divide the "
-                          f"world size tp x pp x cp x dp = {p.world_size}")
-    if hf["num_hidden_layers"] % (p.pp * p.vpp):
-        raise ConfigError(f"parallel={p.name}: {hf['num_hidden_layers']} layers do not split "
-                          f"into pp={p.pp} x vpp={p.vpp} equal chunks")
-    experts = hf.get("num_experts") or 0
-    if p.ep > 1 and (not experts or experts % p.ep):
-        raise ConfigError(f"parallel={p.name}: ep={p.ep} needs an MoE model whose expert count is "
-                          f"divisible by it (this model has {experts} experts); try "
-                          f"model.tiny.num_experts=4")
-    check_divides(p, "tp", hf, ("num_attention_heads", "num_key_value_heads", "vocab_size",
-                                "shared_expert_intermediate_size" if experts else "intermediate_size"))
-    if experts:
-        check_divides(p, "etp", hf, ("moe_intermediate_size",))
 
 
 @dataclass

@@ -20,9 +20,10 @@ import torch.distributed as dist
 
 from relax.algo import compute_advantages, masked_sum, token_log_probs
 from relax.model import save_hf_dir
-from relax.sample import Sample
+from relax.sample import Sample, log_prob_temperature
 from relax.train import common
 from relax.train.common import MicroBatch
+from relax.train.megatron import checks
 from relax.train.megatron.context_parallel import cp_full, cp_local
 from relax.train.megatron.layout import init_layout
 from relax.train.megatron.model import (
@@ -38,7 +39,12 @@ def _sum(t: torch.Tensor, group) -> torch.Tensor:
 
 
 class MegatronTrainer(DistributedWeightSync):
-    """Trainer interface: train / named_weights / save_checkpoint / load_checkpoint / shutdown."""
+    """Trainer interface (relax/train/__init__.py): train / named_weights / save_checkpoint /
+    load_checkpoint / shutdown."""
+    check_config = staticmethod(checks.check_config)
+    checkpoint_layout = staticmethod(checks.checkpoint_layout)
+    check_config = staticmethod(checks.check_config)
+    checkpoint_layout = staticmethod(checks.checkpoint_layout)
 
     def __init__(self, cfg, model_path: str, ref_model_path: str | None = None,
                  pad_token_id: int = 0, save_train_data: str | None = None,
@@ -56,7 +62,7 @@ class MegatronTrainer(DistributedWeightSync):
         if GPU and cfg.train.deterministic:
             deterministic_mode()
         torch.set_num_threads(cfg.train.num_threads)
-        self.temperature = cfg.rollout.temperature or 1.0
+        self.temperature = log_prob_temperature(cfg.rollout.temperature)
         self.layout = init_layout(cfg.parallel, cfg.seed, rank, world_size)
         self.config = transformer_config(self.hf_config, self.layout, cfg.train, cfg.model.dtype)
         self.weights = Weights(self.hf_config, self.layout)
