@@ -43,8 +43,6 @@ class MegatronTrainer(DistributedWeightSync):
     load_checkpoint / shutdown."""
     check_config = staticmethod(checks.check_config)
     checkpoint_layout = staticmethod(checks.checkpoint_layout)
-    check_config = staticmethod(checks.check_config)
-    checkpoint_layout = staticmethod(checks.checkpoint_layout)
 
     def __init__(self, cfg, model_path: str, ref_model_path: str | None = None,
                  pad_token_id: int = 0, save_train_data: str | None = None,
