@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from relax.model import load_causal_lm, load_tokenizer
-from relax.rollout.torch_engine import SamplingParams, TorchEngine
+from relax.rollout import SamplingParams
+from relax.rollout.torch_engine import TorchEngine
 from relax.task.arithmetic import make_problem
 
 
@@ -58,20 +59,19 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    path = args.model_path
-    if path is None:
-        from hydra import compose, initialize_config_dir
+    from hydra import compose, initialize_config_dir
 
-        from relax import config
-        from relax.cli import CONF_DIR
-        from relax.model import resolve_model_path
+    from relax import config
+    from relax.cli import CONF_DIR
+    from relax.model import resolve_model_path
 
-        config.register()
-        with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-            path = resolve_model_path(compose("config").model)
+    config.register()
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config")
+    path = args.model_path or resolve_model_path(cfg.model)
     tokenizer = load_tokenizer(path)
     model = load_causal_lm(path, "float32")
-    engine = TorchEngine(path, "float32", eos_token_ids=[], pad_token_id=tokenizer.pad_token_id)
+    engine = TorchEngine(cfg, path, eos_token_ids=[], pad_token_id=tokenizer.pad_token_id)
 
     print(f"model: {path}")
     print(f"{'batch x new tokens':>20} {'HF generate tok/s':>18} {'Relax tok/s':>12} {'ratio':>7}")

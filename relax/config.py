@@ -1,8 +1,12 @@
-"""Structured configs behind conf/*.yaml.
+"""Structured configs behind conf/*.yaml, and the `_target_` loader.
 
 Every YAML group merges into these dataclasses, so a misspelt key or a wrong type fails
-when Hydra composes the config, before anything is built. This module must not import
-torch: `relax --cfg job` and `relax --help` only compose.
+when Hydra composes the config, before anything is built. Each default is stated here
+once: conf/<group>/<option>.yaml holds only what the option changes. Keys only one option
+uses live in that option's schema (a subclass), which its YAML file pulls in
+(`defaults: [/relax_schema_<group>_<option>@_here_, _self_]`), so e.g. train=torch carries
+no Megatron knob. This module must not import torch: `relax --cfg job` and `relax --help`
+only compose.
 """
 
 from __future__ import annotations
@@ -13,141 +17,162 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import II, OmegaConf
+from omegaconf import II, MISSING, OmegaConf
+
+from relax.errors import ConfigError
 
 
 @dataclass
 class TinyModelConfig:
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    intermediate_size: int = 256
-    num_experts: int = 0  # >0 builds a Qwen2-MoE variant (for expert parallelism)
-    shared_expert_intermediate_size: int = 0
-    seed: int = 3
-    warmup_target_accuracy: float = 0.4
-    warmup_max_steps: int = 1500
-    warmup_batch_size: int = 64
-    warmup_lr: float = 3e-3
+    hidden_size: int = 64  # width of the tiny model
+    num_layers: int = 2  # decoder layers
+    num_heads: int = 4  # attention heads
+    num_kv_heads: int = 2  # key/value heads (GQA, like real Qwen2)
+    intermediate_size: int = 256  # MLP width
+    num_experts: int = 0  # 0: dense Qwen2; >0: a Qwen2-MoE variant (expert parallelism)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: the gated shared expert's width (0: none)
+    seed: int = 3  # initialisation and warm-up seed
+    warmup_target_accuracy: float = 0.4  # supervised warm-up stops at this greedy accuracy
+    warmup_max_steps: int = 1500  # warm-up cap, checked every 25 steps
+    warmup_batch_size: int = 64  # warm-up batch size
+    warmup_lr: float = 3e-3  # warm-up AdamW learning rate
 
 
 @dataclass
 class ModelConfig:
-    name: str = "tiny"
-    path: Optional[str] = None
-    cache_dir: str = "~/.cache/relax"
-    dtype: str = "float32"
+    name: str = MISSING  # model label used in logs and manifests
+    path: Optional[str] = None  # the HF directory (model=tiny: null builds into cache_dir)
+    dtype: str = "float32"  # parameter dtype for engine and trainer
+
+
+@dataclass
+class TinyModelGroup(ModelConfig):  # model=tiny
+    cache_dir: str = "${oc.env:RELAX_CACHE,'~/.cache/relax'}"  # where the tiny model is built once
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
 
 
 @dataclass
 class RolloutConfig:
-    engine: str = "torch"
-    num_rollout: int = 400
-    rollout_batch_size: int = 32
-    n_samples_per_prompt: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 8
-    rollout_num_gpus: int = 1
-    rollout_num_gpus_per_engine: int = 1
-    # rollout=sglang only
-    mem_fraction_static: Optional[float] = None
-    max_total_tokens: int = 8192
-    weight_update_mode: str = "tensor"
-    weight_update_bucket_mb: int = 512
-    colocate: bool = False
-    sglang_server_args: dict[str, Any] = field(default_factory=dict)
+    _target_: str = MISSING  # engine class: Engine(cfg, model_path, eos_token_ids, pad_token_id)
+    num_rollout: int = 400  # rollouts in the run (rollout_id 0..num_rollout-1)
+    rollout_batch_size: int = 32  # prompts per rollout
+    n_samples_per_prompt: int = 8  # responses per prompt (the GRPO group size)
+    temperature: float = 1.0  # sampling temperature (0: greedy); the trainer divides logits by it too
+    top_p: float = 1.0  # nucleus sampling threshold
+    max_new_tokens: int = 8  # response length cap (longer responses are 'truncated')
+    rollout_num_gpus: int = 1  # GPUs for all engines (rollout_num_gpus_per_engine each)
+    rollout_num_gpus_per_engine: int = 1  # each engine's tensor-parallel size
+    weight_update_mode: str = "tensor"  # tensor: by name; disk: via a temp HF dir; distributed: NCCL (GPU)
+    colocate: bool = False  # release engine memory while the trainer runs (same GPUs)
+
+
+@dataclass
+class SGLangRolloutGroup(RolloutConfig):  # rollout=sglang
+    mem_fraction_static: Optional[float] = None  # weights + KV cache memory share (null: GPU 0.8, CPU 0.05)
+    max_total_tokens: int = 8192  # KV-cache capacity in tokens (used on CPU)
+    weight_update_bucket_mb: int = 512  # bucket size for tensor weight updates
+    sglang_server_args: dict[str, Any] = field(default_factory=dict)  # other ServerArgs, passed through
 
 
 @dataclass
 class TrainConfig:
-    backend: str = "torch"
-    lr: float = 3e-4
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    num_steps_per_rollout: int = 1
-    micro_batch_size: int = 64
-    clip_grad: float = 1.0
-    num_threads: int = 1
-    # train=megatron only
-    attention_backend: str = "auto"
-    moe_permute_fusion: bool = False
-    deterministic: bool = False
-    use_distributed_optimizer: bool = True
+    _target_: str = MISSING  # trainer class, built once per rank (see relax/train/__init__.py)
+    lr: float = 3e-4  # Adam(W) learning rate
+    weight_decay: float = 0.0  # decoupled weight decay
+    adam_beta1: float = 0.9  # Adam beta1
+    adam_beta2: float = 0.999  # Adam beta2
+    adam_eps: float = 1e-8  # Adam epsilon
+    num_steps_per_rollout: int = 1  # optimizer steps per rollout (the batch is split evenly)
+    micro_batch_size: int = 64  # samples per forward/backward (gradient accumulation, pipeline micro-batches)
+    clip_grad: float = 1.0  # max global grad norm (0: no clipping)
+    num_threads: int = 1  # torch threads per process (1 is fastest for tiny models on 2 cores)
+
+
+@dataclass
+class MegatronTrainGroup(TrainConfig):  # train=megatron
+    attention_backend: str = "auto"  # flash | fused | unfused | local | auto (GPU; CPU always uses local)
+    moe_permute_fusion: bool = False  # fused MoE token permutation (the guide's fix for MoE first-step KL)
+    deterministic: bool = False  # deterministic kernels: TE non-determinism off (see relax.train.megatron)
+    use_distributed_optimizer: bool = True  # shard optimizer state over data-parallel ranks
 
 
 @dataclass
 class ParallelConfig:
-    name: str = "single"
-    tp: int = 1
-    pp: int = 1
-    vpp: int = 1
-    ep: int = 1
-    etp: int = 1
-    cp: int = 1
-    dp: int = 1
-    sequence_parallel: bool = False
-    fsdp: bool = False
-    world_size: int = II("mul:${.tp},${.pp},${.cp},${.dp}")
+    name: str = MISSING  # layout label shown by `relax compare`
+    tp: int = 1  # tensor parallel size
+    pp: int = 1  # pipeline parallel size
+    vpp: int = 1  # virtual pipeline stages per rank
+    ep: int = 1  # expert parallel size
+    etp: int = 1  # expert tensor parallel size
+    cp: int = 1  # context parallel size
+    dp: int = 1  # data parallel size
+    sequence_parallel: bool = False  # shard activations along the sequence in TP regions
+    fsdp: bool = False  # shard parameters/grads/optimizer over dp (FSDP2)
+    world_size: int = II("mul:${.tp},${.pp},${.cp},${.dp}")  # ranks: derived, not set
 
 
 @dataclass
 class AlgoConfig:
-    advantage_estimator: str = "grpo"
-    grpo_std_normalization: bool = True
-    eps_clip: float = 0.2
-    eps_clip_high: Optional[float] = None
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.0
-    kl_loss_type: str = "low_var_kl"
-    entropy_coef: float = 0.0
+    advantage_estimator: str = "grpo"  # grpo (group-normalised) or reinforce (group mean baseline only)
+    grpo_std_normalization: bool = True  # divide by the group's reward std
+    eps_clip: float = 0.2  # PPO lower clip: ratio >= 1 - eps_clip
+    eps_clip_high: Optional[float] = None  # PPO upper clip: ratio <= 1 + eps_clip_high (null: eps_clip)
+    use_kl_loss: bool = False  # add kl_loss_coef * KL(actor || ref) to the loss
+    kl_loss_coef: float = 0.0  # KL loss weight
+    kl_loss_type: str = "low_var_kl"  # k1, k2, k3 or low_var_kl (k3 clamped, as in slime/verl)
+    entropy_coef: float = 0.0  # entropy bonus weight
 
 
 @dataclass
 class TaskConfig:
-    name: str = "arithmetic"
-    data_path: Optional[str] = None
-    reward_fn: str = "relax.task.arithmetic.exact_match"
-    answer_format: Optional[str] = None
-    apply_chat_template: bool = True
-    min_operand: int = 10
-    max_operand: int = 99
+    _target_: str = MISSING  # task class, called with this group's other keys and seed=
+    reward_fn: str = "relax.task.arithmetic.exact_match"  # dotted path to reward(response, label) -> float
+    answer_format: Optional[str] = None  # regex a well-formed response matches (null: not checked)
+    apply_chat_template: bool = True  # wrap prompts in the tokenizer's chat template
 
 
 @dataclass
-class DebugConfig:
-    rollout_only: bool = False
-    train_only: bool = False
-    save_rollout_data: Optional[str] = None
-    load_rollout_data: Optional[str] = None
-    load_rollout_data_subsample: Optional[float] = None
-    allow_manifest_mismatch: bool = False
-    save_train_data: Optional[str] = None
-    dump_details: Optional[str] = None
-    check_weight_update_equal: bool = False
-    check_weight_update_every_sync: bool = False
-    strict_checks: bool = False
+class ArithmeticTaskGroup(TaskConfig):  # task=arithmetic
+    min_operand: int = 10  # smallest operand
+    max_operand: int = 99  # largest operand
+
+
+@dataclass
+class JsonlTaskGroup(TaskConfig):  # task=jsonl
+    data_path: Optional[str] = None  # required: task.data_path=/path/to/prompts.jsonl
+
+
+@dataclass
+class DebugConfig:  # what each key means: docs/debugging.md; interpreted in relax/debug/plan.py
+    rollout_only: bool = False  # build only the rollout side (no trainer is imported)
+    train_only: bool = False  # build only the trainer; rollouts come from replay data
+    save_rollout_data: Optional[str] = None  # path template with {rollout_id}: save each rollout
+    load_rollout_data: Optional[str] = None  # path template with {rollout_id}: replay saved rollouts
+    load_rollout_data_subsample: Optional[float] = None  # replay this fraction of the GRPO groups
+    allow_manifest_mismatch: bool = False  # replay data from another model/sampling setup anyway
+    save_train_data: Optional[str] = None  # path template with {rollout_id} and {rank}: train batches
+    dump_details: Optional[str] = None  # a dir: save rollout + train data, tokenizer and config into it
+    check_weight_update_equal: bool = False  # compare the engine's tensors with the checkpoint on disk
+    check_weight_update_every_sync: bool = False  # repeat that check after every weight sync
+    strict_checks: bool = False  # the run asserts the doctor's checks 3-5 at the first step
 
 
 @dataclass
 class LoggerConfig:
-    tensorboard: bool = False
+    _target_: str = MISSING  # metrics logger class, called with tensorboard=, run_dir=, resume_from=
+    tensorboard: bool = False  # also write TensorBoard event files
 
 
 @dataclass
 class CheckpointConfig:
-    save_interval: Optional[int] = 100
-    keep_last: int = 2
+    save_interval: Optional[int] = 100  # save every N rollouts (null: never); the last one is always saved
+    keep_last: Optional[int] = 2  # checkpoints kept per run, >= 1 (older ones are deleted; null: keep all)
 
 
 @dataclass
 class RelaxConfig:
-    seed: int = 1234
-    resume: Any = False
+    seed: int = 1234  # seeds model init, prompt sampling and generation
+    resume: Any = False  # true: continue from the newest checkpoint; or a run/checkpoint path
     model: ModelConfig = field(default_factory=ModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -157,6 +182,45 @@ class RelaxConfig:
     debug: DebugConfig = field(default_factory=DebugConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+# The option schemas the YAML files pull in by these names (each a subclass of its group's).
+OPTION_SCHEMAS = {
+    "relax_schema_model_tiny": TinyModelGroup,
+    "relax_schema_rollout_sglang": SGLangRolloutGroup,
+    "relax_schema_train_megatron": MegatronTrainGroup,
+    "relax_schema_task_arithmetic": ArithmeticTaskGroup,
+    "relax_schema_task_jsonl": JsonlTaskGroup,
+}
+
+
+def load_target(cfg, group: str):
+    """What `<group>._target_` names, imported: a ConfigError naming the key when it does not
+    import, so a typo in a user's class path stops the run before anything is built."""
+    from hydra.utils import get_method
+
+    path = cfg[group]._target_
+    try:
+        return get_method(path)
+    except (ImportError, ValueError) as e:
+        raise ConfigError(f"{group}._target_={path!r} does not import: {e.__cause__ or e}. Expected "
+                          f"a dotted path to a class on the Python path, e.g. "
+                          f"{group}._target_=my_package.module.MyClass") from None
+
+
+def instantiate(cfg, group: str, **kwargs):
+    """Hydra's instantiate for a group whose class needs only its own keys (task, logger):
+    `_target_` called with the group's other keys as keyword arguments, plus `kwargs`."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate as hydra_instantiate
+
+    load_target(cfg, group)
+    try:
+        return hydra_instantiate(cfg[group], **kwargs)
+    except InstantiationException as e:
+        if isinstance(e.__cause__, ConfigError):  # the class refused its input: say so plainly
+            raise e.__cause__ from None
+        raise
 
 
 def sweep_subdir(task_overrides: Any) -> str:
@@ -181,4 +245,7 @@ def sweep_subdir(task_overrides: Any) -> str:
 def register() -> None:
     OmegaConf.register_new_resolver("mul", lambda *xs: math.prod(xs), replace=True)
     OmegaConf.register_new_resolver("relax_sweep_subdir", sweep_subdir, replace=True)
-    ConfigStore.instance().store(name="relax_schema", node=RelaxConfig)
+    store = ConfigStore.instance()
+    store.store(name="relax_schema", node=RelaxConfig)
+    for name, node in OPTION_SCHEMAS.items():
+        store.store(name=name, node=node)

@@ -11,3 +11,7 @@ class ReplayError(ValueError):
 
 class CheckFailed(RuntimeError):
     """A precision check failed during a run with debug.strict_checks=true."""
+
+
+class DiskFull(OSError):
+    """No space left for a file Relax must write (names the path and the space needed)."""

@@ -1,14 +1,16 @@
 """Files that must never be half-written or unsafe to read: atomic saves, plain-data loads,
-and the `{rollout_id}` / `{rank}` path templates of the debugging guide.
+JSON-lines records, and the `{rollout_id}` / `{rank}` path templates of the debugging guide.
 
 Used by replay, train dumps and checkpoints alike, so it sits below all of them.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -26,20 +28,34 @@ def fill(template: str, rollout_id: int | None = None, rank: int | None = None) 
     return Path(path).expanduser().absolute()
 
 
-def atomic_save(obj, path: Path) -> None:
-    """torch.save to a temp file in the same directory, then rename: never a half file."""
+@contextmanager
+def atomic_open(path: Path, mode: str = "wb"):
+    """A file in the same directory as `path`, renamed onto it once written and synced: readers
+    see the old file or the new one, never half of one (a crash leaves a hidden .tmp)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+        with os.fdopen(fd, mode) as f:
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_save(obj, path: Path) -> None:
+    """torch.save, atomically."""
+    with atomic_open(path) as f:
+        torch.save(obj, f)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """A small text file (JSON state, status), atomically."""
+    with atomic_open(path, "w") as f:
+        f.write(text)
 
 
 def safe_load(path: Path) -> dict:
@@ -62,3 +78,23 @@ def safe_load(path: Path) -> dict:
     if not isinstance(data, dict):
         raise ReplayError(f"{path}: expected a dict, found {type(data).__name__}")
     return data
+
+
+def append_jsonl(path: Path, record: dict) -> None:
+    """Append one JSON line in a single write to a file opened for appending: a crash can tear
+    only this last line (which `read_jsonl` drops), never an earlier one."""
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSON-lines file; a last line torn by a crash mid-write is dropped."""
+    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+    records = []
+    for n, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if n < len(lines):
+                raise ReplayError(f"{path}: line {n} is not JSON ({e})") from None
+    return records

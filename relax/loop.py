@@ -16,18 +16,20 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from relax.checkpoint import check_layout, find_checkpoint, read_state, save_checkpoint
-from relax.debug import doctor
-from relax.debug.health import response_health
+from relax.checkpoint import (
+    check_config, check_layout, find_checkpoint, read_state, restore_history, save_checkpoint)
+from relax.debug import checks
+from relax.debug.health import SAMPLES_FILE, response_health, sample_record
 from relax.debug.plan import Plan, resolve
 from relax.debug.weights import WeightCheck
-from relax.errors import CheckFailed, ConfigError, ReplayError
-from relax.logger import MetricsLogger, plot_run
-from relax.model import load_tokenizer, resolve_model_path
-from relax.files import atomic_save, fill
+from relax.errors import CheckFailed, ConfigError, DiskFull, ReplayError
+from relax.config import instantiate, load_target
+from relax.logger import plot_run
+from relax.model import load_tokenizer, read_hf_config, resolve_model_path
+from relax.files import append_jsonl, atomic_save, fill
 from relax.replay import build_manifest, load_rollout, save_rollout
 from relax.sample import Sample
-from relax.task import Task
+from relax.task import Task, build_task
 from relax.train import checkpoint_layout
 
 log = logging.getLogger("relax")
@@ -46,11 +48,13 @@ def rollout_stats(samples: list[Sample], seconds: float, tokenizer, answer_forma
     }
 
 
-def log_finish_rollout(rollout_id: int, samples: list[Sample]) -> None:
-    s = samples[0]
-    mean = sum(x.reward for x in samples) / len(samples)
+def log_finish_rollout(run: Run, rollout_id: int, samples: list[Sample]) -> None:
+    """The rollout's example sample: a `Finish rollout` line for people, a samples.jsonl line
+    for `relax doctor`."""
+    s = sample_record(rollout_id, samples, run.tokenizer, run.cfg.task.answer_format)
     log.info("Finish rollout %d: %d samples, mean reward %.3f | prompt=%r response=%r reward=%g",
-             rollout_id, len(samples), mean, s.prompt, s.response, s.reward)
+             rollout_id, s["num_samples"], s["mean_reward"], s["prompt"], s["response"], s["reward"])
+    append_jsonl(run.dir / SAMPLES_FILE, s)
 
 
 def write_json(path: Path, obj) -> None:
@@ -74,13 +78,17 @@ class Run:
 
 def prepare(cfg, run_dir: Path) -> Run:
     """Validate and resolve (plan, model, tokenizer) before anything expensive is built."""
+    check_config(cfg.checkpoint)
     checkpoint = find_checkpoint(cfg.resume, run_dir.parent)
     saved = read_state(checkpoint) if checkpoint else None
+    if checkpoint:  # the run's metrics and first-step records, as they were at the checkpoint
+        restore_history(checkpoint, run_dir)
     start = saved["rollout_id"] + 1 if saved else 0
-    plan = resolve(cfg, start)
+    plan = resolve(cfg, start, read_hf_config(saved["ref_model_path"]) if saved else None)
     if saved and plan.builds_train:
         check_layout(checkpoint, saved, checkpoint_layout(cfg))
-    task = Task(cfg.task, cfg.seed) if plan.builds_rollout else None
+    task = build_task(cfg) if plan.builds_rollout else None
+    load_target(cfg, "logger")  # a logger._target_ that does not import stops the run here
     model_path = Path(saved["ref_model_path"]) if saved else resolve_model_path(cfg.model)
     tokenizer = load_tokenizer(model_path)
     if plan.dump_dir:  # with the rollout/train data, enough to reproduce the run
@@ -114,7 +122,7 @@ def build(run: Run):
         if trainer:
             weight_check.check_first_sync(engine, trainer)
         if cfg.debug.strict_checks:
-            doctor.strict_weights({"checks": weight_check.results})
+            checks.strict_weights({"checks": weight_check.results})
     return engine, trainer, weight_check
 
 
@@ -133,7 +141,7 @@ def rollout(run: Run, engine, rollout_id: int) -> tuple[list[Sample], dict]:
         samples, time.perf_counter() - t0, run.tokenizer, cfg.task.answer_format)}
     if run.plan.save_rollout_data:
         save_rollout(fill(run.plan.save_rollout_data, rollout_id), rollout_id, samples, run.manifest)
-    log_finish_rollout(rollout_id, samples)
+    log_finish_rollout(run, rollout_id, samples)
     return samples, record
 
 
@@ -158,16 +166,22 @@ def sync_weights(run: Run, trainer, engine, weight_check, rollout_id: int) -> No
         weight_check.check_sync(engine, weights, rollout_id)
 
 
-def after_training(run: Run, trainer, rollout_id: int, samples, record: dict, out: dict) -> None:
-    """First-step checks and records, and checkpoints on schedule."""
-    cfg, first, last = run.cfg, run.plan.rollout_ids[0], run.plan.rollout_ids[-1]
-    if rollout_id == first:
-        atomic_save(out["first_step_log_probs"], run.dir / "first_step_log_probs.pt")
-        if cfg.debug.strict_checks:
-            doctor.strict_first_step(record, out["steps"], cfg, [s.prompt for s in samples],
-                                     run.tokenizer)
+def first_step(run: Run, rollout_id: int, samples, record: dict, out: dict) -> None:
+    """The run's first training step: its per-token log-probs (for layout comparisons) and,
+    with debug.strict_checks, the guide's checks. A resumed run's first step is not the run's."""
+    if rollout_id != run.plan.rollout_ids[0] or run.checkpoint:
+        return
+    atomic_save(out["first_step_log_probs"], run.dir / "first_step_log_probs.pt")
+    if run.cfg.debug.strict_checks:
+        checks.strict_first_step(record, out["steps"], run.cfg, [s.prompt for s in samples], run.tokenizer)
+
+
+def checkpoint_on_schedule(run: Run, trainer, rollout_id: int) -> None:
+    """Every checkpoint.save_interval rollouts and at the last one, after the rollout's metrics
+    are written (a checkpoint carries the run's history up to it)."""
+    cfg = run.cfg
     interval = cfg.checkpoint.save_interval
-    if interval and ((rollout_id + 1) % interval == 0 or rollout_id == last):
+    if interval and ((rollout_id + 1) % interval == 0 or rollout_id == run.plan.rollout_ids[-1]):
         save_checkpoint(trainer, run.tokenizer, run.dir, rollout_id, run.model_path,
                         cfg.checkpoint.keep_last, checkpoint_layout(cfg))
 
@@ -177,7 +191,7 @@ def rl_loop(cfg, run_dir: Path) -> None:
     engine = trainer = metrics = None
     try:
         engine, trainer, weight_check = build(run)
-        metrics = MetricsLogger(run_dir, cfg.logger, resume_from=run.start)
+        metrics = instantiate(cfg, "logger", run_dir=run_dir, resume_from=run.start)
         bar = tqdm(run.plan.rollout_ids, desc="rollouts", unit="rollout")
         for rollout_id in bar:
             samples, record = rollout(run, engine, rollout_id)
@@ -187,10 +201,12 @@ def rl_loop(cfg, run_dir: Path) -> None:
                 if engine:
                     sync_weights(run, trainer, engine, weight_check, rollout_id)
                 record.update(out["rollout"], **{"perf/train_time": time.perf_counter() - t0})
+                first_step(run, rollout_id, samples, record, out)
                 for step, step_metrics in enumerate(out["steps"]):
                     metrics.log({"rollout_id": rollout_id, "step": step, **step_metrics}, "rollout_id")
-                after_training(run, trainer, rollout_id, samples, record, out)
             metrics.log(record, "rollout_id")
+            if trainer:
+                checkpoint_on_schedule(run, trainer, rollout_id)
             bar.set_postfix(reward=f"{record['rollout/raw_reward']:.3f}")
     finally:
         for part, close in ((metrics, "close"), (trainer, "shutdown"), (engine, "shutdown")):
@@ -209,7 +225,7 @@ def run_job(cfg) -> None:
     try:
         with logging_redirect_tqdm():
             rl_loop(cfg, run_dir)
-    except (ConfigError, ReplayError, CheckFailed) as e:
+    except (ConfigError, ReplayError, CheckFailed, DiskFull) as e:
         write_json(status, {"status": "failed", "error": str(e)})
         if hydra_cfg.mode == RunMode.MULTIRUN:
             raise  # Hydra records the failed job and the sweep goes on

@@ -1,4 +1,5 @@
-"""`Sample`: the one record a rollout produces, replay stores and trainers consume."""
+"""`Sample`: the one record a rollout produces, replay stores and trainers consume; and the
+temperature its log-probs are taken at, which engines and trainers must agree on."""
 
 from __future__ import annotations
 
@@ -34,3 +35,10 @@ class Sample:
         if missing:
             raise KeyError(f"sample lacks fields {sorted(missing)}")
         return cls(**{k: d[k] for k in names})
+
+
+def log_prob_temperature(temperature: float) -> float:
+    """What logits are divided by for `rollout_log_probs` (engine) and `log_probs` (trainer):
+    the sampling temperature, except that temperature 0 samples greedily and scores tokens
+    under the unscaled softmax. SGLang does the same (tests/test_sglang.py checks it)."""
+    return temperature or 1.0

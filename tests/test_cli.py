@@ -40,7 +40,7 @@ def test_two_rollout_smoke_run(tmp_path, tiny_path):
                 "train/grad_norm"):
         assert key in steps[0], key
     assert (run / "reward.png").stat().st_size > 1000
-    assert json.loads((run / "built.json").read_text())["trainer"] == "torch"
+    assert json.loads((run / "built.json").read_text())["trainer"] == "relax.train.torch_trainer.TorchTrainer"
     first_lp = torch.load(run / "first_step_log_probs.pt", weights_only=True)
     assert sorted(first_lp) == list(range(16))  # FIRST_STEP_SAMPLES of 64
 
@@ -87,6 +87,7 @@ def test_cfg_job_and_help_do_not_import_torch():
     (["model.path=/nonexistent/dir"], "no config.json there"),
     (["task.reward_fn=not_a_module.reward"], "task.reward_fn='not_a_module.reward' does not import"),
     (["task=jsonl"], "task=jsonl needs task.data_path"),
+    (["rollout._target_=nope.Engine"], "rollout._target_='nope.Engine' does not import"),
     (["--bogus-flag"], "unknown flag '--bogus-flag'"),
 ])
 def test_bad_input_fails_fast_with_a_clear_error(tmp_path, args, message):

@@ -105,7 +105,8 @@ def test_rollout_only_never_constructs_a_trainer(tmp_path, monkeypatch, tiny_pat
     monkeypatch.setattr("relax.train.build_trainer", boom)
     rollouts, steps = run_loop(tmp_path, *SHORT, "debug=rollout_only")
     assert len(rollouts) == 3 and steps == []
-    assert built(tmp_path)["trainer"] is None and built(tmp_path)["rollout_engine"] == "torch"
+    assert built(tmp_path)["trainer"] is None
+    assert built(tmp_path)["rollout_engine"] == "relax.rollout.torch_engine.TorchEngine"
 
 
 def test_train_only_never_constructs_an_engine(tmp_path, monkeypatch, dumped):

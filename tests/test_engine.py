@@ -7,12 +7,15 @@ import torch
 
 from relax.algo import token_log_probs
 from relax.model import load_causal_lm
-from relax.rollout.torch_engine import SamplingParams, TorchEngine
+from relax.rollout import SamplingParams
+from relax.rollout.torch_engine import TorchEngine
 from relax.task.arithmetic import make_problem
+
+from .conftest import make_cfg
 
 
 def engine_for(path, tokenizer):
-    return TorchEngine(path, "float32", [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    return TorchEngine(make_cfg(), path, [tokenizer.eos_token_id], tokenizer.pad_token_id)
 
 
 def chat_prompts(tokenizer, n, lo=10, hi=99, seed=0, repeat=1):
@@ -140,7 +143,7 @@ def test_the_weight_check_on_tensor_parallel_sglang_engines_is_refused_at_start(
 
 def test_sglang_deterministic_mode_seeds_each_sample():
     """Seeds per prompt: reproducible from the rollout seed, distinct within a GRPO group."""
-    from relax.rollout.sglang_engine import sampling_params
+    from relax.rollout.sglang_engine import sglang_sampling_params as sampling_params
 
     sp = SamplingParams(1.0, 1.0, 8)
     assert "sampling_seed" not in sampling_params(sp, [2], seed=7, n=16, deterministic=False)

@@ -2,11 +2,13 @@
 the RL loop. Megatron-core 0.16.1 runs for real on CPU through relax.train.megatron.cpu_compat."""
 
 import json
+import re
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from relax.debug.plan import resolve
 from relax.errors import ConfigError
 from relax.model import resolve_model_path
 from relax.train import build_trainer
@@ -23,6 +25,7 @@ DEEP = ["model.tiny.num_layers=4", "model.tiny.warmup_max_steps=0", "debug.allow
 MOE = ["model.tiny.num_experts=4", "model.tiny.shared_expert_intermediate_size=64",
        "model.tiny.warmup_max_steps=0", "debug.allow_manifest_mismatch=true"]
 ZERO_WIDTH_SHARED = ["model.tiny.num_experts=4", "model.tiny.warmup_max_steps=0"]
+MEGATRON = "relax.train.megatron.trainer.MegatronTrainer"  # train=megatron's _target_
 TRAIN = ["train=megatron", "train.micro_batch_size=8", "checkpoint.save_interval=null"]
 
 
@@ -64,7 +67,7 @@ def test_layout_sweep_with_megatron_is_equivalent(tmp_path, deep_replay):
     assert out.returncode == 0, report
     jobs = {j["layout"]: j for j in report["jobs"]}
     assert set(jobs) == {"single", "tp2", "pp2", "tp2pp2", "vpp2", "cp2", "dp2", "tp2sp"}
-    assert all(j["backend"] == "megatron" for j in jobs.values())
+    assert all(j["backend"] == MEGATRON for j in jobs.values())
     assert len(jobs["single"]["grad_norm"]) == 4 and jobs["single"]["grad_norm"][0] > 0.1
     for layout, job in jobs.items():
         # vpp2 guards gloo trap 1 (batched p2p), cp2 trap 2 (two K/V all-gathers)
@@ -95,7 +98,7 @@ def test_megatron_and_torch_backends_agree(tmp_path, deep_replay, model):
     report = json.loads(out.stdout)
     assert out.returncode == 0, report
     megatron = report["jobs"][1]
-    assert megatron["backend"] == "megatron" and megatron["verdict"] == "equivalent"
+    assert megatron["backend"] == MEGATRON and megatron["verdict"] == "equivalent"
     assert megatron["max_logprob_diff"] <= 1e-5 and megatron["max_grad_norm_rel_diff"] <= 1e-4
 
 
@@ -133,19 +136,36 @@ def test_megatron_resume_equals_uninterrupted_run(tmp_path, tiny_path):
         ["trainer_state_rank000.pt", "trainer_state_rank001.pt"]
 
     resumed_rollouts, resumed_steps = run_loop(tmp_path / "resumed", *common, f"resume={checkpoint}")
-    assert [r["rollout_id"] for r in resumed_rollouts] == [2, 3]
-    for resumed, full in zip(resumed_steps, full_steps[2:], strict=True):
+    assert [r["rollout_id"] for r in resumed_rollouts] == [0, 1, 2, 3]  # with the checkpoint's history
+    for resumed, full in zip(resumed_steps, full_steps, strict=True):
         for key in ("train/loss", "train/grad_norm", "train/pg_clipfrac", "train/ppo_kl"):
             assert resumed[key] == full[key], key
-    assert resumed_rollouts[1]["rollout/log_probs"] == full_rollouts[3]["rollout/log_probs"]
+    assert resumed_rollouts[3]["rollout/log_probs"] == full_rollouts[3]["rollout/log_probs"]
 
     with pytest.raises(ConfigError, match=r"parallel.dp=2 \(this run: 1\)"):
         run_loop(tmp_path / "other_layout", *TRAIN[:2], "rollout.num_rollout=4", f"resume={checkpoint}")
 
 
-def test_megatron_refuses_impossible_layouts(tmp_path, tiny_path):
+def test_megatron_refuses_impossible_layouts_before_any_rank_starts(tmp_path, tiny_path):
     proc = relax_cli(*TRAIN, "parallel=vpp2", "rollout.num_rollout=1", cwd=tmp_path)
-    assert proc.returncode != 0 and "do not split into pp=2 x vpp=2" in proc.stderr + proc.stdout
+    assert proc.returncode == 2 and "2 layers do not split into pp=2 x vpp=2" in proc.stderr + proc.stdout
+    run = only_run_dir(tmp_path)
+    assert not list(run.glob("rank*.log")) and not (run / "built.json").exists()  # nothing was built
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["parallel=single", "parallel.vpp=2"], "virtual pipeline stages (vpp) need pp > 1"),
+    (["parallel=fsdp2"], "fsdp is train=torch's FSDP2"),
+    (["parallel=single", "parallel.sequence_parallel=true"], "sequence_parallel shards activations"),
+    (["parallel=ep2", "parallel.etp=2"], "etp=2 x ep=2 x pp=1 must divide the world size"),
+    (["parallel=ep2"], "ep=2 needs an MoE model whose expert count is divisible by it (this model has 0"),
+    (["parallel=tp2", "model.tiny.num_kv_heads=1"], "tp=2 must divide the model's num_key_value_heads=1"),
+    (["parallel=tp2", "model.tiny.num_heads=3", "model.tiny.num_kv_heads=3", "model.tiny.hidden_size=48"],
+     "tp=2 must divide the model's num_attention_heads=3, num_key_value_heads=3"),
+])
+def test_layouts_the_model_cannot_take_are_refused_at_plan_time(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        resolve(make_cfg("train=megatron", *overrides))
 
 
 def test_version_check_refuses_other_megatron_versions(monkeypatch):

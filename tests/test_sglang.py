@@ -13,10 +13,10 @@ import torch
 pytest.importorskip("sglang", reason="needs the SGLang environment (scripts/setup_sglang_cpu.sh)")
 
 from relax.debug.weights import WeightCheck  # noqa: E402
-from relax.rollout import generate_rollout  # noqa: E402
+from relax.rollout import SamplingParams, generate_rollout  # noqa: E402
 from relax.rollout.sglang_engine import SGLangEngine  # noqa: E402
-from relax.rollout.torch_engine import SamplingParams, TorchEngine  # noqa: E402
-from relax.task import Task  # noqa: E402
+from relax.rollout.torch_engine import TorchEngine  # noqa: E402
+from relax.task import build_task  # noqa: E402
 from relax.train import make_trainer  # noqa: E402
 
 from .conftest import make_cfg, relax_cli  # noqa: E402
@@ -29,7 +29,8 @@ GREEDY = SamplingParams(0.0, 1.0, 8)
 
 @pytest.fixture(scope="module")
 def sglang_engine(tiny_path, tokenizer):
-    engine = SGLangEngine(make_cfg("rollout=sglang"), tiny_path, [tokenizer.eos_token_id])
+    engine = SGLangEngine(make_cfg("rollout=sglang"), tiny_path, [tokenizer.eos_token_id],
+                          tokenizer.pad_token_id)
     yield engine
     engine.shutdown()
 
@@ -44,7 +45,7 @@ def reset_weights(sglang_engine, tiny_path):
 
 
 def torch_engine(tiny_path, tokenizer):
-    return TorchEngine(tiny_path, "float32", [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    return TorchEngine(make_cfg(), tiny_path, [tokenizer.eos_token_id], tokenizer.pad_token_id)
 
 
 def test_greedy_tokens_and_log_probs_match_the_torch_engine(sglang_engine, tiny_path, tokenizer):
@@ -83,7 +84,7 @@ def test_after_a_train_step_and_sync_sglang_generates_the_trainers_policy(
     cfg = make_cfg("rollout.rollout_batch_size=8", "train.lr=0.02")
     trainer = make_trainer(cfg, str(tiny_path), ref_model_path=str(tiny_path),
                            pad_token_id=tokenizer.pad_token_id)
-    task = Task(cfg.task, cfg.seed)
+    task = build_task(cfg)
     for rollout_id in range(3):
         samples = generate_rollout(sglang_engine, task, tokenizer, cfg.rollout, rollout_id, cfg.seed)
         trainer.train(rollout_id, samples)
@@ -197,7 +198,7 @@ def test_colocated_loop_on_gpu(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU attention backend")
 def test_deterministic_mode_reproduces_a_sampled_rollout(tiny_path, tokenizer):
     cfg = make_cfg("rollout=sglang", "+rollout.sglang_server_args.enable_deterministic_inference=true")
-    engine = SGLangEngine(cfg, tiny_path, [tokenizer.eos_token_id])
+    engine = SGLangEngine(cfg, tiny_path, [tokenizer.eos_token_id], tokenizer.pad_token_id)
     try:
         prompts = chat_prompts(tokenizer, 8, repeat=4)
         first, again, other = (engine.generate(prompts, SamplingParams(1.0, 1.0, 8), seed)

@@ -3,22 +3,22 @@
 import pytest
 import torch
 
-from relax.rollout import generate_rollout
-from relax.rollout.torch_engine import SamplingParams, TorchEngine
-from relax.task import Task
+from relax.rollout import SamplingParams, generate_rollout
+from relax.rollout.torch_engine import TorchEngine
+from relax.task import build_task
 from relax.train import make_trainer
 
 from .conftest import make_cfg, run_loop
 
 
 def rollout(cfg, engine, tokenizer, rollout_id=0):
-    return generate_rollout(engine, Task(cfg.task, cfg.seed), tokenizer, cfg.rollout, rollout_id,
+    return generate_rollout(engine, build_task(cfg), tokenizer, cfg.rollout, rollout_id,
                             cfg.seed)
 
 
 def test_first_step_log_probs_equal_ref_and_kl_zero(tiny_path, tokenizer):
     cfg = make_cfg("rollout.rollout_batch_size=8", "algo.use_kl_loss=true", "algo.kl_loss_coef=0.1")
-    engine = TorchEngine(tiny_path, "float32", [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    engine = TorchEngine(cfg, tiny_path, [tokenizer.eos_token_id], tokenizer.pad_token_id)
     trainer = make_trainer(cfg, str(tiny_path), ref_model_path=str(tiny_path),
                            pad_token_id=tokenizer.pad_token_id)
     out = trainer.train(0, rollout(cfg, engine, tokenizer))
@@ -36,7 +36,7 @@ def test_first_step_log_probs_equal_ref_and_kl_zero(tiny_path, tokenizer):
 
 def test_weight_sync_makes_engine_match_trainer(tiny_path, tokenizer):
     cfg = make_cfg("rollout.rollout_batch_size=16", "train.lr=0.02")
-    engine = TorchEngine(tiny_path, "float32", [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    engine = TorchEngine(cfg, tiny_path, [tokenizer.eos_token_id], tokenizer.pad_token_id)
     trainer = make_trainer(cfg, str(tiny_path), ref_model_path=str(tiny_path),
                            pad_token_id=tokenizer.pad_token_id)
     samples = rollout(cfg, engine, tokenizer)
@@ -73,11 +73,11 @@ def test_checkpoint_resume_equals_uninterrupted_run(tmp_path):
 
     resumed_rollouts, resumed_steps = run_loop(tmp_path / "resumed", *common,
                                                f"resume={checkpoints[0]}")
-    assert [r["rollout_id"] for r in resumed_rollouts] == [2, 3]
-    for resumed, full in zip(resumed_steps, full_steps[2:], strict=True):
+    assert [r["rollout_id"] for r in resumed_rollouts] == [0, 1, 2, 3]  # with the checkpoint's history
+    for resumed, full in zip(resumed_steps, full_steps, strict=True):
         for key in ("train/loss", "train/grad_norm", "train/pg_clipfrac", "train/ppo_kl"):
             assert resumed[key] == full[key], key
-    for resumed, full in zip(resumed_rollouts, full_rollouts[2:], strict=True):
+    for resumed, full in zip(resumed_rollouts, full_rollouts, strict=True):
         for key in ("rollout/raw_reward", "rollout/log_probs", "rollout/ref_log_probs"):
             assert resumed[key] == full[key], key
 
@@ -85,5 +85,5 @@ def test_checkpoint_resume_equals_uninterrupted_run(tmp_path):
 def test_resume_true_without_checkpoint_is_a_clear_error(tmp_path):
     from relax.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="no checkpoint"):
+    with pytest.raises(ConfigError, match="no complete checkpoint"):
         run_loop(tmp_path / "runs" / "a", "resume=true")

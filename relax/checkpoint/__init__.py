@@ -4,64 +4,176 @@
     hf/                  the actor as a normal HF directory (config, safetensors, tokenizer)
     trainer_state.pt     optimizer and RNG state (plain tensors; loaded weights_only);
                          train=megatron: trainer_state_rank<R>.pt, one per rank
-    relax_state.json     rollout_id, the reference model's path, and the trainer layout
-                         the state is tied to (checked before a resumed run builds anything)
-Written into a temp directory and renamed into place, so a crash never leaves a half
-checkpoint that resume would pick. Prompts and sampling seeds derive from `rollout_id`,
-so a resumed run continues exactly where the uninterrupted one would be.
+    history/             the run's metrics.jsonl, samples.jsonl and first_step_log_probs.pt as at
+                         this rollout: a resumed run starts from them, so its metrics hold
+                         every rollout exactly once, whenever the first run died
+    relax_state.json     rollout_id, the reference model's path, the trainer layout the state
+                         is tied to, and the size of every file above (written last)
+A checkpoint is written into `.rollout_000099.tmp/` and renamed into place; one being
+replaced or pruned is first renamed to `.rollout_000099.old/`, then deleted. A crash at any
+moment therefore leaves complete checkpoints plus hidden leftovers, which the next save
+removes; resume takes the newest checkpoint whose relax_state.json parses and whose files
+are all there with their recorded sizes (a later save deletes the others). Prompts and
+sampling seeds derive from `rollout_id`, so a resumed run continues exactly where the
+uninterrupted one would be.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import shutil
 from pathlib import Path
 
-from relax.errors import ConfigError
+from relax import faults
+from relax.errors import ConfigError, DiskFull
+from relax.files import atomic_open, atomic_write_text
 
+log = logging.getLogger(__name__)
 STATE_FILE = "relax_state.json"
+HISTORY = ("metrics.jsonl", "samples.jsonl", "first_step_log_probs.pt")  # run files a checkpoint carries
+HEADROOM = 1.2  # a new checkpoint needs the newest one's size, plus this margin
+
+
+def check_config(ckpt_cfg) -> None:
+    if ckpt_cfg.save_interval is not None and ckpt_cfg.save_interval < 1:
+        raise ConfigError(f"checkpoint.save_interval={ckpt_cfg.save_interval}: expected a positive "
+                          f"number of rollouts, or null to save no checkpoints")
+    if ckpt_cfg.keep_last is not None and ckpt_cfg.keep_last < 1:
+        raise ConfigError(f"checkpoint.keep_last={ckpt_cfg.keep_last}: expected at least 1 (the "
+                          f"checkpoint just written), or null to keep every checkpoint")
+
+
+def _size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _delete(path: Path) -> None:
+    """Rename out of sight first, so a crash mid-delete never leaves a half checkpoint under
+    its real name."""
+    trash = path.with_name(f".{path.name}.old")
+    shutil.rmtree(trash, ignore_errors=True)
+    path.rename(trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def scan(run_dir: Path) -> tuple[list[Path], list[Path]]:
+    """The run's (complete, incomplete) checkpoints, oldest first; incomplete ones are named."""
+    complete, incomplete = [], []
+    for path in sorted((Path(run_dir) / "checkpoints").glob("rollout_*")):
+        problem = incomplete_reason(path)
+        if problem:
+            log.warning("incomplete checkpoint %s: %s", path, problem)
+        (incomplete if problem else complete).append(path)
+    return complete, incomplete
+
+
+def incomplete_reason(checkpoint: Path) -> str | None:
+    try:
+        state = read_state(checkpoint)
+    except (OSError, ValueError) as e:
+        return f"{STATE_FILE} unreadable ({type(e).__name__}: {e})"
+    for name, size in state.get("files", {}).items():
+        f = checkpoint / name
+        if not f.is_file() or f.stat().st_size != size:
+            return f"{name} is missing or truncated"
+    return None if "files" in state else f"{STATE_FILE} lists no files"
+
+
+def _ensure_space(root: Path, complete: list[Path], keep_last: int | None) -> None:
+    """Room for one more checkpoint: prune early what this save would prune anyway (never the
+    newest, which is all there is until the new one exists), or fail naming the space needed."""
+    if not complete:
+        return
+    needed = int(_size(complete[-1]) * HEADROOM)
+    prunable = complete[:-max(keep_last - 1, 1)] if keep_last else []
+    while shutil.disk_usage(root).free < needed and prunable:
+        _delete(prunable.pop(0))
+    free = shutil.disk_usage(root).free
+    if free < needed:
+        raise DiskFull(errno.ENOSPC, f"no space for a checkpoint in {root}: about {needed / 2**20:.0f} MiB "
+                       f"needed, {free / 2**20:.0f} MiB free")
 
 
 def save_checkpoint(trainer, tokenizer, run_dir: Path, rollout_id: int, ref_model_path: Path,
-                    keep_last: int, layout: dict) -> Path:
+                    keep_last: int | None, layout: dict) -> Path:
     root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    for leftover in [*root.glob(".*.tmp"), *root.glob(".*.old")]:  # from a crash mid-save
+        shutil.rmtree(leftover, ignore_errors=True)
     final = root / f"rollout_{rollout_id:06d}"
     tmp = root / f".{final.name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    trainer.save_checkpoint(str(tmp))
-    tokenizer.save_pretrained(tmp / "hf")
-    (tmp / STATE_FILE).write_text(json.dumps(
-        {"rollout_id": rollout_id, "ref_model_path": str(ref_model_path), "trainer_layout": layout},
-        indent=2))
-    shutil.rmtree(final, ignore_errors=True)
+    _ensure_space(root, scan(run_dir)[0], keep_last)
+    try:
+        trainer.save_checkpoint(str(tmp))
+        if faults.active("disk_full"):
+            raise OSError(errno.ENOSPC, "No space left on device", str(tmp / "hf"))
+        tokenizer.save_pretrained(tmp / "hf")
+        (tmp / "history").mkdir()
+        for name in HISTORY:
+            if (Path(run_dir) / name).is_file():
+                shutil.copy2(Path(run_dir) / name, tmp / "history" / name)
+        files = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
+        atomic_write_text(tmp / STATE_FILE, json.dumps(
+            {"rollout_id": rollout_id, "ref_model_path": str(ref_model_path), "trainer_layout": layout,
+             "files": files}, indent=2))
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if e.errno == errno.ENOSPC:
+            raise DiskFull(errno.ENOSPC, f"disk full while writing checkpoint {final} "
+                           f"({e.filename or root}): free space there, or lower "
+                           f"checkpoint.keep_last") from None
+        raise
+    if final.exists():  # the same rollout saved again (a resumed run)
+        _delete(final)
     tmp.rename(final)
-    for old in sorted(root.glob("rollout_*"))[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+    complete, incomplete = scan(run_dir)
+    for old in incomplete + (complete[:-keep_last] if keep_last else []):  # resume skips the former
+        _delete(old)
     return final
 
 
 def _latest_in(run_dir: Path) -> Path | None:
-    found = sorted((Path(run_dir) / "checkpoints").glob(f"rollout_*/{STATE_FILE}"))
-    return found[-1].parent if found else None
+    complete = scan(run_dir)[0]
+    return complete[-1] if complete else None
 
 
 def find_checkpoint(resume, runs_root: Path) -> Path | None:
-    """`resume=true`: the newest checkpoint under runs_root; a path: that checkpoint or run."""
+    """`resume=true`: the newest complete checkpoint under runs_root; a path: that checkpoint,
+    or the newest complete one of that run."""
     if resume is False or resume is None:
         return None
     if resume is True:
         candidates = [c for run in Path(runs_root).glob("*") if (c := _latest_in(run))]
         if not candidates:
-            raise ConfigError(f"resume=true but no checkpoint exists under {runs_root}")
+            raise ConfigError(f"resume=true but no complete checkpoint exists under {runs_root}")
         return max(candidates, key=lambda c: (c / STATE_FILE).stat().st_mtime)
     path = Path(str(resume)).expanduser().absolute()
-    if (path / STATE_FILE).is_file():
+    if (path / STATE_FILE).exists() or path.name.startswith("rollout_"):
+        problem = incomplete_reason(path)
+        if problem:
+            raise ConfigError(f"resume={resume!r}: incomplete checkpoint ({problem}); resume the run "
+                              f"dir ({path.parent.parent}) to take its newest complete checkpoint")
         return path
     latest = _latest_in(path)
     if latest is None:
         raise ConfigError(f"resume={resume!r}: neither a checkpoint ({STATE_FILE}) nor a run "
-                          f"dir with checkpoints/")
+                          f"dir with complete checkpoints/")
     return latest
+
+
+def restore_history(checkpoint: Path, run_dir: Path) -> None:
+    """The run dir's history files as the checkpoint saw them (rows of rollouts after the
+    checkpoint, which the resumed run redoes, are dropped; also when resuming in the same dir)."""
+    for name in HISTORY:
+        saved = Path(checkpoint) / "history" / name
+        if saved.is_file():
+            with atomic_open(Path(run_dir) / name) as f:
+                f.write(saved.read_bytes())
+        else:
+            log.warning("%s has no history/%s (saved by an older Relax): the resumed run's %s "
+                        "starts empty", checkpoint, name, name)
 
 
 def read_state(checkpoint: Path) -> dict:

@@ -51,7 +51,7 @@ def load_job(path: Path) -> Job:
     config = path / ".hydra" / "config.yaml"
     if config.is_file():
         cfg = OmegaConf.load(config)
-        job.backend, job.layout = cfg.train.backend, cfg.parallel.name
+        job.backend, job.layout = cfg.train._target_, cfg.parallel.name
     status_file = path / "status.json"
     if status_file.is_file():
         status = json.loads(status_file.read_text())

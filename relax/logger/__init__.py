@@ -13,11 +13,14 @@ METRICS_FILE = "metrics.jsonl"
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, logger_cfg, resume_from: int = 0):
+    """logger._target_'s default; called with the logger group's keys, run_dir= and resume_from=
+    (Hydra's instantiate). A custom logger implements log(record, x_key) and close()."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool, resume_from: int = 0):
         self.path = Path(run_dir) / METRICS_FILE
         self.file = self.path.open("a")
         self.tb = None
-        if logger_cfg.tensorboard:
+        if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=resume_from or None)

@@ -1,29 +1,44 @@
-"""Rollout (conf/rollout/): build the engine the config names, and turn prompts into Samples.
+"""Rollout (conf/rollout/): build the engine `rollout._target_` names, and turn prompts into Samples.
 
-An engine implements four calls, small enough for a Ray actor to wrap:
+An engine is constructed as `Engine(cfg, model_path, eos_token_ids, pad_token_id)` (the
+whole config: engines read model.*, seed and rollout.*) and implements calls small enough
+for a Ray actor to wrap:
   generate(prompt_token_lists, SamplingParams, seed) -> list[Generation]
   update_weights({hf_name: tensor})          # weight sync from the trainer
   named_tensors() -> {hf_name: tensor}       # parameters and buffers, for weight checks
-  release_memory_occupation() / resume_memory_occupation()   # around training, colocated
   shutdown()
+and, optionally, what some settings need (refused at start-up where the engine lacks it):
+  release_memory_occupation() / resume_memory_occupation()   # rollout.colocate=true
+  update_weights_from_trainer(trainer)                       # weight_update_mode=distributed
+  check_config(cfg)                          # a static method: the engine's own start-up refusals
 """
 
 from __future__ import annotations
 
-import logging
+from dataclasses import dataclass
 from pathlib import Path
 
+from relax.config import load_target
 from relax.errors import ConfigError
 from relax.sample import Sample
 
-log = logging.getLogger(__name__)
-ENGINES = ("torch", "sglang")
+
+@dataclass
+class SamplingParams:
+    temperature: float         # 0: greedy (log-probs: relax.sample.log_prob_temperature)
+    top_p: float
+    max_new_tokens: int
+
+    @classmethod
+    def of(cls, rollout_cfg) -> "SamplingParams":
+        return cls(rollout_cfg.temperature, rollout_cfg.top_p, rollout_cfg.max_new_tokens)
 
 
-def sampling_params(rollout_cfg):
-    from relax.rollout.torch_engine import SamplingParams
-
-    return SamplingParams(rollout_cfg.temperature, rollout_cfg.top_p, rollout_cfg.max_new_tokens)
+@dataclass
+class Generation:
+    tokens: list[int]          # response tokens, stop token included when produced
+    log_probs: list[float]     # log p(token) at relax.sample.log_prob_temperature, per token
+    status: str                # completed | truncated | aborted
 
 
 def torch_cuda_available() -> bool:
@@ -33,33 +48,27 @@ def torch_cuda_available() -> bool:
 
 
 def check_engine(cfg) -> None:
-    if cfg.rollout.engine not in ENGINES:
-        raise ConfigError(f"rollout.engine={cfg.rollout.engine!r}: expected one of "
-                          f"{', '.join(ENGINES)}")
-    mode = cfg.rollout.weight_update_mode
-    if mode not in ("tensor", "disk", "distributed"):
-        raise ConfigError(f"rollout.weight_update_mode={mode!r}: expected tensor, disk or distributed")
-    if mode == "distributed" and (cfg.rollout.engine != "sglang" or not torch_cuda_available()):
+    """Start-up refusals: the engine class imports and supports what the config asks of it."""
+    engine = load_target(cfg, "rollout")
+    r = cfg.rollout
+    if r.weight_update_mode not in ("tensor", "disk", "distributed"):
+        raise ConfigError(f"rollout.weight_update_mode={r.weight_update_mode!r}: expected tensor, "
+                          f"disk or distributed")
+    if r.weight_update_mode == "distributed" and (
+            not hasattr(engine, "update_weights_from_trainer") or not torch_cuda_available()):
         raise ConfigError("rollout.weight_update_mode=distributed broadcasts weights over NCCL into "
                           "SGLang: it needs rollout=sglang and CUDA GPUs (use tensor or disk)")
-    if cfg.rollout.engine == "sglang" and cfg.debug.check_weight_update_equal and \
-            cfg.rollout.rollout_num_gpus_per_engine > 1:
-        raise ConfigError("debug.check_weight_update_equal reads the engine's tensors back unsharded: "
-                          "run it with rollout.rollout_num_gpus_per_engine=1")
+    if r.colocate and not hasattr(engine, "release_memory_occupation"):
+        raise ConfigError(f"rollout.colocate=true: {r._target_} cannot release its memory while the "
+                          f"trainer runs (it has no release_memory_occupation; rollout=torch runs on CPU "
+                          f"in the driver: no accelerator memory to share); use rollout=sglang or "
+                          f"rollout.colocate=false")
+    if hasattr(engine, "check_config"):
+        engine.check_config(cfg)
 
 
 def build_engine(cfg, model_path: Path, tokenizer):
-    if cfg.rollout.engine == "sglang":
-        from relax.rollout.sglang_engine import SGLangEngine
-
-        return SGLangEngine(cfg, model_path, [tokenizer.eos_token_id])
-    from relax.rollout.torch_engine import TorchEngine
-
-    if cfg.rollout.rollout_num_gpus > 1:
-        log.info("rollout=torch runs in-process on CPU; rollout_num_gpus=%d is used by "
-                 "GPU engines", cfg.rollout.rollout_num_gpus)
-    return TorchEngine(model_path, cfg.model.dtype, [tokenizer.eos_token_id],
-                       tokenizer.pad_token_id)
+    return load_target(cfg, "rollout")(cfg, model_path, [tokenizer.eos_token_id], tokenizer.pad_token_id)
 
 
 def generate_rollout(engine, task, tokenizer, rollout_cfg, rollout_id: int, seed: int) -> list[Sample]:
@@ -67,7 +76,7 @@ def generate_rollout(engine, task, tokenizer, rollout_cfg, rollout_id: int, seed
     n = rollout_cfg.n_samples_per_prompt
     prompts = task.prompts(rollout_id, rollout_cfg.rollout_batch_size, tokenizer)
     repeated = [p for p in prompts for _ in range(n)]
-    generations = engine.generate([p.tokens for p in repeated], sampling_params(rollout_cfg),
+    generations = engine.generate([p.tokens for p in repeated], SamplingParams.of(rollout_cfg),
                                   seed=seed * 1_000_003 + rollout_id)
     samples = []
     for i, (prompt, gen) in enumerate(zip(repeated, generations)):

@@ -28,7 +28,7 @@ from relax import faults
 from relax.distributed import free_port
 from relax.errors import ConfigError
 from relax.model import read_hf_config
-from relax.rollout.torch_engine import Generation, SamplingParams
+from relax.rollout import Generation, SamplingParams
 
 log = logging.getLogger(__name__)
 GPU = torch.cuda.is_available()
@@ -78,8 +78,8 @@ def sglang_to_hf(name: str, tensor: torch.Tensor, hf_config: dict) -> dict[str, 
     return {name: tensor}
 
 
-def sampling_params(sp: SamplingParams, eos: list[int], seed: int, n: int,
-                    deterministic: bool) -> dict | list[dict]:
+def sglang_sampling_params(sp: SamplingParams, eos: list[int], seed: int, n: int,
+                           deterministic: bool) -> dict | list[dict]:
     """SGLang sampling params: one dict for all prompts or, in SGLang's deterministic mode
     (`sglang_server_args.enable_deterministic_inference`, GPU attention backends only), one
     per prompt with its own `sampling_seed`, so a rollout is reproducible from `seed` and the
@@ -93,9 +93,16 @@ def sampling_params(sp: SamplingParams, eos: list[int], seed: int, n: int,
 
 
 class SGLangEngine:
-    """Rollout engine interface: generate / update_weights / named_tensors / shutdown."""
+    """Rollout engine interface (relax/rollout/__init__.py), with colocation and NCCL weight sync."""
 
-    def __init__(self, cfg, model_path: Path, eos_token_ids: list[int]):
+    @staticmethod
+    def check_config(cfg) -> None:
+        if cfg.debug.check_weight_update_equal and cfg.rollout.rollout_num_gpus_per_engine > 1:
+            raise ConfigError("debug.check_weight_update_equal reads the engine's tensors back "
+                              "unsharded: run it with rollout.rollout_num_gpus_per_engine=1")
+
+    def __init__(self, cfg, model_path: Path, eos_token_ids: list[int], pad_token_id: int):
+        """`pad_token_id` is unused: SGLang batches prompts of any length without padding."""
         try:
             import sglang
         except ImportError:
@@ -111,7 +118,7 @@ class SGLangEngine:
                  "GPU" if GPU else "CPU")
 
     def generate(self, prompts: list[list[int]], sp: SamplingParams, seed: int) -> list[Generation]:
-        params = sampling_params(sp, self.eos, seed, len(prompts), self.deterministic)
+        params = sglang_sampling_params(sp, self.eos, seed, len(prompts), self.deterministic)
         n = len(self.engines)
         shares = [prompts[i::n] for i in range(n)]
         results = [e.generate(input_ids=share, return_logprob=True,
@@ -183,7 +190,7 @@ class SGLangEngine:
     def named_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor the first engine computes with — parameters and buffers (the rotary
         cos/sin cache) — under HF names, exported from its scheduler process. Unsharded
-        engines only: relax.rollout.check_engine refuses the check for TP engines at start-up."""
+        engines only: check_config refuses the check for TP engines at start-up."""
         with tempfile.TemporaryDirectory(prefix="relax-engine-weights-") as tmp:
             _run_in_scheduler(self.engines[0], EXPORT_TENSORS, tmp)
             out = {}

@@ -10,7 +10,7 @@ inference server: the trainer pushes new weights in by name (`update_weights`).
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+import logging
 from pathlib import Path
 
 import torch
@@ -20,23 +20,13 @@ from tqdm.auto import tqdm
 from relax import faults
 from relax.errors import ConfigError
 from relax.model import load_safetensors_dir, read_hf_config, torch_dtype
+from relax.rollout import Generation, SamplingParams
+from relax.sample import log_prob_temperature
+
+log = logging.getLogger(__name__)
 
 ROTARY_CLASSES = {"qwen2": "Qwen2RotaryEmbedding", "llama": "LlamaRotaryEmbedding",
                   "qwen2_moe": "Qwen2MoeRotaryEmbedding"}
-
-
-@dataclass
-class SamplingParams:
-    temperature: float = 1.0   # 0: greedy
-    top_p: float = 1.0
-    max_new_tokens: int = 8
-
-
-@dataclass
-class Generation:
-    tokens: list[int]          # response tokens, stop token included when produced
-    log_probs: list[float]     # log p(token) under logits / temperature, per token
-    status: str                # completed | truncated
 
 
 def rms_norm(x, weight, eps):
@@ -54,9 +44,13 @@ def apply_rope(x, cos, signed_sin):
 
 
 class TorchEngine:
-    """Rollout engine interface: generate / update_weights / named_tensors / shutdown."""
+    """Rollout engine interface (relax/rollout/__init__.py). It runs on CPU in the driver, so it
+    has no memory to release for rollout.colocate (refused at start-up)."""
 
-    def __init__(self, model_path: Path, dtype: str, eos_token_ids: list[int], pad_token_id: int):
+    def __init__(self, cfg, model_path: Path, eos_token_ids: list[int], pad_token_id: int):
+        if cfg.rollout.rollout_num_gpus > 1:
+            log.info("rollout=torch runs in-process on CPU; rollout_num_gpus=%d is used by "
+                     "GPU engines", cfg.rollout.rollout_num_gpus)
         hf = read_hf_config(model_path)
         if hf.get("model_type") not in ROTARY_CLASSES:
             raise ConfigError(f"rollout=torch runs Qwen2/Llama/Qwen2-MoE models; {model_path} is "
@@ -71,7 +65,7 @@ class TorchEngine:
         self.eps = c.rms_norm_eps
         self.eos = torch.tensor(eos_token_ids, dtype=torch.long)
         self.pad_token_id = pad_token_id
-        self.dtype = torch_dtype(dtype)
+        self.dtype = torch_dtype(cfg.model.dtype)
         module = importlib.import_module(f"transformers.models.{c.model_type}.modeling_{c.model_type}")
         self.rotary = getattr(module, ROTARY_CLASSES[c.model_type])(c)
         self.params = self._load(load_safetensors_dir(model_path))
@@ -169,12 +163,6 @@ class TorchEngine:
                                  f"the engine expects {tuple(targets[name].shape)}")
             targets[name].copy_(tensor)
 
-    def release_memory_occupation(self) -> None:
-        """Colocated engines free memory while the trainer runs; in-process there is none to free."""
-
-    def resume_memory_occupation(self) -> None:
-        """See release_memory_occupation."""
-
     def shutdown(self) -> None:
         self.params.clear()
         self.layers.clear()
@@ -203,10 +191,10 @@ class TorchEngine:
 
     @staticmethod
     def _sample(logits, sp: SamplingParams, generator):
+        logp = (logits / log_prob_temperature(sp.temperature)).log_softmax(-1)
         if sp.temperature == 0:
             token = logits.argmax(-1)
-            return token, logits.log_softmax(-1).gather(-1, token[:, None])[:, 0]
-        logp = (logits / sp.temperature).log_softmax(-1)
+            return token, logp.gather(-1, token[:, None])[:, 0]
         probs = logp.exp()
         if sp.top_p < 1.0:
             sorted_p, order = probs.sort(-1, descending=True)

@@ -1,18 +1,20 @@
-"""Prompt sources and reward functions (conf/task/).
+"""Prompt sources and reward functions (conf/task/): the class `task._target_` names.
 
 A task turns `rollout_id` into a deterministic batch of prompts, so a resumed run and an
-uninterrupted one see the same prompts, and scores responses with `task.reward_fn`.
+uninterrupted one see the same prompts, and scores responses with `task.reward_fn`. The
+class is called with the task group's keys and `seed=` (Hydra's instantiate); a new prompt
+source subclasses `Task` and implements `questions`.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from relax.config import instantiate
 from relax.errors import ConfigError
 from relax.task.arithmetic import make_problem
 
@@ -27,18 +29,16 @@ class Prompt:
 
 
 def load_reward_fn(dotted: str) -> RewardFn:
-    module_name, _, attr = dotted.rpartition(".")
+    from hydra.utils import get_method
+
     try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError, ValueError) as e:
+        return get_method(dotted)
+    except (ImportError, ValueError) as e:
         raise ConfigError(
-            f"task.reward_fn={dotted!r} does not import: {e}. Expected a dotted path to a "
-            f"function reward(response: str, label: str) -> float, e.g. "
+            f"task.reward_fn={dotted!r} does not import: {e.__cause__ or e}. Expected a dotted path "
+            f"to a function reward(response: str, label: str) -> float, e.g. "
             f"relax.task.arithmetic.exact_match"
         ) from None
-    if not callable(fn):
-        raise ConfigError(f"task.reward_fn={dotted!r} is not callable")
-    return fn
 
 
 def load_jsonl(path: str | None) -> list[tuple[str, str]]:
@@ -66,29 +66,27 @@ def load_jsonl(path: str | None) -> list[tuple[str, str]]:
 class Task:
     """Prompts for each rollout, and the reward."""
 
-    def __init__(self, cfg, seed: int):
-        self.cfg, self.seed = cfg, seed
-        self.reward_fn = load_reward_fn(cfg.reward_fn)
-        self.rows = load_jsonl(cfg.data_path) if cfg.name == "jsonl" else None
-        if cfg.name not in ("arithmetic", "jsonl"):
-            raise ConfigError(f"task.name={cfg.name!r}: expected 'arithmetic' or 'jsonl'")
+    def __init__(self, seed: int, reward_fn: str, apply_chat_template: bool, answer_format: str | None):
+        self.seed, self.apply_chat_template = seed, apply_chat_template
+        self.reward_fn = load_reward_fn(reward_fn)
+        # What a well-formed response matches; the health metrics read it from the config,
+        # since a replaying run builds no task.
+        self.answer_format = answer_format
+
+    def questions(self, rng: random.Random, n: int) -> list[tuple[str, str]]:
+        """`n` (question, label) pairs drawn with `rng`."""
+        raise NotImplementedError
 
     def format(self, question: str, tokenizer) -> str:
-        if not self.cfg.apply_chat_template:
+        if not self.apply_chat_template:
             return question
         return tokenizer.apply_chat_template(
             [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
         )
 
     def prompts(self, rollout_id: int, batch_size: int, tokenizer) -> list[Prompt]:
-        rng = random.Random(f"{self.seed}-{rollout_id}")
-        if self.rows is None:
-            pairs = [make_problem(rng, self.cfg.min_operand, self.cfg.max_operand)
-                     for _ in range(batch_size)]
-        else:
-            pairs = [self.rows[rng.randrange(len(self.rows))] for _ in range(batch_size)]
         out = []
-        for question, label in pairs:
+        for question, label in self.questions(random.Random(f"{self.seed}-{rollout_id}"), batch_size):
             text = self.format(question, tokenizer)
             tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
             out.append(Prompt(text, tokens, label))
@@ -96,3 +94,29 @@ class Task:
 
     def reward(self, response: str, label: str) -> float:
         return float(self.reward_fn(response, label))
+
+
+class ArithmeticTask(Task):
+    """task=arithmetic: "a+b=" with operands in [min_operand, max_operand]."""
+
+    def __init__(self, min_operand: int, max_operand: int, **common):
+        super().__init__(**common)
+        self.min_operand, self.max_operand = min_operand, max_operand
+
+    def questions(self, rng, n):
+        return [make_problem(rng, self.min_operand, self.max_operand) for _ in range(n)]
+
+
+class JsonlTask(Task):
+    """task=jsonl: prompts drawn from task.data_path."""
+
+    def __init__(self, data_path: str | None, **common):
+        super().__init__(**common)
+        self.rows = load_jsonl(data_path)
+
+    def questions(self, rng, n):
+        return [self.rows[rng.randrange(len(self.rows))] for _ in range(n)]
+
+
+def build_task(cfg) -> Task:
+    return instantiate(cfg, "task", seed=cfg.seed)

@@ -1,64 +1,52 @@
-"""Trainers (conf/train/, conf/parallel/): build the backend the config names, on N ranks.
+"""Trainers (conf/train/, conf/parallel/): build the class `train._target_` names, on N ranks.
 
-A trainer implements, for the driver:
+A trainer is constructed once per rank as
+  Trainer(cfg, model_path, ref_model_path=, pad_token_id=, save_train_data=, rank=, world_size=)
+(the whole config: trainers read model.*, algo.*, parallel.* and rollout.temperature) and
+implements, for the driver:
   train(rollout_id, samples) -> {"rollout": {...}, "steps": [{...}], ...}
   named_weights() -> {hf_name: tensor}       # what weight sync pushes into the engine
   save_checkpoint(path) / load_checkpoint(path)
   shutdown()
-A single-rank torch trainer runs in the driver process; every other trainer runs in
-`TrainerGroup` rank processes (Megatron always: its CPU compatibility layer and global
-parallel state must not leak into the driver), and the driver cannot tell the difference.
+Optional class attributes, read before any rank starts:
+  check_config(cfg, hf_config)  static method: the trainer's own start-up refusals, given
+                             the model's config.json (relax.model.model_config)
+  checkpoint_layout(cfg)     static method: settings its saved state is tied to (beyond its class)
+  runs_in_driver = True      a single rank may run in the driver process (default: its own)
+A trainer that runs in the driver is built there; every other runs in `TrainerGroup` rank
+processes (Megatron always: its CPU compatibility layer and global parallel state must not
+leak into the driver), and the driver cannot tell the difference.
 """
 
 from __future__ import annotations
 
-import importlib
-
 from omegaconf import DictConfig, OmegaConf
 
-from relax.errors import ConfigError
-
-BACKENDS = {
-    "torch": "relax.train.torch_trainer:TorchTrainer",
-    "megatron": "relax.train.megatron.trainer:MegatronTrainer",
-}
-ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
+from relax.config import load_target
 
 
 def make_trainer(cfg, *args, **kwargs):
-    """Construct the configured backend's trainer for one rank (also in spawned ranks)."""
+    """Construct the configured trainer for one rank (also in spawned ranks: module-level, so
+    it pickles, and `cfg` may arrive as a plain dict)."""
     if not isinstance(cfg, DictConfig):
         cfg = OmegaConf.create(cfg)
-    module, _, cls = BACKENDS[cfg.train.backend].partition(":")
-    return getattr(importlib.import_module(module), cls)(cfg, *args, **kwargs)
+    return load_target(cfg, "train")(cfg, *args, **kwargs)
 
 
-def check_backend(cfg) -> None:
-    if cfg.train.backend not in BACKENDS:
-        raise ConfigError(f"train.backend={cfg.train.backend!r}: expected one of "
-                          f"{', '.join(BACKENDS)}")
-    if cfg.train.backend == "torch":
-        from relax.train.parallel import check_torch_layout
-
-        check_torch_layout(cfg.parallel)
-    if cfg.train.backend == "megatron":
-        if cfg.train.attention_backend not in ATTENTION_BACKENDS:
-            raise ConfigError(f"train.attention_backend={cfg.train.attention_backend!r}: expected one "
-                              f"of {', '.join(ATTENTION_BACKENDS)}")
-        from relax.train.megatron.cpu_compat import check_version
-
-        check_version()
+def check_trainer(cfg, hf_config: dict) -> None:
+    """Start-up refusals: the trainer class imports, and its own checks pass for this model
+    (`hf_config`: its config.json, see relax.model.model_config)."""
+    trainer = load_target(cfg, "train")
+    if hasattr(trainer, "check_config"):
+        trainer.check_config(cfg, hf_config)
 
 
 def checkpoint_layout(cfg) -> dict:
-    """What a checkpoint's trainer state is tied to: its backend; for Megatron, whose optimizer
-    state is saved per rank, also the parallel sizes and the optimizer kind (train=torch
-    saves full state dicts, which load into any layout)."""
-    layout = {"train.backend": cfg.train.backend}
-    if cfg.train.backend == "megatron":
-        layout |= {f"parallel.{k}": cfg.parallel[k] for k in ("tp", "pp", "vpp", "ep", "etp", "cp", "dp")}
-        layout["train.use_distributed_optimizer"] = cfg.train.use_distributed_optimizer
-    return layout
+    """What a checkpoint's trainer state is tied to: the trainer class and whatever that class
+    adds (train=megatron, whose optimizer state is saved per rank: the parallel sizes)."""
+    trainer = load_target(cfg, "train")
+    extra = trainer.checkpoint_layout(cfg) if hasattr(trainer, "checkpoint_layout") else {}
+    return {"train._target_": cfg.train._target_, **extra}
 
 
 def build_trainer(cfg, model_path, ref_model_path, pad_token_id, save_train_data, log_dir):
@@ -67,8 +55,9 @@ def build_trainer(cfg, model_path, ref_model_path, pad_token_id, save_train_data
     world_size = cfg.parallel.world_size
     # NCCL weight sync needs the trainer in its own process (it broadcasts while the driver
     # waits on the engine)
-    in_process = cfg.train.backend == "torch" and cfg.rollout.weight_update_mode != "distributed"
-    if world_size == 1 and in_process:
+    in_driver = getattr(load_target(cfg, "train"), "runs_in_driver", False) and \
+        cfg.rollout.weight_update_mode != "distributed"
+    if world_size == 1 and in_driver:
         return make_trainer(cfg, str(model_path), **kwargs)
     from relax.train.group import TrainerGroup
 

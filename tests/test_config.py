@@ -1,0 +1,216 @@
+"""The config groups: every option composes to the values it had before defaults moved into
+the schema (tests/data/composed_configs.json, recorded at commit 13e3dfa), no option file
+repeats a schema default, and `_target_` plugs a user's classes in from the command line."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from relax.cli import CONF_DIR
+from relax.errors import ConfigError
+
+from .conftest import REPO, make_cfg, only_run_dir, relax_cli, status_of
+
+BEFORE = REPO / "tests" / "data" / "composed_configs.json"
+ENGINE, TRAINER = "relax.rollout.torch_engine.TorchEngine", "relax.train.torch_trainer.TorchTrainer"
+SGLANG, MEGATRON = "relax.rollout.sglang_engine.SGLangEngine", "relax.train.megatron.trainer.MegatronTrainer"
+ARITHMETIC, JSONL = "relax.task.ArithmeticTask", "relax.task.JsonlTask"
+
+# What changed on purpose, key by key; everything else must compose exactly as before.
+# The option labels that `_target_` replaced: old key -> (new key, old value -> class).
+RENAMED = {
+    "rollout.engine": ("rollout._target_", {"torch": ENGINE, "sglang": SGLANG}),
+    "train.backend": ("train._target_", {"torch": TRAINER, "megatron": MEGATRON}),
+    "task.name": ("task._target_", {"arithmetic": ARITHMETIC, "jsonl": JSONL}),
+}
+ADDED = {"logger._target_": "relax.logger.MetricsLogger"}
+# Keys (or key prefixes) now carried only by the option that uses them: -> (key, value) of that option.
+OPTION_ONLY = {
+    **{f"train.{k}": ("train._target_", MEGATRON)
+       for k in ("attention_backend", "moe_permute_fusion", "deterministic", "use_distributed_optimizer")},
+    **{f"rollout.{k}": ("rollout._target_", SGLANG)
+       for k in ("mem_fraction_static", "max_total_tokens", "weight_update_bucket_mb", "sglang_server_args")},
+    "task.min_operand": ("task._target_", ARITHMETIC),
+    "task.max_operand": ("task._target_", ARITHMETIC),
+    "task.data_path": ("task._target_", JSONL),
+    "model.cache_dir": ("model.name", "tiny"),
+    "model.tiny": ("model.name", "tiny"),
+}
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def expected_now(before: dict) -> dict:
+    out = {}
+    for key, value in before.items():
+        new_key, classes = RENAMED.get(key, (key, None))
+        out[new_key] = classes[value] if classes else value
+    out.update(ADDED)
+    for key in list(out):
+        for only, (where, value) in OPTION_ONLY.items():
+            if (key == only or key.startswith(only + ".")) and out[where] != value:
+                del out[key]
+    return out
+
+
+def options() -> list[str]:
+    return sorted(f"{group.name}={f.stem}" for group in CONF_DIR.iterdir() if group.is_dir()
+                  for f in group.glob("*.yaml"))
+
+
+@pytest.fixture(scope="module")
+def composed():
+    """Each option composed as `relax <group>=<option>` would, RELAX_CACHE unset and the run dir
+    fixed (debug=dump interpolates it), as recorded."""
+    saved = os.environ.pop("RELAX_CACHE", None)
+    try:
+        yield {o: make_cfg(o, run_dir=Path("/RUN_DIR")) for o in options()}
+    finally:
+        if saved is not None:
+            os.environ["RELAX_CACHE"] = saved
+
+
+def test_every_option_composes_the_values_it_had(composed):
+    before = json.loads(BEFORE.read_text())
+    assert sorted(composed) == sorted(before), "an option was added or removed: record it"
+    for option, cfg in composed.items():
+        now = flatten(OmegaConf.to_container(cfg, resolve=True))
+        want = expected_now(before[option])
+        assert now == want, (option, {k: (now.get(k), want.get(k)) for k in now.keys() | want.keys()
+                                      if now.get(k) != want.get(k)})
+    moved = composed["train=torch"].train
+    assert "attention_backend" not in moved and "sglang_server_args" not in composed["rollout=torch"].rollout
+
+
+def option_files():
+    yield "algo=grpo", CONF_DIR / "config.yaml"  # the primary config: any composition has its keys
+    for option in options():
+        group, name = option.split("=")
+        yield option, CONF_DIR / group / f"{name}.yaml"
+
+
+def schema_default(cfg, dotted: str, raw_value):
+    """(the schema's default for `dotted`, `raw_value` converted to the key's type), from the
+    dataclass behind the node that holds the key in the composed `cfg`."""
+    *path, key = dotted.split(".")
+    node = OmegaConf.select(cfg, ".".join(path)) if path else cfg
+    fresh = OmegaConf.structured(OmegaConf.get_type(node))
+    default = OmegaConf.to_container(fresh)[key]
+    fresh[key] = raw_value
+    return default, OmegaConf.to_container(fresh)[key]
+
+
+@pytest.mark.parametrize("option,path", list(option_files()), ids=lambda x: str(x).split("/")[-1])
+def test_no_option_file_repeats_a_schema_default(composed, option, path):
+    raw = OmegaConf.to_container(OmegaConf.load(path))
+    raw.pop("defaults", None)
+    raw.pop("hydra", None)
+    group = option.split("=")[0]
+    global_package = "# @package _global_" in path.read_text() or path.name == "config.yaml"
+    for key, value in flatten(raw, "" if global_package else f"{group}.").items():
+        default, value = schema_default(composed[option], key, value)
+        assert value != default, f"{path.relative_to(REPO)}: {key}={value!r} is the schema default"
+
+
+def test_backend_only_keys_are_refused_elsewhere():
+    assert make_cfg("train=megatron", "train.attention_backend=flash").train.attention_backend == "flash"
+    with pytest.raises(ConfigCompositionException, match="train.attention_backend"):
+        make_cfg("train.attention_backend=flash")  # train=torch has no Megatron knob
+    with pytest.raises(ConfigCompositionException, match="rollout.sglang_server_args"):
+        make_cfg("rollout.sglang_server_args={}")
+
+
+@pytest.mark.parametrize("group", ["rollout", "train", "task", "logger"])
+def test_a_target_that_does_not_import_is_refused_before_building(tmp_path, group):
+    from relax.loop import prepare
+
+    with pytest.raises(ConfigError, match=rf"{group}\._target_='relax\.nope\.Missing' does not import: "
+                                          r"No module named 'relax\.nope'"):
+        prepare(make_cfg(f"{group}._target_=relax.nope.Missing"), tmp_path)
+    assert not (tmp_path / "built.json").exists()
+
+
+PLUGINS = '''
+import multiprocessing
+
+from relax.logger import MetricsLogger
+from relax.rollout import Generation
+from relax.task import ArithmeticTask
+from relax.train.torch_trainer import TorchTrainer
+
+
+class StopAtOnceEngine:
+    """Answers every prompt with its stop token, at log-prob -0.5."""
+
+    def __init__(self, cfg, model_path, eos_token_ids, pad_token_id):
+        self.eos = eos_token_ids[0]
+
+    def generate(self, prompts, sp, seed):
+        return [Generation([self.eos], [-0.5], "completed") for _ in prompts]
+
+    def update_weights(self, named):
+        self.synced = sorted(named)
+
+    def shutdown(self):
+        pass
+
+
+class QuarterRewardTask(ArithmeticTask):
+    def reward(self, response, label):
+        return 0.25
+
+
+class ProcessNamingTrainer(TorchTrainer):
+    def train(self, rollout_id, samples):
+        out = super().train(rollout_id, samples)
+        out["steps"][0]["plugin/in_rank_process"] = multiprocessing.current_process().name == "relax-rank0"
+        return out
+
+
+class TaggingLogger(MetricsLogger):
+    def log(self, record, x_key):
+        super().log({**record, "plugin/tag": 7}, x_key)
+'''
+
+
+def test_user_classes_plug_in_from_the_command_line(tmp_path, tiny_path):
+    """A module outside the package, on PYTHONPATH: its engine, task, trainer (in 2 spawned
+    rank processes) and logger are what the run used, as the metrics show."""
+    (tmp_path / "my_plugins.py").write_text(PLUGINS)
+    proc = relax_cli("rollout._target_=my_plugins.StopAtOnceEngine",
+                     "task._target_=my_plugins.QuarterRewardTask",
+                     "train._target_=my_plugins.ProcessNamingTrainer",
+                     "logger._target_=my_plugins.TaggingLogger", "parallel=dp2", "rollout.num_rollout=1",
+                     "rollout.rollout_batch_size=4", "checkpoint.save_interval=null", cwd=tmp_path,
+                     env={"PYTHONPATH": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = only_run_dir(tmp_path)
+    assert status_of(run) == {"status": "completed"}
+    assert json.loads((run / "built.json").read_text())["trainer"] == "my_plugins.ProcessNamingTrainer"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rollout, step = [r for r in records if "step" not in r], [r for r in records if "step" in r]
+    assert len(rollout) == 1 and len(step) == 1
+    assert rollout[0]["rollout/response_len"] == 1.0 and rollout[0]["rollout/rollout_log_probs"] == -0.5
+    assert rollout[0]["rollout/raw_reward"] == 0.25
+    assert step[0]["plugin/in_rank_process"] is True
+    assert all(r["plugin/tag"] == 7 for r in records)
+
+
+def test_colocate_with_the_torch_engine_is_refused_at_start_up():
+    from relax.debug.plan import resolve
+
+    with pytest.raises(ConfigError, match=r"rollout.colocate=true: relax.rollout.torch_engine.TorchEngine "
+                                          r"cannot release its memory .* rollout=torch runs on CPU"):
+        resolve(make_cfg("rollout.colocate=true"))
