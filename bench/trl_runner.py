@@ -138,13 +138,13 @@ def main() -> None:
     from trl import GRPOTrainer
 
     from relax.model import load_causal_lm, load_tokenizer, resolve_model_path
-    from relax.task import Task
+    from relax.task import build_task
 
     torch.set_num_threads(cfg.train.num_threads)
     model_path = resolve_model_path(cfg.model)
     tokenizer = load_tokenizer(model_path)
     tokenizer.padding_side = "left"  # GRPOTrainer left-pads prompts for generate()
-    task = Task(cfg.task, cfg.seed)
+    task = build_task(cfg)
     t0 = time.perf_counter()
     train_dataset = dataset(cfg, task, tokenizer)
     dataset_s = time.perf_counter() - t0  # the prompt work Relax does inside its loop
