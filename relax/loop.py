@@ -18,15 +18,15 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from relax.checkpoint import (
     check_config, check_layout, find_checkpoint, read_state, restore_history, save_checkpoint)
-from relax.debug import doctor
-from relax.debug.health import response_health
+from relax.debug import checks
+from relax.debug.health import SAMPLES_FILE, response_health, sample_record
 from relax.debug.plan import Plan, resolve
 from relax.debug.weights import WeightCheck
 from relax.errors import CheckFailed, ConfigError, DiskFull, NonFiniteError, ReplayError
 from relax.config import instantiate, load_target
 from relax.logger import plot_run
-from relax.model import load_tokenizer, resolve_model_path
-from relax.files import atomic_save, fill
+from relax.model import load_tokenizer, read_hf_config, resolve_model_path
+from relax.files import append_jsonl, atomic_save, fill
 from relax.replay import build_manifest, keep_groups, load_rollout, save_rollout
 from relax.sample import Sample
 from relax.task import Task, build_task, check_rewards
@@ -48,11 +48,13 @@ def rollout_stats(samples: list[Sample], seconds: float, tokenizer, answer_forma
     }
 
 
-def log_finish_rollout(rollout_id: int, samples: list[Sample]) -> None:
-    s = samples[0]
-    mean = sum(x.reward for x in samples) / len(samples)
+def log_finish_rollout(run: Run, rollout_id: int, samples: list[Sample]) -> None:
+    """The rollout's example sample: a `Finish rollout` line for people, a samples.jsonl line
+    for `relax doctor`."""
+    s = sample_record(rollout_id, samples, run.tokenizer, run.cfg.task.answer_format)
     log.info("Finish rollout %d: %d samples, mean reward %.3f | prompt=%r response=%r reward=%g",
-             rollout_id, len(samples), mean, s.prompt, s.response, s.reward)
+             rollout_id, s["num_samples"], s["mean_reward"], s["prompt"], s["response"], s["reward"])
+    append_jsonl(run.dir / SAMPLES_FILE, s)
 
 
 def write_json(path: Path, obj) -> None:
@@ -82,7 +84,7 @@ def prepare(cfg, run_dir: Path) -> Run:
     if checkpoint:  # the run's metrics and first-step records, as they were at the checkpoint
         restore_history(checkpoint, run_dir)
     start = saved["rollout_id"] + 1 if saved else 0
-    plan = resolve(cfg, start)
+    plan = resolve(cfg, start, read_hf_config(saved["ref_model_path"]) if saved else None)
     if saved and plan.builds_train:
         check_layout(checkpoint, saved, checkpoint_layout(cfg))
     task = build_task(cfg) if plan.builds_rollout else None
@@ -120,7 +122,7 @@ def build(run: Run):
         if trainer:
             weight_check.check_first_sync(engine, trainer)
         if cfg.debug.strict_checks:
-            doctor.strict_weights({"checks": weight_check.results})
+            checks.strict_weights({"checks": weight_check.results})
     return engine, trainer, weight_check
 
 
@@ -141,7 +143,7 @@ def rollout(run: Run, engine, rollout_id: int) -> tuple[list[Sample], dict]:
         samples, time.perf_counter() - t0, run.tokenizer, cfg.task.answer_format)}
     if run.plan.save_rollout_data:
         save_rollout(fill(run.plan.save_rollout_data, rollout_id), rollout_id, samples, run.manifest)
-    log_finish_rollout(rollout_id, samples)
+    log_finish_rollout(run, rollout_id, samples)
     return samples, record
 
 
@@ -190,7 +192,7 @@ def first_step(run: Run, rollout_id: int, samples, record: dict, out: dict) -> N
         return
     atomic_save(out["first_step_log_probs"], run.dir / "first_step_log_probs.pt")
     if run.cfg.debug.strict_checks:
-        doctor.strict_first_step(record, out["steps"], run.cfg, [s.prompt for s in samples], run.tokenizer)
+        checks.strict_first_step(record, out["steps"], run.cfg, [s.prompt for s in samples], run.tokenizer)
 
 
 def checkpoint_on_schedule(run: Run, trainer, rollout_id: int) -> None:

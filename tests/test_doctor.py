@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from relax.debug.doctor import diagnose, load_run, strict_first_step
+from relax.debug.checks import diagnose, strict_first_step
+from relax.debug.run_data import load_run
 from relax.debug.weights import compare_tensors
 from relax.errors import CheckFailed
 from relax.logger import read_metrics
@@ -74,12 +75,34 @@ def test_training_collapse_from_a_huge_learning_rate(tmp_path):
 
 
 def test_prompts_ignoring_the_chat_template(tmp_path):
-    # via the CLI: the doctor reads the prompt from the log's "Finish rollout" line
+    # via the CLI, no dumps: the doctor reads the prompt from samples.jsonl
     proc = relax_cli(*SHORT, "rollout.num_rollout=2", "task.apply_chat_template=false", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    checks = {c.id: c for c in diagnose(load_run(only_run_dir(tmp_path)))}
+    run = only_run_dir(tmp_path)
+    checks = {c.id: c for c in diagnose(load_run(run))}
     assert checks[3].verdict == "FAIL" and "chat template" in checks[3].summary
     assert checks[3].evidence["prompts_in_chat_template"] == 0.0
+    # samples.jsonl: one line per rollout, the sample its "Finish rollout" line shows
+    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert [s["rollout_id"] for s in samples] == [0, 1]
+    finish = [line for line in (run / "relax.log").read_text().splitlines() if "Finish rollout" in line]
+    for s, line in zip(samples, finish, strict=True):
+        assert s["num_samples"] == 64
+        assert f"Finish rollout {s['rollout_id']}: 64 samples, mean reward {s['mean_reward']:.3f} | " \
+               f"prompt={s['prompt']!r} response={s['response']!r} reward={s['reward']:g}" in line
+        assert s["label"] and 0 <= s["invalid_token_ratio"] <= 1 and "format_ok_ratio" in s
+    assert checks[1].evidence["sample"] == samples[0]
+
+    # a run from before samples.jsonl: the template check says what it lacks, nothing crashes
+    (run / "samples.jsonl").unlink()
+    checks = {c.id: c for c in diagnose(load_run(run))}
+    assert checks[3].verdict == "PASS", checks[3].summary
+    assert "chat template not checked: no samples.jsonl in" in checks[3].summary
+    assert checks[1].evidence["sample"].startswith("not recorded: no samples.jsonl")
+    proc = relax_cli("doctor", str(run), cwd=tmp_path)
+    assert proc.returncode == 1 and "[FAIL] 1. responses at the first rollout" in proc.stdout  # garbage
+    assert "[PASS] 3. first-rollout log_probs vs ref_log_probs" in proc.stdout
+    assert "chat template not checked: no samples.jsonl" in proc.stdout
 
 
 def test_dropout_left_on_in_the_trainer(tmp_path, monkeypatch):

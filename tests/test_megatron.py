@@ -2,11 +2,13 @@
 the RL loop. Megatron-core 0.16.1 runs for real on CPU through relax.train.megatron.cpu_compat."""
 
 import json
+import re
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from relax.debug.plan import resolve
 from relax.errors import ConfigError
 from relax.model import resolve_model_path
 from relax.train import build_trainer
@@ -144,9 +146,26 @@ def test_megatron_resume_equals_uninterrupted_run(tmp_path, tiny_path):
         run_loop(tmp_path / "other_layout", *TRAIN[:2], "rollout.num_rollout=4", f"resume={checkpoint}")
 
 
-def test_megatron_refuses_impossible_layouts(tmp_path, tiny_path):
+def test_megatron_refuses_impossible_layouts_before_any_rank_starts(tmp_path, tiny_path):
     proc = relax_cli(*TRAIN, "parallel=vpp2", "rollout.num_rollout=1", cwd=tmp_path)
-    assert proc.returncode != 0 and "do not split into pp=2 x vpp=2" in proc.stderr + proc.stdout
+    assert proc.returncode == 2 and "2 layers do not split into pp=2 x vpp=2" in proc.stderr + proc.stdout
+    run = only_run_dir(tmp_path)
+    assert not list(run.glob("rank*.log")) and not (run / "built.json").exists()  # nothing was built
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["parallel=single", "parallel.vpp=2"], "virtual pipeline stages (vpp) need pp > 1"),
+    (["parallel=fsdp2"], "fsdp is train=torch's FSDP2"),
+    (["parallel=single", "parallel.sequence_parallel=true"], "sequence_parallel shards activations"),
+    (["parallel=ep2", "parallel.etp=2"], "etp=2 x ep=2 x pp=1 must divide the world size"),
+    (["parallel=ep2"], "ep=2 needs an MoE model whose expert count is divisible by it (this model has 0"),
+    (["parallel=tp2", "model.tiny.num_kv_heads=1"], "tp=2 must divide the model's num_key_value_heads=1"),
+    (["parallel=tp2", "model.tiny.num_heads=3", "model.tiny.num_kv_heads=3", "model.tiny.hidden_size=48"],
+     "tp=2 must divide the model's num_attention_heads=3, num_key_value_heads=3"),
+])
+def test_layouts_the_model_cannot_take_are_refused_at_plan_time(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        resolve(make_cfg("train=megatron", *overrides))
 
 
 def test_version_check_refuses_other_megatron_versions(monkeypatch):

@@ -4,7 +4,7 @@
     hf/                  the actor as a normal HF directory (config, safetensors, tokenizer)
     trainer_state.pt     optimizer and RNG state (plain tensors; loaded weights_only);
                          train=megatron: trainer_state_rank<R>.pt, one per rank
-    history/             the run's metrics.jsonl and first_step_log_probs.pt as they were at
+    history/             the run's metrics.jsonl, samples.jsonl and first_step_log_probs.pt as at
                          this rollout: a resumed run starts from them, so its metrics hold
                          every rollout exactly once, whenever the first run died
     relax_state.json     rollout_id, the reference model's path, the trainer layout the state
@@ -32,7 +32,7 @@ from relax.files import atomic_open, atomic_write_text
 
 log = logging.getLogger(__name__)
 STATE_FILE = "relax_state.json"
-HISTORY = ("metrics.jsonl", "first_step_log_probs.pt")  # run files a checkpoint carries
+HISTORY = ("metrics.jsonl", "samples.jsonl", "first_step_log_probs.pt")  # run files a checkpoint carries
 HEADROOM = 1.2  # a new checkpoint needs the newest one's size, plus this margin
 
 

@@ -13,13 +13,12 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 
 from relax.algo import masked_sum, token_log_probs
 from relax import faults
-from relax.model import load_causal_lm
+from relax.model import load_causal_lm, save_hf_dir
 from relax.files import atomic_save, safe_load
 from relax.sample import Sample, log_prob_temperature
 from relax.train import common
@@ -38,13 +37,12 @@ class TorchTrainer(DistributedWeightSync):
     runs_in_driver = True  # one rank needs no process of its own
 
     @staticmethod
-    def check_config(cfg) -> None:
-        check_torch_layout(cfg.parallel)
+    def check_config(cfg, hf_config: dict) -> None:
+        check_torch_layout(cfg.parallel, hf_config)
 
     def __init__(self, cfg, model_path: str, ref_model_path: str | None = None,
                  pad_token_id: int = 0, save_train_data: str | None = None,
                  rank: int = 0, world_size: int = 1):
-        check_torch_layout(cfg.parallel)
         self.cfg, self.pad_id, self.save_train_data = cfg, pad_token_id, save_train_data
         self.layout = init_layout(cfg.parallel, rank, world_size)
         self.temperature = log_prob_temperature(cfg.rollout.temperature)
@@ -150,11 +148,7 @@ class TorchTrainer(DistributedWeightSync):
         optim = get_optimizer_state_dict(self.model, self.optimizer, options=StateDictOptions(
             full_state_dict=True, cpu_offload=True))
         if self.layout.rank == 0:
-            hf = Path(path) / "hf"
-            hf.mkdir(parents=True, exist_ok=True)
-            self.model.config.save_pretrained(hf)
-            save_file({k: v.contiguous() for k, v in weights.items()}, hf / "model.safetensors",
-                      metadata={"format": "pt"})
+            save_hf_dir(Path(path) / "hf", self.model.config, weights)
             atomic_save({"optimizer": optim, "torch_rng": torch.get_rng_state()},
                         Path(path) / "trainer_state.pt")
 
