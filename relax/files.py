@@ -1,11 +1,12 @@
 """Files that must never be half-written or unsafe to read: atomic saves, plain-data loads,
-and the `{rollout_id}` / `{rank}` path templates of the debugging guide.
+JSON-lines records, and the `{rollout_id}` / `{rank}` path templates of the debugging guide.
 
 Used by replay, train dumps and checkpoints alike, so it sits below all of them.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import tempfile
@@ -77,3 +78,23 @@ def safe_load(path: Path) -> dict:
     if not isinstance(data, dict):
         raise ReplayError(f"{path}: expected a dict, found {type(data).__name__}")
     return data
+
+
+def append_jsonl(path: Path, record: dict) -> None:
+    """Append one JSON line in a single write to a file opened for appending: a crash can tear
+    only this last line (which `read_jsonl` drops), never an earlier one."""
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSON-lines file; a last line torn by a crash mid-write is dropped."""
+    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+    records = []
+    for n, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if n < len(lines):
+                raise ReplayError(f"{path}: line {n} is not JSON ({e})") from None
+    return records

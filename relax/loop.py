@@ -19,18 +19,18 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from relax.checkpoint import (
     check_config, check_layout, find_checkpoint, read_state, restore_history, save_checkpoint)
 from relax.cluster import open_cluster
-from relax.debug import doctor
-from relax.debug.health import response_health
+from relax.debug import checks
+from relax.debug.health import SAMPLES_FILE, response_health, sample_record
 from relax.debug.plan import Plan, resolve
 from relax.debug.weights import WeightCheck
-from relax.errors import CheckFailed, ConfigError, DiskFull, ReplayError
+from relax.errors import CheckFailed, ConfigError, DiskFull, NonFiniteError, ReplayError
 from relax.config import instantiate, load_target
 from relax.logger import plot_run
-from relax.model import load_tokenizer, resolve_model_path
-from relax.files import atomic_save, fill
-from relax.replay import build_manifest, load_rollout, save_rollout
+from relax.model import load_tokenizer, read_hf_config, resolve_model_path
+from relax.files import append_jsonl, atomic_save, fill
+from relax.replay import build_manifest, keep_groups, load_rollout, save_rollout
 from relax.sample import Sample
-from relax.task import Task, build_task
+from relax.task import Task, build_task, check_rewards
 from relax.train import checkpoint_layout
 
 log = logging.getLogger("relax")
@@ -49,11 +49,13 @@ def rollout_stats(samples: list[Sample], seconds: float, tokenizer, answer_forma
     }
 
 
-def log_finish_rollout(rollout_id: int, samples: list[Sample]) -> None:
-    s = samples[0]
-    mean = sum(x.reward for x in samples) / len(samples)
+def log_finish_rollout(run: Run, rollout_id: int, samples: list[Sample]) -> None:
+    """The rollout's example sample: a `Finish rollout` line for people, a samples.jsonl line
+    for `relax doctor`."""
+    s = sample_record(rollout_id, samples, run.tokenizer, run.cfg.task.answer_format)
     log.info("Finish rollout %d: %d samples, mean reward %.3f | prompt=%r response=%r reward=%g",
-             rollout_id, len(samples), mean, s.prompt, s.response, s.reward)
+             rollout_id, s["num_samples"], s["mean_reward"], s["prompt"], s["response"], s["reward"])
+    append_jsonl(run.dir / SAMPLES_FILE, s)
 
 
 def write_json(path: Path, obj) -> None:
@@ -80,10 +82,8 @@ def prepare(cfg, run_dir: Path) -> Run:
     check_config(cfg.checkpoint)
     checkpoint = find_checkpoint(cfg.resume, run_dir.parent)
     saved = read_state(checkpoint) if checkpoint else None
-    if checkpoint:  # the run's metrics and first-step records, as they were at the checkpoint
-        restore_history(checkpoint, run_dir)
     start = saved["rollout_id"] + 1 if saved else 0
-    plan = resolve(cfg, start)
+    plan = resolve(cfg, start, read_hf_config(saved["ref_model_path"]) if saved else None)
     if saved and plan.builds_train:
         check_layout(checkpoint, saved, checkpoint_layout(cfg))
     task = build_task(cfg) if plan.builds_rollout else None
@@ -93,6 +93,8 @@ def prepare(cfg, run_dir: Path) -> Run:
     if plan.dump_dir:  # with the rollout/train data, enough to reproduce the run
         tokenizer.save_pretrained(plan.dump_dir / "tokenizer")
         (plan.dump_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    if checkpoint:  # the run's metrics and first-step records as they were at the checkpoint (last:
+        restore_history(checkpoint, run_dir)  # a run refused above leaves the run dir untouched)
     return Run(cfg, run_dir, plan, start, checkpoint, model_path,
                checkpoint / "hf" if checkpoint else model_path, tokenizer,
                build_manifest(cfg, model_path, tokenizer), task)
@@ -118,7 +120,7 @@ def build(run: Run, cluster):
         if trainer:
             weight_check.check_first_sync(engine, trainer)
         if cfg.debug.strict_checks:
-            doctor.strict_weights({"checks": weight_check.results})
+            checks.strict_weights({"checks": weight_check.results})
     return engine, trainer, weight_check
 
 
@@ -126,18 +128,20 @@ def rollout(run: Run, engine, rollout_id: int) -> tuple[list[Sample], dict]:
     """Generate and score (or replay) one rollout; save it if asked; log `Finish rollout`."""
     cfg, t0 = run.cfg, time.perf_counter()
     if run.plan.replays:
-        _, samples = load_rollout(run.plan.replay_files[rollout_id], run.manifest,
-                                  cfg.debug.allow_manifest_mismatch,
+        source = run.plan.replay_files[rollout_id]
+        _, samples = load_rollout(source, run.manifest, cfg.debug.allow_manifest_mismatch,
                                   cfg.debug.load_rollout_data_subsample, cfg.seed)
+        check_rewards(samples, f"the replay file {source}")
     else:
         from relax.rollout import generate_rollout
 
         samples = generate_rollout(engine, run.task, run.tokenizer, cfg.rollout, rollout_id, cfg.seed)
+        check_rewards(samples, f"task.reward_fn={cfg.task.reward_fn} at rollout {rollout_id}")
     record = {"rollout_id": rollout_id, **rollout_stats(
         samples, time.perf_counter() - t0, run.tokenizer, cfg.task.answer_format)}
     if run.plan.save_rollout_data:
         save_rollout(fill(run.plan.save_rollout_data, rollout_id), rollout_id, samples, run.manifest)
-    log_finish_rollout(rollout_id, samples)
+    log_finish_rollout(run, rollout_id, samples)
     return samples, record
 
 
@@ -150,6 +154,23 @@ def train(run: Run, trainer, engine, rollout_id: int, samples: list[Sample]) -> 
     if colocated:
         engine.resume_memory_occupation()
     return out
+
+
+def report_nonfinite(run: Run, rollout_id: int, samples: list[Sample], events: list[dict]) -> None:
+    """train.on_nonfinite: the trainer skipped these steps; their offending micro-batches'
+    GRPO groups go to <run dir>/nonfinite/<rollout_id>.pt as replay data. `error` stops."""
+    if not events:
+        return
+    path = run.dir / "nonfinite" / f"{rollout_id}.pt"
+    groups = {samples[i].group_index for e in events for i in e["indices"]}
+    save_rollout(path, rollout_id, keep_groups(samples, groups), run.manifest)
+    what = "; ".join(f"step {e['step']}: loss {e['loss']:.4g}, grad_norm {e['grad_norm']:.4g}, samples "
+                     f"{e['indices'][:8]}{' ...' if len(e['indices']) > 8 else ''}" for e in events)
+    message = (f"rollout {rollout_id}: non-finite training step ({what}); the step was not applied. Their "
+               f"groups are in {path}: replay with relax debug=train_only debug.load_rollout_data={path}")
+    if run.cfg.train.on_nonfinite == "error":
+        raise NonFiniteError(message + " (train.on_nonfinite=skip trains on past such steps)")
+    log.warning("%s", message)
 
 
 def sync_weights(run: Run, trainer, engine, weight_check, rollout_id: int) -> None:
@@ -169,7 +190,7 @@ def first_step(run: Run, rollout_id: int, samples, record: dict, out: dict) -> N
         return
     atomic_save(out["first_step_log_probs"], run.dir / "first_step_log_probs.pt")
     if run.cfg.debug.strict_checks:
-        doctor.strict_first_step(record, out["steps"], run.cfg, [s.prompt for s in samples], run.tokenizer)
+        checks.strict_first_step(record, out["steps"], run.cfg, [s.prompt for s in samples], run.tokenizer)
 
 
 def checkpoint_on_schedule(run: Run, trainer, rollout_id: int) -> None:
@@ -201,6 +222,7 @@ def rl_loop(cfg, run_dir: Path) -> None:
                 first_step(run, rollout_id, samples, record, out)
                 for step, step_metrics in enumerate(out["steps"]):
                     metrics.log({"rollout_id": rollout_id, "step": step, **step_metrics}, "rollout_id")
+                report_nonfinite(run, rollout_id, samples, out["nonfinite"])
             metrics.log(record, "rollout_id")
             if trainer:
                 checkpoint_on_schedule(run, trainer, rollout_id)
@@ -223,7 +245,7 @@ def run_job(cfg) -> None:
     try:
         with logging_redirect_tqdm():
             rl_loop(cfg, run_dir)
-    except (ConfigError, ReplayError, CheckFailed, DiskFull) as e:
+    except (ConfigError, ReplayError, CheckFailed, DiskFull, NonFiniteError) as e:
         write_json(status, {"status": "failed", "error": str(e)})
         if hydra_cfg.mode == RunMode.MULTIRUN:
             raise  # Hydra records the failed job and the sweep goes on

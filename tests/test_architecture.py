@@ -71,3 +71,11 @@ def test_the_checker_sees_upward_imports(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("def f():\n    from relax.loop import rl_loop\nfrom relax import cli\n")
     assert relax_imports(bad) == {"relax.loop", "relax.cli"}
+
+
+def test_no_file_over_400_lines():
+    files = [p for p in PACKAGE.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+    assert len(files) > 40  # the check sees the package
+    too_long = {str(p.relative_to(PACKAGE.parent)): n for p in files
+                if (n := len(p.read_text().splitlines())) > 400}
+    assert not too_long, f"split these (lines): {too_long}"

@@ -141,3 +141,5 @@ def test_resumed_runs_hold_each_rollout_once_in_a_new_or_the_same_dir(tmp_path):
         for a, b in zip(again_steps, steps, strict=True):
             assert a["train/loss"] == b["train/loss"] and a["train/grad_norm"] == b["train/grad_norm"]
         assert (run_dir / "first_step_log_probs.pt").read_bytes() == first
+        samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+        assert [s["rollout_id"] for s in samples] == [0, 1, 2, 3]  # each rollout's sample once, too

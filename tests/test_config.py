@@ -27,8 +27,13 @@ RENAMED = {
     "train.backend": ("train._target_", {"torch": TRAINER, "megatron": MEGATRON}),
     "task.name": ("task._target_", {"arithmetic": ARITHMETIC, "jsonl": JSONL}),
 }
-ADDED = {"logger._target_": "relax.logger.MetricsLogger", "cluster._target_": "relax.cluster.LocalCluster",
-         "rollout.num_engines": None}
+ADDED = {"logger._target_": "relax.logger.MetricsLogger",
+         # issue 12 (numerics): new keys at their defaults
+         "algo.eps_clip_c": 3.0, "algo.policy_loss": "ppo", "algo.loss_agg_mode": "token-mean",
+         "algo.tis": None, "algo.tis_cap": 2.0, "algo.mis": None, "algo.mis_low": 0.5, "algo.mis_high": 2.0,
+         "train.on_nonfinite": "error", "rollout.dtype": None, "parallel.noise_ulp": 0,
+         # issue 11 (Ray): the cluster group and the engine count
+         "cluster._target_": "relax.cluster.LocalCluster", "rollout.num_engines": None}
 RAY = {"cluster._target_": "relax.cluster.ray_cluster.RayCluster", "cluster.address": None,
        "cluster.num_cpus_per_rank": 1.0, "cluster.num_gpus_per_rank": 0.0, "cluster.num_cpus_per_engine": 1.0,
        "cluster.num_gpus_per_engine": 0.0, "cluster.resources_per_rank": {},
@@ -65,7 +70,8 @@ def expected_now(before: dict) -> dict:
     for key, value in before.items():
         new_key, classes = RENAMED.get(key, (key, None))
         out[new_key] = classes[value] if classes else value
-    out.update(ADDED)
+    for key, value in ADDED.items():
+        out.setdefault(key, value)  # a recorded value (parallel=twin's noise_ulp) wins
     for key in list(out):
         for only, (where, value) in OPTION_ONLY.items():
             if (key == only or key.startswith(only + ".")) and out[where] != value:

@@ -11,7 +11,7 @@ import pytest
 
 from relax.files import safe_load
 
-from .conftest import build_trainer, make_cfg, relax_cli, run_loop
+from .conftest import build_trainer, make_cfg, only_run_dir, relax_cli, run_loop
 
 # 2 steps per rollout and micro-batches of 8: gradient accumulation and the per-step
 # mini-batch split over DP ranks are both exercised.
@@ -90,6 +90,15 @@ def test_a_failing_job_does_not_stop_the_sweep(tmp_path, replay_dir):
     assert jobs["pp2"]["verdict"] == "FAILED" and "use train=megatron" in jobs["pp2"]["reasons"][0]
     assert jobs["dp2"]["verdict"] == "equivalent"  # ... after running the jobs behind it
     assert code == 1
+
+
+def test_a_tp_that_splits_a_head_is_refused_before_any_rank_starts(tmp_path):
+    proc = relax_cli("parallel=tp2", "model.tiny.num_kv_heads=1", cwd=tmp_path)
+    assert proc.returncode == 2
+    message = "parallel=tp2: tp=2 must divide the model's num_key_value_heads=1 (config.json)"
+    assert message in proc.stdout + proc.stderr
+    run = only_run_dir(tmp_path)
+    assert not list(run.glob("rank*.log")) and not (run / "built.json").exists()  # nothing was built
 
 
 def test_compare_two_single_runs_and_tolerances(tmp_path, replay_dir):

@@ -2,11 +2,13 @@
 the RL loop. Megatron-core 0.16.1 runs for real on CPU through relax.train.megatron.cpu_compat."""
 
 import json
+import re
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from relax.debug.plan import resolve
 from relax.errors import ConfigError
 from relax.model import resolve_model_path
 
@@ -143,9 +145,26 @@ def test_megatron_resume_equals_uninterrupted_run(tmp_path, tiny_path):
         run_loop(tmp_path / "other_layout", *TRAIN[:2], "rollout.num_rollout=4", f"resume={checkpoint}")
 
 
-def test_megatron_refuses_impossible_layouts(tmp_path, tiny_path):
+def test_megatron_refuses_impossible_layouts_before_any_rank_starts(tmp_path, tiny_path):
     proc = relax_cli(*TRAIN, "parallel=vpp2", "rollout.num_rollout=1", cwd=tmp_path)
-    assert proc.returncode != 0 and "do not split into pp=2 x vpp=2" in proc.stderr + proc.stdout
+    assert proc.returncode == 2 and "2 layers do not split into pp=2 x vpp=2" in proc.stderr + proc.stdout
+    run = only_run_dir(tmp_path)
+    assert not list(run.glob("rank*.log")) and not (run / "built.json").exists()  # nothing was built
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["parallel=single", "parallel.vpp=2"], "virtual pipeline stages (vpp) need pp > 1"),
+    (["parallel=fsdp2"], "fsdp is train=torch's FSDP2"),
+    (["parallel=single", "parallel.sequence_parallel=true"], "sequence_parallel shards activations"),
+    (["parallel=ep2", "parallel.etp=2"], "etp=2 x ep=2 x pp=1 must divide the world size"),
+    (["parallel=ep2"], "ep=2 needs an MoE model whose expert count is divisible by it (this model has 0"),
+    (["parallel=tp2", "model.tiny.num_kv_heads=1"], "tp=2 must divide the model's num_key_value_heads=1"),
+    (["parallel=tp2", "model.tiny.num_heads=3", "model.tiny.num_kv_heads=3", "model.tiny.hidden_size=48"],
+     "tp=2 must divide the model's num_attention_heads=3, num_key_value_heads=3"),
+])
+def test_layouts_the_model_cannot_take_are_refused_at_plan_time(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        resolve(make_cfg("train=megatron", *overrides))
 
 
 def test_version_check_refuses_other_megatron_versions(monkeypatch):
@@ -169,3 +188,42 @@ def test_transformer_engine_specs_match_torch_on_gpu(tmp_path, deep_replay):
         runs.append(str(tmp_path / "outputs" / backend))
     out = relax_cli("compare", *runs, "--json", "--logprob-atol", "1e-3", cwd=tmp_path)
     assert out.returncode == 0, out.stdout
+
+
+# GSPO, per-sequence loss aggregation and both rollout corrections: every normaliser and
+# sequence-level quantity must come out the same when DP splits the samples or CP splits
+# the sequences (the 4-layer model's log-probs differ from the 2-layer engine's that
+# sampled, so the IS weights are far from 1).
+VARIANTS = ["algo.policy_loss=gspo", "algo.loss_agg_mode=seq-mean-token-mean", "algo.tis=sequence",
+            "algo.mis=token", "algo.mis_low=0.2", "algo.mis_high=5"]
+
+
+def test_loss_variants_are_the_same_under_dp_cp_and_both_backends(tmp_path, deep_replay):
+    proc = relax_cli("-m", *TRAIN, *DEEP, *replay(deep_replay), *VARIANTS, "parallel=single,dp2,cp2",
+                     cwd=tmp_path, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    torch_run = tmp_path / "outputs" / "torch_dp2"
+    proc = relax_cli(*DEEP, *replay(deep_replay), *VARIANTS, "train.micro_batch_size=8", "parallel=dp2",
+                     "checkpoint.save_interval=null", f"hydra.run.dir={torch_run}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    multirun = only_run_dir(tmp_path, "multiruns")
+    jobs = [multirun / f"parallel={p}" for p in ("single", "dp2", "cp2")] + [torch_run]
+    out = relax_cli("compare", *map(str, jobs), "--json", cwd=tmp_path)
+    report = json.loads(out.stdout)
+    assert out.returncode == 0, report
+    assert [j["verdict"] for j in report["jobs"]] == ["equivalent"] * 4
+    steps = [json.loads(line) for line in (jobs[0] / "metrics.jsonl").read_text().splitlines()]
+    steps = [s for s in steps if "train/tis_weight_mean" in s]
+    assert steps[0]["train/mis_dropfrac"] > 0 and steps[0]["train/tis_weight_mean"] != 1.0
+
+
+def test_megatron_skips_a_nonfinite_step_on_every_rank(tmp_path, tiny_path, monkeypatch):
+    monkeypatch.setenv("RELAX_FAULT", "nan_log_probs")  # sample 3 (DP rank 0's) turns NaN
+    rollouts, steps = run_loop(tmp_path, *TRAIN, "parallel=dp2", "rollout.num_rollout=2",
+                               "rollout.rollout_batch_size=4", "train.num_steps_per_rollout=2",
+                               "train.on_nonfinite=skip", "checkpoint.save_interval=2")
+    assert [s["train/skipped_steps"] for s in steps] == [1, 1, 2, 2]
+    assert torch.isnan(torch.tensor(steps[0]["train/grad_norm"])) and steps[1]["train/grad_norm"] > 0
+    weights = load_file(str(tmp_path / "checkpoints/rollout_000001/hf/model.safetensors"))
+    assert all(torch.isfinite(w).all() for w in weights.values())
+    assert (tmp_path / "nonfinite" / "0.pt").is_file()

@@ -1,8 +1,8 @@
 """`relax doctor <run dir | dump dir>`: the guide's precision checklist, run for you.
 
-Each check is a pure function of what a run left behind (metrics.jsonl, relax.log,
-built.json, weight_check.json, dumps) and returns PASS / WARN / FAIL / SKIP with the
-evidence, the likely causes and the next command, in the guide's terms:
+Reads what a run left behind (metrics.jsonl, samples.jsonl, built.json, weight_check.json,
+dumps) and reports PASS / WARN / FAIL / SKIP per check, with the evidence, the likely
+causes and the next command:
 
 1. responses at the first rollout: coherent or garbage?
 2. responses turning to garbage later (training collapse)
@@ -10,345 +10,23 @@ evidence, the likely causes and the next command, in the guide's terms:
 4. first-step KL and grad_norm (with num_steps_per_rollout == 1)
 5. train vs rollout log-prob mismatch: level and drift
 6. engine weights vs checkpoint (when the run recorded debug.check_weight_update_equal)
+7. non-finite metrics: any NaN or Inf in a rollout or step record (NaN fails every check)
 
-`debug.strict_checks=true` runs 3-5 inside the run at the first step (and 6 after the
-first sync) and stops it with the same explanation.
+Writes doctor.md with curves next to the run; exit code 1 if a check FAILs. The checks
+themselves are in relax/debug/checks.py (the run's `debug.strict_checks` uses them too).
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import json
-import re
 import sys
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, fields
 from pathlib import Path
 
-from relax.errors import CheckFailed
-from relax.logger import read_metrics
-
-PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
-SEVERITY = {PASS: 0, SKIP: 0, WARN: 1, FAIL: 2}
-
-
-@dataclass
-class Thresholds:
-    kl_tol: float = 1e-8                  # first-step KL and |log_probs - ref_log_probs|
-    logprob_magnitude: float = 1.0        # mean |log_prob| above this is suspicious (WARN)
-    logprob_config_error: float = 5.0     # ... and above this a configuration error (FAIL)
-    grad_norm_max: float = 10.0           # first-step grad_norm
-    train_rollout_diff_max: float = 0.1   # train/train_rollout_logprob_abs_diff
-    drift_ratio: float = 2.0              # last third vs first third of that diff
-    drift_floor: float = 1e-3             # ... once it is at least this large
-    invalid_token_ratio: float = 0.2      # garbage: undecodable / special tokens mid-response
-    repetition_ratio: float = 0.5         # garbage: responses dominated by one token
-    format_ok_min: float = 0.2            # garbage: share of responses in the task's format
-    collapse_fraction: float = 0.25       # reward falling below this share of its start
-
-
-@dataclass
-class Check:
-    id: int
-    name: str
-    verdict: str
-    summary: str
-    evidence: dict = field(default_factory=dict)
-    causes: list[str] = field(default_factory=list)
-    next_steps: list[str] = field(default_factory=list)
-
-
-@dataclass
-class RunData:
-    path: Path
-    rollouts: list[dict]
-    steps: list[dict]
-    num_steps_per_rollout: int | None = None
-    log_samples: dict[int, dict] = field(default_factory=dict)   # rollout_id -> sample from the log
-    prompts: list[str] = field(default_factory=list)            # first-rollout prompts
-    chat_template_parts: tuple[str, str] | None = None          # (prefix, suffix) of a user turn
-    first_train_data: list[dict] = field(default_factory=list)   # per-sample rows, first rollout
-    weight_check: dict | None = None
-    backend: str = ""  # train._target_: the trainer class
-
-
-# -- reading a run ------------------------------------------------------------------------
-
-FINISH = re.compile(r"Finish rollout (\d+): .*?\| prompt=(.*) response=(.*) reward=(\S+)$")
-
-
-def chat_template_parts(tokenizer) -> tuple[str, str] | None:
-    if not getattr(tokenizer, "chat_template", None):
-        return None
-    marker = "\x00MSG\x00"
-    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}],
-                                         add_generation_prompt=True, tokenize=False)
-    prefix, _, suffix = text.partition(marker)
-    return prefix, suffix
-
-
-def load_run(path: Path) -> RunData:
-    from omegaconf import OmegaConf
-
-    from relax.files import safe_load
-
-    path = Path(path)
-    rollouts, steps = read_metrics(path)
-    run = RunData(path=path, rollouts=rollouts, steps=steps)
-    config = path / ".hydra" / "config.yaml"
-    if not config.is_file():
-        config = path / "config.yaml"  # a dump dir
-    if config.is_file():
-        cfg = OmegaConf.load(config)
-        run.num_steps_per_rollout = cfg.train.num_steps_per_rollout
-        run.backend = cfg.train._target_
-    log_file = path / "relax.log"
-    if log_file.is_file():
-        for line in log_file.read_text().splitlines():
-            m = FINISH.search(line)
-            if m:
-                run.log_samples[int(m.group(1))] = {
-                    "prompt": ast.literal_eval(m.group(2)), "response": ast.literal_eval(m.group(3)),
-                    "reward": float(m.group(4))}
-    built = json.loads((path / "built.json").read_text()) if (path / "built.json").is_file() else {}
-    dump = Path(built["dump_dir"]) if built.get("dump_dir") else path
-    first_id = rollouts[0]["rollout_id"] if rollouts else 0
-    rollout_file = dump / "rollout_data" / f"{first_id}.pt"
-    if rollout_file.is_file():
-        run.prompts = [s["prompt"] for s in safe_load(rollout_file)["samples"]]
-    elif first_id in run.log_samples:
-        run.prompts = [run.log_samples[first_id]["prompt"]]
-    for train_file in sorted((dump / "train_data").glob(f"{first_id}_*.pt")):
-        run.first_train_data += safe_load(train_file)["samples"]
-    tokenizer_dir = dump / "tokenizer" if (dump / "tokenizer").is_dir() else built.get("model_path")
-    if tokenizer_dir and Path(tokenizer_dir).is_dir():
-        from relax.model import load_tokenizer
-
-        run.chat_template_parts = chat_template_parts(load_tokenizer(Path(tokenizer_dir)))
-    if (path / "weight_check.json").is_file():
-        run.weight_check = json.loads((path / "weight_check.json").read_text())
-    return run
-
-
-# -- the checks -----------------------------------------------------------------------------
-
-def garbage_signals(record: dict, th: Thresholds) -> list[str]:
-    signals = []
-    if record.get("rollout/invalid_token_ratio", 0) > th.invalid_token_ratio:
-        signals.append(f"{record['rollout/invalid_token_ratio']:.0%} of tokens undecodable or "
-                       f"special mid-response")
-    if record.get("rollout/repetition_ratio", 0) > th.repetition_ratio:
-        signals.append(f"{record['rollout/repetition_ratio']:.0%} of responses repeat one token")
-    if record.get("rollout/format_ok_ratio", 1) < th.format_ok_min:
-        signals.append(f"only {record['rollout/format_ok_ratio']:.0%} of responses in the task's format")
-    return signals
-
-
-def check_first_responses(run: RunData, th: Thresholds) -> Check:
-    name = "responses at the first rollout"
-    if not run.rollouts or "rollout/invalid_token_ratio" not in run.rollouts[0]:
-        return Check(1, name, SKIP, "no rollout metrics with response-health signals")
-    first = run.rollouts[0]
-    rid = first["rollout_id"]
-    evidence = {k: first[k] for k in first if k.split("/")[-1] in (
-        "invalid_token_ratio", "repetition_ratio", "distinct_2", "format_ok_ratio",
-        "truncated_ratio", "raw_reward", "response_len")}
-    evidence["rollout_id"] = rid
-    if rid in run.log_samples:
-        evidence["sample"] = run.log_samples[rid]
-    signals = garbage_signals(first, th)
-    if not signals:
-        return Check(1, name, PASS, f"rollout {rid}: responses look coherent", evidence)
-    load_failed = run.weight_check and not run.weight_check["checks"][0]["passed"]
-    return Check(
-        1, name, FAIL, f"rollout {rid}: garbage responses ({'; '.join(signals)})", evidence,
-        causes=["a faulty checkpoint load or model conversion into the inference engine"
-                + (" (confirmed: the engine-weights check found mismatches at load)" if load_failed else ""),
-                "an engine buffer freed by release_memory_occupation",
-                "a base (pretrained) model: try the instruct variant of the same architecture"],
-        next_steps=["relax debug=rollout_only rollout.num_rollout=1 debug.check_weight_update_equal=true "
-                    "<your model/rollout overrides>  # compares every engine tensor with the checkpoint"])
-
-
-def check_later_responses(run: RunData, th: Thresholds) -> Check:
-    name = "responses turning to garbage later"
-    if len(run.rollouts) < 4:
-        return Check(2, name, SKIP, f"{len(run.rollouts)} rollouts: too few to see a trend")
-    if garbage_signals(run.rollouts[0], th):
-        return Check(2, name, SKIP, "the first rollout is already garbage (check 1)")
-    rewards = [r["rollout/raw_reward"] for r in run.rollouts]
-    early = sum(rewards[:3]) / 3
-    turn, why = None, ""
-    for i in range(3, len(run.rollouts)):
-        signals = garbage_signals(run.rollouts[i], th)
-        window = rewards[i:i + 3]
-        if signals:
-            turn, why = i, "; ".join(signals)
-        elif early >= 0.05 and len(window) == 3 and sum(window) / 3 < th.collapse_fraction * early:
-            turn, why = i, f"mean reward {sum(window) / 3:.3f} vs {early:.3f} at the start"
-        if turn is not None:
-            break
-    trajectory = [{k: r.get(k) for k in ("rollout_id", "rollout/raw_reward", "rollout/kl",
-                                         "rollout/format_ok_ratio", "rollout/truncated_ratio")}
-                  for r in run.rollouts[max(0, (turn or 0) - 3):(turn or 0) + 4]]
-    if turn is None:
-        return Check(2, name, PASS, f"no collapse over {len(run.rollouts)} rollouts "
-                     f"(reward {early:.3f} -> {sum(rewards[-3:]) / 3:.3f})")
-    rid = run.rollouts[turn]["rollout_id"]
-    return Check(
-        2, name, FAIL, f"training collapsed at rollout {rid}: {why}",
-        {"turn_rollout_id": rid, "trajectory": trajectory, "sample": run.log_samples.get(rid)},
-        causes=["the policy update is too large (learning rate, clip range, KL coefficient)",
-                "a reward computation that is not what you expect at some step"],
-        next_steps=[f"relax inspect <dump dir> --rollout {rid}  # look at rewards around the turn "
-                    f"(run with debug=dump)", "lower train.lr or raise algo.kl_loss_coef "
-                    "(algo.use_kl_loss=true) and compare the reward/KL curves"])
-
-
-def check_logprobs_vs_ref(run: RunData, th: Thresholds) -> Check:
-    name = "first-rollout log_probs vs ref_log_probs"
-    first = next((r for r in run.rollouts if "rollout/log_probs" in r), None)
-    if first is None:
-        return Check(3, name, SKIP, "no trainer metrics (rollout-only run?)")
-    lp, ref = first["rollout/log_probs"], first["rollout/ref_log_probs"]
-    evidence = {"rollout_id": first["rollout_id"], "log_probs": lp, "ref_log_probs": ref,
-                "abs_diff": abs(lp - ref)}
-    if run.first_train_data:
-        evidence["max_token_abs_diff"] = max(
-            (abs(a - b) for row in run.first_train_data
-             for a, b in zip(row["log_probs"], row["ref_log_probs"])), default=0.0)
-    findings: list[tuple[str, str, list[str]]] = []
-    worst = max(evidence["abs_diff"], evidence.get("max_token_abs_diff", 0.0))
-    if worst > th.kl_tol:
-        findings.append((FAIL, f"log_probs differ from ref_log_probs by {worst:.3g} (KL != 0)", [
-            "a non-deterministic kernel, e.g. Transformer Engine fused attention under CP: on "
-            "train=megatron set train.attention_backend=flash and train.deterministic=true",
-            "dropout or another random op left on in the trainer's forward"]))
-    magnitude = abs(lp)
-    evidence["mean_abs_log_prob"] = magnitude
-    if magnitude > th.logprob_config_error:
-        findings.append((FAIL, f"mean |log_prob| {magnitude:.2f} is very large", [
-            "a training configuration error (wrong model, tokenizer or temperature)"]))
-    elif magnitude > th.logprob_magnitude:
-        findings.append((WARN, f"mean |log_prob| {magnitude:.2f} is above the SFT regime", [
-            "data not in the model's chat template, or off its cold-start distribution"]))
-    if run.chat_template_parts and run.prompts:
-        prefix, suffix = run.chat_template_parts
-        ok = sum(p.startswith(prefix) and p.endswith(suffix) for p in run.prompts) / len(run.prompts)
-        evidence["prompts_in_chat_template"] = ok
-        if ok < 0.5:
-            findings.append((FAIL, f"only {ok:.0%} of prompts follow the tokenizer's chat template", [
-                "prompts are not formatted with the chat template the model was trained on "
-                "(task.apply_chat_template)"]))
-    if not findings:
-        return Check(3, name, PASS, f"equal (|Δ| {worst:.1e}), mean |log_prob| {magnitude:.3f}",
-                     evidence)
-    verdict = max((f[0] for f in findings), key=SEVERITY.get)
-    return Check(3, name, verdict, "; ".join(f[1] for f in findings), evidence,
-                 causes=[c for f in findings for c in f[2]],
-                 next_steps=["relax -m debug=train_only debug.load_rollout_data=<dump>/rollout_data/"
-                             "{rollout_id}.pt parallel=single,<layout>  # then relax compare"])
-
-
-def check_first_step(run: RunData, th: Thresholds) -> Check:
-    name = "first-step KL and grad_norm"
-    if not run.steps:
-        return Check(4, name, SKIP, "no train steps")
-    if run.num_steps_per_rollout not in (None, 1):
-        return Check(4, name, SKIP, f"num_steps_per_rollout={run.num_steps_per_rollout}: the guide's "
-                     f"check needs 1 (later steps are off-policy by design)")
-    step = run.steps[0]
-    evidence = {k: step[k] for k in ("train/ppo_kl", "train/kl_loss", "train/grad_norm")}
-    problems = [f"{k} = {step[k]:.3g}" for k in ("train/ppo_kl", "train/kl_loss") if abs(step[k]) > th.kl_tol]
-    if step["train/grad_norm"] > th.grad_norm_max:
-        problems.append(f"grad_norm {step['train/grad_norm']:.3g} > {th.grad_norm_max:g}")
-    if not problems:
-        return Check(4, name, PASS, f"KL 0, grad_norm {step['train/grad_norm']:.3g}", evidence)
-    causes = ["a trainer backend bug (Megatron / Transformer Engine) or a non-deterministic forward"]
-    if "megatron" in run.backend:
-        causes.append("MoE on Megatron: set train.moe_permute_fusion=true")
-    return Check(4, name, FAIL, "; ".join(problems), evidence, causes=causes,
-                 next_steps=["compare layouts on fixed data: relax -m debug=train_only "
-                             "debug.load_rollout_data=... parallel=single,<yours>; relax compare"])
-
-
-def check_train_rollout_diff(run: RunData, th: Thresholds) -> Check:
-    name = "train vs rollout log-prob mismatch"
-    diffs = [s["train/train_rollout_logprob_abs_diff"] for s in run.steps
-             if "train/train_rollout_logprob_abs_diff" in s]
-    if not diffs:
-        return Check(5, name, SKIP, "no train steps")
-    third = max(1, len(diffs) // 3)
-    first, last = sum(diffs[:third]) / third, sum(diffs[-third:]) / third
-    evidence = {"max": max(diffs), "first_third_mean": first, "last_third_mean": last,
-                "worst_step": diffs.index(max(diffs))}
-    causes = ["weight sync into the engine drops or corrupts a tensor",
-              "engine and trainer compute differently (dtype, kernels, temperature)"]
-    next_steps = ["relax debug.check_weight_update_equal=true debug.check_weight_update_every_sync=true "
-                  "<your overrides>"]
-    if max(diffs) > th.train_rollout_diff_max:
-        return Check(5, name, FAIL, f"abs diff reaches {max(diffs):.3g} > {th.train_rollout_diff_max:g}",
-                     evidence, causes, next_steps)
-    if len(diffs) >= 6 and last > th.drift_floor and last > th.drift_ratio * first:
-        return Check(5, name, WARN, f"steady upward drift: {first:.2e} -> {last:.2e}",
-                     evidence, causes, next_steps)
-    return Check(5, name, PASS, f"max {max(diffs):.2e}, no upward drift", evidence)
-
-
-def check_engine_weights(run: RunData, th: Thresholds) -> Check:
-    name = "engine weights vs checkpoint"
-    if run.weight_check is None:
-        return Check(6, name, SKIP, "not recorded (run with debug.check_weight_update_equal=true)")
-    from relax.debug.weights import describe
-
-    failed = [c for c in run.weight_check["checks"] if not c["passed"]]
-    if not failed:
-        return Check(6, name, PASS, f"{len(run.weight_check['checks'])} comparisons, all equal")
-    return Check(
-        6, name, FAIL, "; ".join(f"{c['stage']}: {describe(c)}" for c in failed[:3]),
-        {"failed": failed},
-        causes=["the checkpoint load or the weight-sync path misses, corrupts or renames these tensors",
-                "a buffer freed by release_memory_occupation and never restored"],
-        next_steps=["fix the named tensors' conversion or sync, then rerun with "
-                    "debug.check_weight_update_equal=true"])
-
-
-CHECKS = [check_first_responses, check_later_responses, check_logprobs_vs_ref, check_first_step,
-          check_train_rollout_diff, check_engine_weights]
-
-
-def diagnose(run: RunData, th: Thresholds | None = None) -> list[Check]:
-    th = th or Thresholds()
-    return [check(run, th) for check in CHECKS]
-
-
-# -- fail fast inside a run (debug.strict_checks) --------------------------------------------
-
-def strict_first_step(record: dict, steps: list[dict], cfg, prompts: list[str], tokenizer) -> None:
-    run = RunData(path=Path("."), rollouts=[record], steps=steps, prompts=prompts,
-                  num_steps_per_rollout=cfg.train.num_steps_per_rollout, backend=cfg.train._target_,
-                  chat_template_parts=chat_template_parts(tokenizer))
-    failed = [c for c in (check_logprobs_vs_ref(run, Thresholds()), check_first_step(run, Thresholds()),
-                          check_train_rollout_diff(run, Thresholds())) if c.verdict == FAIL]
-    if failed:
-        raise CheckFailed("debug.strict_checks: stopping at the first step\n"
-                          + "\n".join(map(as_text, failed)))
-
-
-def strict_weights(report: dict) -> None:
-    run = RunData(path=Path("."), rollouts=[], steps=[], weight_check=report)
-    check = check_engine_weights(run, Thresholds())
-    if check.verdict == FAIL:
-        raise CheckFailed("debug.strict_checks: stopping before the first rollout\n" + as_text(check))
-
-
-# -- reports ---------------------------------------------------------------------------------
-
-def as_text(c: Check) -> str:
-    lines = [f"[{c.verdict}] {c.id}. {c.name}: {c.summary}"]
-    lines += [f"    likely cause: {x}" for x in c.causes]
-    lines += [f"    next: {x}" for x in c.next_steps]
-    return "\n".join(lines)
+from relax.debug.checks import FAIL, PASS, SKIP, WARN, Check, Thresholds, as_text, diagnose
+from relax.debug.run_data import RunData, load_run
+from relax.errors import ReplayError
 
 
 def write_plots(run: RunData, out_dir: Path) -> list[str]:
@@ -414,7 +92,11 @@ def main(argv: list[str]) -> int:
     if not args.path.is_dir():
         print(f"relax doctor: error: {args.path} is not a directory", file=sys.stderr)
         return 2
-    run = load_run(args.path)
+    try:
+        run = load_run(args.path)
+    except ReplayError as e:
+        print(f"relax doctor: error: {e}", file=sys.stderr)
+        return 2
     if not run.rollouts:
         print(f"relax doctor: error: {args.path} has no metrics.jsonl with rollouts", file=sys.stderr)
         return 2

@@ -38,3 +38,18 @@ def response_health(samples: list[Sample], tokenizer, answer_format: str | None)
         stats["rollout/format_ok_ratio"] = sum(
             bool(pattern.fullmatch(s.response.strip())) for s in samples) / len(samples)
     return stats
+
+
+SAMPLES_FILE = "samples.jsonl"  # in the run dir: one line per rollout, read by `relax doctor`
+
+
+def sample_record(rollout_id: int, samples: list[Sample], tokenizer, answer_format: str | None) -> dict:
+    """The rollout's example sample (the one its `Finish rollout` line shows), with that
+    response's own health numbers."""
+    s = samples[0]
+    health = response_health([s], tokenizer, answer_format)
+    return {"rollout_id": rollout_id, "num_samples": len(samples),
+            "mean_reward": sum(x.reward for x in samples) / len(samples),
+            "index": s.index, "prompt": s.prompt, "response": s.response, "label": s.label,
+            "reward": s.reward, "status": s.status, "response_length": s.response_length,
+            **{k.removeprefix("rollout/"): v for k, v in health.items()}}

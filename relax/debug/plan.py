@@ -2,7 +2,7 @@
 
 `resolve(cfg)` validates and derives, before anything expensive starts:
   load_rollout_data => train_only;  dump_details => both save templates (+ tokenizer, config);
-  conflicting keys => ConfigError naming them.
+  conflicting keys, or a trainer layout the model cannot be split into => ConfigError naming them.
 """
 
 from __future__ import annotations
@@ -55,7 +55,9 @@ def _abs_template(template: str | None) -> str | None:
     return None if template is None else os.path.abspath(os.path.expanduser(template))
 
 
-def resolve(cfg, start_rollout_id: int = 0) -> Plan:
+def resolve(cfg, start_rollout_id: int = 0, hf_config: dict | None = None) -> Plan:
+    """The run's plan, or a ConfigError. `hf_config`: the config.json of the model the trainer
+    will load (a resumed run's); by default the one `cfg.model` names."""
     d, r = cfg.debug, cfg.rollout
     load = _abs_template(d.load_rollout_data)
     train_only = d.train_only or load is not None
@@ -108,9 +110,10 @@ def resolve(cfg, start_rollout_id: int = 0) -> Plan:
         raise ConfigError(f"debug.save_rollout_data and debug.load_rollout_data both point at "
                           f"{load!r}: the replay would overwrite its own input")
     if builds_train:
+        from relax.model import model_config
         from relax.train import check_trainer
 
-        check_trainer(cfg)
+        check_trainer(cfg, hf_config or model_config(cfg.model))
     if not train_only:
         from relax.rollout import check_engine
 

@@ -41,6 +41,16 @@ def read_hf_config(path: Path) -> dict:
     return json.loads((Path(path) / "config.json").read_text())
 
 
+def model_config(model_cfg) -> dict:
+    """The config.json of the model `model_cfg` names, without loading it or building the
+    tiny model: what the start-up checks read (heads, layers, vocabulary, experts)."""
+    if model_cfg.path is None and model_cfg.name == "tiny":
+        from relax.model.tiny import tiny_config
+
+        return tiny_config(model_cfg)
+    return read_hf_config(resolve_model_path(model_cfg))
+
+
 def model_fingerprint(path: Path) -> str:
     hf = read_hf_config(path)
     arch = {k: hf.get(k) for k in ARCH_KEYS}
@@ -78,6 +88,17 @@ def load_safetensors_dir(path: Path) -> dict:
     for f in files:
         weights.update(load_file(str(f)))
     return weights
+
+
+def save_hf_dir(path: Path, config, weights: dict) -> None:
+    """An HF model directory: `config` (a transformers config) and the weights, by HF name."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(path)
+    save_file({k: v.contiguous() for k, v in weights.items()}, path / "model.safetensors",
+              metadata={"format": "pt"})
 
 
 def torch_dtype(name: str):

@@ -127,6 +127,14 @@ def tiny_model_dir(model_cfg) -> Path:
     return Path(os.path.expanduser(model_cfg.cache_dir)) / "models" / f"tiny-qwen2-{digest}"
 
 
+def tiny_config(model_cfg) -> dict:
+    """The tiny model's config.json: from the cache, or from the recipe before it is built."""
+    cached = tiny_model_dir(model_cfg) / "config.json"
+    if cached.is_file():
+        return json.loads(cached.read_text())
+    return build_config(model_cfg.tiny, build_tokenizer()).to_dict()
+
+
 def ensure_tiny_model(model_cfg) -> Path:
     """Return the cached tiny model directory, creating it on first use (atomically)."""
     target = tiny_model_dir(model_cfg)

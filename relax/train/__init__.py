@@ -9,7 +9,8 @@ implements, for the driver:
   save_checkpoint(path) / load_checkpoint(path)
   shutdown()
 Optional class attributes, read before any rank starts:
-  check_config(cfg)          static method: the trainer's own start-up refusals
+  check_config(cfg, hf_config)  static method: the trainer's own start-up refusals, given
+                             the model's config.json (relax.model.model_config)
   checkpoint_layout(cfg)     static method: settings its saved state is tied to (beyond its class)
   runs_in_driver = True      a single rank may run in the driver process (default: its own)
 relax/cluster/ decides where the ranks run (the driver itself, see runs_in_driver; local rank
@@ -21,6 +22,7 @@ from __future__ import annotations
 from omegaconf import DictConfig, OmegaConf
 
 from relax.config import load_target
+from relax.errors import ConfigError
 
 
 def make_trainer(cfg, *args, **kwargs):
@@ -31,11 +33,18 @@ def make_trainer(cfg, *args, **kwargs):
     return load_target(cfg, "train")(cfg, *args, **kwargs)
 
 
-def check_trainer(cfg) -> None:
-    """Start-up refusals: the trainer class imports, and its own checks pass."""
+def check_trainer(cfg, hf_config: dict) -> None:
+    """Start-up refusals: the trainer class imports, the algo and non-finite settings hold
+    (every trainer trains with relax.algo), and its own checks pass for this model
+    (`hf_config`: its config.json, see relax.model.model_config)."""
     trainer = load_target(cfg, "train")
+    if cfg.train.on_nonfinite not in ("error", "skip"):
+        raise ConfigError(f"train.on_nonfinite={cfg.train.on_nonfinite!r}: expected error or skip")
+    from relax.algo import check_algo
+
+    check_algo(cfg.algo, cfg.rollout)
     if hasattr(trainer, "check_config"):
-        trainer.check_config(cfg)
+        trainer.check_config(cfg, hf_config)
 
 
 def checkpoint_layout(cfg) -> dict:

@@ -36,7 +36,17 @@ class Layout:
         return self.tp_rank == 0
 
 
-def check_torch_layout(p) -> None:
+def check_divides(p, size: str, hf: dict, keys: tuple[str, ...]) -> None:
+    """parallel.<size> must split each of these config.json counts into equal parts."""
+    n = p[size]
+    uneven = {k: hf[k] for k in keys if hf.get(k) and hf[k] % n}
+    if uneven:
+        counts = ", ".join(f"{k}={v}" for k, v in uneven.items())
+        raise ConfigError(f"parallel={p.name}: {size}={n} must divide the model's {counts} "
+                          f"(config.json); choose a {size} that divides them")
+
+
+def check_torch_layout(p, hf: dict) -> None:
     unsupported = {k: getattr(p, k) for k in ("pp", "cp", "ep", "vpp") if getattr(p, k) > 1}
     if unsupported:
         what = ", ".join(f"{k}={v}" for k, v in unsupported.items())
@@ -48,6 +58,8 @@ def check_torch_layout(p) -> None:
     if p.tp > 1 and p.dp > 1 and not p.fsdp:
         raise ConfigError(f"parallel={p.name}: dp x tp on train=torch runs as 2-D FSDP x TP; "
                           f"set parallel.fsdp=true")
+    # TP splits q/k/v by heads (each rank attends with whole heads) and the MLP by width
+    check_divides(p, "tp", hf, ("num_attention_heads", "num_key_value_heads", "intermediate_size"))
 
 
 def init_layout(p, rank: int, world_size: int) -> Layout:
@@ -97,14 +109,15 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def clip_grad_norm(params, max_norm: float) -> float:
-    """Global grad norm over plain and DTensor grads, then clip in place.
+    """Global grad norm over plain and DTensor grads, then clip in place (a non-finite
+    norm is returned as is, grads untouched: the caller must not step on it).
 
     torch's clip_grad_norm_ refuses a mix of DTensor (TP-sharded) and plain (replicated)
     grads; a DTensor's norm resolves its shards with one reduction.
     """
     grads = [p.grad for p in params if p.grad is not None]
     total = math.sqrt(sum(full_tensor(g.detach().norm()).item() ** 2 for g in grads))
-    if max_norm > 0 and total > max_norm:
+    if max_norm > 0 and math.isfinite(total) and total > max_norm:
         for g in grads:
             g.mul_(max_norm / (total + 1e-6))
     return total

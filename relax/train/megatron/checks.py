@@ -1,20 +1,55 @@
 """train=megatron's start-up refusals and checkpoint layout, read by the driver before any
-rank starts (relax/train/__init__.py); the layout checks that need the model run in the ranks."""
+rank starts (relax/train/__init__.py).
+
+The layout checks read the model's config.json (relax.model.model_config), not the model:
+what the parallel sizes allow among themselves, and what they need of the layer, head,
+vocabulary and expert counts. Megatron itself would refuse most of these only inside a
+rank, after start-up.
+"""
 
 from __future__ import annotations
 
 from relax.errors import ConfigError
+from relax.train.parallel import check_divides
 
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 
 
-def check_config(cfg) -> None:
+def check_config(cfg, hf_config: dict) -> None:
     if cfg.train.attention_backend not in ATTENTION_BACKENDS:
         raise ConfigError(f"train.attention_backend={cfg.train.attention_backend!r}: expected one "
                           f"of {', '.join(ATTENTION_BACKENDS)}")
     from relax.train.megatron.cpu_compat import check_version
 
     check_version()
+    check_layout(cfg.parallel, hf_config)
+
+
+def check_layout(p, hf: dict) -> None:
+    if p.fsdp:
+        raise ConfigError(f"parallel={p.name}: fsdp is train=torch's FSDP2; train=megatron shards "
+                          f"optimizer state over dp with its distributed optimizer "
+                          f"(train.use_distributed_optimizer): use a layout with parallel.fsdp=false")
+    if p.vpp > 1 and p.pp == 1:
+        raise ConfigError(f"parallel={p.name}: virtual pipeline stages (vpp) need pp > 1")
+    if p.sequence_parallel and p.tp == 1:
+        raise ConfigError(f"parallel={p.name}: sequence_parallel shards activations over the "
+                          f"tensor-parallel group and needs tp > 1")
+    if p.world_size % (p.etp * p.ep * p.pp):
+        raise ConfigError(f"parallel={p.name}: etp={p.etp} x ep={p.ep} x pp={p.pp} must divide the "
+                          f"world size tp x pp x cp x dp = {p.world_size}")
+    if hf["num_hidden_layers"] % (p.pp * p.vpp):
+        raise ConfigError(f"parallel={p.name}: {hf['num_hidden_layers']} layers do not split "
+                          f"into pp={p.pp} x vpp={p.vpp} equal chunks")
+    experts = hf.get("num_experts") or 0
+    if p.ep > 1 and (not experts or experts % p.ep):
+        raise ConfigError(f"parallel={p.name}: ep={p.ep} needs an MoE model whose expert count is "
+                          f"divisible by it (this model has {experts} experts); try "
+                          f"model.tiny.num_experts=4")
+    check_divides(p, "tp", hf, ("num_attention_heads", "num_key_value_heads", "vocab_size",
+                                "shared_expert_intermediate_size" if experts else "intermediate_size"))
+    if experts:
+        check_divides(p, "etp", hf, ("moe_intermediate_size",))
 
 
 def checkpoint_layout(cfg) -> dict:

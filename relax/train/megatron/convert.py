@@ -34,7 +34,7 @@ TOP = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
        "output_layer.weight": "lm_head.weight"}
 
 
-class Qwen2Layout:
+class Heads:
     """Head geometry of one HF config (Qwen2/Llama/Qwen2-MoE)."""
 
     def __init__(self, hf_config):
@@ -58,7 +58,7 @@ class Qwen2Layout:
         return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
 
 
-def hf_to_megatron(name: str, hf: dict[str, torch.Tensor], layout: Qwen2Layout) -> torch.Tensor:
+def hf_to_megatron(name: str, hf: dict[str, torch.Tensor], heads: Heads) -> torch.Tensor:
     """The full (unsharded) Megatron tensor `name` built from HF tensors."""
     if name in TOP:
         key = TOP[name]
@@ -67,7 +67,7 @@ def hf_to_megatron(name: str, hf: dict[str, torch.Tensor], layout: Qwen2Layout) 
     pre = f"model.layers.{layer}."
     if rest.startswith("self_attention.linear_qkv."):
         kind = rest.rsplit(".", 1)[1]
-        return layout.fuse_qkv(*(hf[f"{pre}self_attn.{x}_proj.{kind}"] for x in "qkv"))
+        return heads.fuse_qkv(*(hf[f"{pre}self_attn.{x}_proj.{kind}"] for x in "qkv"))
     if rest in FC1:
         mlp = pre + FC1[rest]
         return torch.cat([hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"]])
@@ -81,7 +81,7 @@ def hf_to_megatron(name: str, hf: dict[str, torch.Tensor], layout: Qwen2Layout) 
     return hf[pre + RENAMES[rest]]
 
 
-def megatron_to_hf(name: str, tensor: torch.Tensor, layout: Qwen2Layout) -> dict[str, torch.Tensor]:
+def megatron_to_hf(name: str, tensor: torch.Tensor, heads: Heads) -> dict[str, torch.Tensor]:
     """HF tensors from the full Megatron tensor `name` (the inverse of hf_to_megatron)."""
     if name in TOP:
         return {TOP[name]: tensor}
@@ -89,7 +89,7 @@ def megatron_to_hf(name: str, tensor: torch.Tensor, layout: Qwen2Layout) -> dict
     pre = f"model.layers.{layer}."
     if rest.startswith("self_attention.linear_qkv."):
         kind = rest.rsplit(".", 1)[1]
-        q, k, v = layout.split_qkv(tensor)
+        q, k, v = heads.split_qkv(tensor)
         return {f"{pre}self_attn.q_proj.{kind}": q, f"{pre}self_attn.k_proj.{kind}": k,
                 f"{pre}self_attn.v_proj.{kind}": v}
     if rest in FC1:

@@ -1,11 +1,14 @@
-"""Context-parallel core attention without Transformer Engine (train=megatron on CPU).
+"""Context parallelism (train=megatron, parallel.cp > 1): the batch slicing, and the core
+attention without Transformer Engine (CPU).
 
 Megatron's CP splits each sequence into 2·cp chunks and gives rank r chunks r and
-2·cp−1−r (balanced causal work; see `megatron.core.utils.get_batch_on_this_cp_rank`).
-Each rank gathers every rank's K and V, restores sequence order and runs causal SDPA for
-its own queries. K and V travel in ONE all-gather of cat([K, V]): two separate autograd
-all-gathers let ranks run the backward collectives in different orders on gloo, which
-gave gradients off by up to 30% with a correct forward (a silent trap; docs/measured-on-cpu.md).
+2·cp−1−r (balanced causal work; see `megatron.core.utils.get_batch_on_this_cp_rank`):
+`cp_local` cuts a micro-batch so, `cp_full` puts per-position results back in sequence
+order. On CPU, each rank's attention gathers every rank's K and V, restores sequence
+order and runs causal SDPA for its own queries. K and V travel in ONE all-gather of
+cat([K, V]): two separate autograd all-gathers let ranks run the backward collectives in
+different orders on gloo, which gave gradients off by up to 30% with a correct forward (a
+silent trap; docs/measured-on-cpu.md).
 """
 
 from __future__ import annotations
@@ -13,6 +16,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from relax.train.common import MicroBatch
+from relax.train.megatron.layout import Layout
 
 
 class _GatherOverCP(torch.autograd.Function):
@@ -44,6 +50,33 @@ def to_sequence_order(gathered: torch.Tensor, cp: int) -> torch.Tensor:
         a, b = chunk_ids(rank, cp)
         chunks[a], chunks[b] = first, second
     return torch.cat(chunks)
+
+
+def cp_local(mb: MicroBatch, layout: Layout) -> tuple[MicroBatch, torch.Tensor]:
+    """This CP rank's part of every per-position tensor, and the positions it holds."""
+    positions = torch.arange(mb.tokens.shape[1]).expand_as(mb.tokens)
+    if layout.cp_size == 1:
+        return mb, positions
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    fields = ("tokens", "targets", "mask", "rollout_log_probs", "loss_weights", "old_log_probs",
+              "ref_log_probs", "entropy", "is_weights")
+    per_position = {f: getattr(mb, f) for f in fields if getattr(mb, f) is not None}
+    flags = dict(enumerate(mb.is_flags or ()))
+    local = get_batch_on_this_cp_rank(per_position | {f"flag{k}": v for k, v in flags.items()}
+                                      | {"positions": positions})
+    out = MicroBatch(mb.indices, advantages=mb.advantages, **{f: local.get(f) for f in fields},
+                     is_flags=tuple(local[f"flag{k}"] for k in flags) or None)
+    return out, local["positions"]
+
+
+def cp_full(local: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """[b, 2c] on each CP rank -> [b, 2cp*c] in sequence order (no autograd)."""
+    if layout.cp_size == 1:
+        return local
+    parts = [torch.empty_like(local) for _ in range(layout.cp_size)]
+    dist.all_gather(parts, local.contiguous(), group=layout.cp_group)
+    return to_sequence_order(torch.stack(parts).transpose(1, 2), layout.cp_size).T
 
 
 class ContextParallelAttention(torch.nn.Module):

@@ -1,0 +1,141 @@
+"""The Megatron-core model of an HF Qwen2 / Llama / Qwen2-MoE config (train=megatron).
+
+`transformer_config` maps the HF config and the layout onto Megatron's TransformerConfig;
+`build_chunks` builds GPTModel chunks (one per virtual pipeline stage) from local layer
+specs on CPU, Transformer Engine specs on GPU; `wrap_for_training` puts the actor into
+Megatron DDP with its optimizer (distributed optimizer and grad clipping included).
+Weights are loaded by relax/train/megatron/weights.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from relax.model import torch_dtype
+from relax.train.megatron.convert import Heads
+from relax.train.megatron.layout import Layout
+
+GPU = torch.cuda.is_available()
+
+
+def deterministic_mode() -> None:
+    """train.deterministic on GPU: the settings reproducibility work calls for (set before
+    NCCL, cuBLAS and Transformer Engine initialise)."""
+    os.environ.setdefault("NCCL_ALGO", "Ring")                      # fixed reduction order
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")      # deterministic cuBLAS
+    os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")   # TE: no atomics-based kernels
+    torch.use_deterministic_algorithms(True)
+
+
+def num_experts(hf) -> int:
+    return getattr(hf, "num_experts", 0) or 0
+
+
+def transformer_config(hf, layout: Layout, train_cfg, dtype_name: str):
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnBackend
+
+    dtype, t = torch_dtype(dtype_name), train_cfg
+    moe = dict(num_moe_experts=num_experts(hf), moe_router_topk=hf.num_experts_per_tok,
+               # HF: softmax over all experts, top-k, renormalise if norm_topk_prob;
+               # Megatron's default top-k-then-softmax is the renormalised case.
+               moe_router_pre_softmax=not hf.norm_topk_prob,
+               moe_ffn_hidden_size=hf.moe_intermediate_size, moe_router_load_balancing_type="none",
+               moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="alltoall",
+               moe_permute_fusion=t.moe_permute_fusion, moe_grouped_gemm=False,
+               # Qwen2-MoE's shared expert: sigmoid(x @ gate) * MLP(x), added to the experts'
+               moe_shared_expert_intermediate_size=hf.shared_expert_intermediate_size or None,
+               moe_shared_expert_gate=bool(hf.shared_expert_intermediate_size)) if num_experts(hf) else {}
+    return TransformerConfig(
+        num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size,
+        num_attention_heads=hf.num_attention_heads, num_query_groups=hf.num_key_value_heads,
+        kv_channels=Heads(hf).head_dim, ffn_hidden_size=hf.intermediate_size,
+        normalization="RMSNorm", layernorm_epsilon=hf.rms_norm_eps, gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False,
+        add_qkv_bias=getattr(hf, "attention_bias", hf.model_type.startswith("qwen2")),
+        hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype, pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16, tensor_model_parallel_size=layout.tp_size,
+        pipeline_model_parallel_size=layout.pp_size,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
+        context_parallel_size=layout.cp_size, sequence_parallel=layout.sequence_parallel,
+        expert_model_parallel_size=layout.ep_size, expert_tensor_parallel_size=layout.etp_size,
+        use_cpu_initialization=not GPU,  # initialisation sets the TP attributes grad-norm needs
+        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        calculate_per_token_loss=True,
+        batch_p2p_comm=False,  # gloo trap: batched p2p pairs VPP activations with wrong grads
+        deterministic_mode=t.deterministic,
+        # no Transformer Engine on CPU
+        attention_backend=AttnBackend[t.attention_backend] if GPU else AttnBackend.local,
+        **moe)
+
+
+def layer_spec(config, hf, vp_stage: int | None):
+    experts = num_experts(hf) or None
+    if GPU:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=experts)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(num_experts=experts, normalization="RMSNorm")
+    if config.context_parallel_size > 1:
+        from relax.train.megatron.context_parallel import ContextParallelAttention
+
+        spec.submodules.self_attention.submodules.core_attention = ContextParallelAttention
+    if not config.sequence_parallel:
+        return spec
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules, get_num_layers_to_build)
+
+    from relax.train.megatron.cpu_compat import SequenceParallelRMSNorm
+
+    spec.submodules.input_layernorm = SequenceParallelRMSNorm
+    spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+    return TransformerBlockSubmodules(
+        layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
+        layer_norm=SequenceParallelRMSNorm)
+
+
+def build_chunks(config, hf, layout: Layout) -> list:
+    """This rank's model chunks, one per virtual pipeline stage (weights not loaded yet)."""
+    from megatron.core.models.gpt import GPTModel
+
+    rope = getattr(hf, "rope_parameters", None) or {}
+    chunks = []
+    for chunk in range(layout.vpp):
+        vp_stage = chunk if layout.vpp > 1 else None
+        chunks.append(GPTModel(
+            config=config, transformer_layer_spec=layer_spec(config, hf, vp_stage),
+            vocab_size=hf.vocab_size, max_sequence_length=hf.max_position_embeddings,
+            pre_process=layout.pre_process(chunk), post_process=layout.post_process(chunk),
+            parallel_output=False, share_embeddings_and_output_weights=hf.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_base=int(rope.get("rope_theta", getattr(hf, "rope_theta", 10000))),
+            vp_stage=vp_stage))
+    return chunks
+
+
+def wrap_for_training(chunks: list, config, train_cfg, dtype_name: str):
+    """(Megatron DDP chunks, Megatron optimizer) for the actor."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    t = train_cfg
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        use_distributed_optimizer=t.use_distributed_optimizer)
+    wrapped = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
+                                       disable_bucketing=i > 0)
+               for i, chunk in enumerate(chunks)]
+    config.finalize_model_grads_func = finalize_model_grads
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=t.lr, min_lr=t.lr, weight_decay=t.weight_decay,
+        adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
+        clip_grad=t.clip_grad, use_distributed_optimizer=t.use_distributed_optimizer,
+        params_dtype=torch_dtype(dtype_name), bf16=config.bf16), wrapped)
+    return wrapped, optimizer
