@@ -97,9 +97,8 @@ class RayHosts:
         w = self.where[i] if i < len(self.where) else {}
         return f"node {w.get('node_ip', '?')} ({w.get('node_id', '?')[:8]}), pid {w.get('pid', '?')}"
 
-    def send(self, method: str, args: list[tuple], engines: list[int] | None = None,
-             keep=lambda i: True) -> list:
-        return [self.actors[i].call.remote(method, a, {}, keep(i))
+    def send(self, method: str, args: list[tuple], engines: list[int] | None = None) -> list:
+        return [self.actors[i].call.remote(method, a, {})
                 for i, a in zip(engines or range(len(args)), args, strict=True)]
 
     def collect(self, refs: list, engines: list[int] | None = None) -> list:
@@ -197,7 +196,7 @@ class RayCluster:
 
     def __init__(self, cfg, log_dir):
         self.cfg, self.log_dir = cfg, str(log_dir)
-        self.connected = self.private = False
+        self.connected = self.owned = self.private = False  # owned: ray.init was ours to undo
         self.reaper = self.group = None
         self.hosts: list[RayHosts] = []
         self.bundle_where: list[dict] = []
@@ -205,8 +204,9 @@ class RayCluster:
     def _connect(self, needs: dict[str, float]) -> None:
         c = self.cfg.cluster
         runtime_env = OmegaConf.to_container(c.runtime_env, resolve=True) or None
-        if ray.is_initialized():  # inside a Ray job (e.g. a sweep on Ray): use its cluster
+        if ray.is_initialized():  # inside a Ray task (e.g. a sweep on Ray): use its cluster
             log.info("Already connected to Ray: this job's actors join that cluster")
+            self.connected = True
             return
         if c.address is None:  # a new private instance (even where RAY_ADDRESS is set), sized to fit the job
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -223,7 +223,7 @@ class RayCluster:
                 ray.init(address=c.address, runtime_env=runtime_env, logging_level=logging.WARNING)
             except ConnectionError as e:
                 raise ConfigError(f"cluster.address={c.address}: {e}") from None
-        self.connected = True
+        self.connected = self.owned = True
         log.info("Ray %s at %s (%s)", ray.__version__, ray.get_runtime_context().gcs_address,
                  "private instance" if self.private else "joined")
 
@@ -297,8 +297,9 @@ class RayCluster:
                 remove_placement_group(self.group)
             except Exception as e:  # Ray already gone (e.g. Ctrl-C reached it first)
                 log.warning("Could not remove the placement group: %s", e)
-        if self.connected:
+        if self.owned:
             ray.shutdown()
         if self.reaper:
             self.reaper.release()
-        self.connected, self.group, self.reaper = False, None, None
+        self.connected = self.owned = False
+        self.group = self.reaper = None
