@@ -274,13 +274,16 @@ def test_sweep_local_vs_ray_private_instance_is_equivalent(ray_replay, tmp_path)
         [s["train/grad_norm"] for s in read_metrics(local)[1]]
 
 
+MEGATRON = [["train=megatron", f"parallel={p}"] for p in ("tp2", "pp2", "cp2", "tp2sp")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [["parallel=tp2"], ["parallel=fsdp2"], ["train=megatron", "parallel=tp2"],
-                                    ["train=megatron", "parallel=pp2"]], ids=" ".join)
+@pytest.mark.parametrize("layout", [["parallel=tp2"], ["parallel=fsdp2"], ["parallel=dp2tp2"], *MEGATRON],
+                         ids=" ".join)
 def test_layouts_with_ranks_on_two_nodes_train_like_local(two_nodes, ray_replay, local_single, tmp_path,
                                                          layout):
-    run_loop(tmp_path, *on(two_nodes, "cluster.placement_strategy=STRICT_SPREAD"), *replay(ray_replay),
-             *layout)
+    spread = "STRICT_SPREAD" if layout[-1] != "parallel=dp2tp2" else "PACK"  # 4 ranks: 2 per node
+    run_loop(tmp_path, *on(two_nodes, f"cluster.placement_strategy={spread}"), *replay(ray_replay), *layout)
     ranks = placement(tmp_path)["trainer_ranks"]
     assert len({r["node_id"] for r in ranks}) == 2
     assert_same_training(tmp_path, local_single, logprob_atol=1e-5, grad_rtol=1e-4)
