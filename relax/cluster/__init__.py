@@ -14,7 +14,6 @@ The loop cannot tell which it got: both give the same trainer and engine interfa
 from __future__ import annotations
 
 import os
-import socket
 
 from omegaconf import OmegaConf
 
@@ -76,8 +75,9 @@ class LocalCluster:
         if self.trainer is None or hasattr(self.trainer, "placement"):
             ranks = self.trainer.placement() if self.trainer else []
         else:  # the trainer runs in the driver
-            ranks = [{"rank": 0, "node": socket.gethostname(), "bundle": None, "device": "cpu",
-                      "pid": os.getpid()}]
+            from relax.cluster.ranks import on_this_host
+
+            ranks = [{"rank": 0, **on_this_host(os.getpid(), "cpu")}]
         return {"cluster": "local", "trainer_ranks": ranks,
                 "engines": self.engines.placement() if self.engines else []}
 

@@ -14,7 +14,7 @@ import socket
 
 from omegaconf import DictConfig, OmegaConf
 
-from relax.cluster.ranks import RankError
+from relax.cluster.ranks import RankError, on_this_host
 from relax.rollout import build_engine
 
 
@@ -50,8 +50,7 @@ class InDriver:
         return obj
 
     def placement(self) -> list[dict]:
-        return [{"engine": i, "node": socket.gethostname(), "bundle": None, "device": device,
-                 "pid": os.getpid()} for i, device in enumerate(self.devices)]
+        return [{"engine": i, **on_this_host(os.getpid(), device)} for i, device in enumerate(self.devices)]
 
     def kill(self) -> None:
         self.engines = []

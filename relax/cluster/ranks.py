@@ -42,6 +42,12 @@ def local_device(index: int) -> str:
     return f"cuda:{index}" if torch.cuda.is_available() else "cpu"
 
 
+def on_this_host(pid: int, device: str) -> dict:
+    """Where a local rank or engine runs, in the keys a Ray actor's record has (built.json)."""
+    return {"node_id": socket.gethostname(), "node_ip": "127.0.0.1", "bundle": None, "device": device,
+            "pid": pid}
+
+
 def start_rank(rank: int, world_size: int, address: str, port: int, log_dir: str | None,
                num_threads: int, device_index: int) -> None:
     """What every trainer rank does first, wherever it runs: logs, threads, its device, and
@@ -177,8 +183,7 @@ class LocalRanks(RankGroup):
         return "127.0.0.1", free_port()
 
     def placement(self) -> list[dict]:
-        return [{"rank": r, "node": socket.gethostname(), "bundle": None, "device": local_device(r),
-                 "pid": pid} for r, pid in enumerate(self.pids)]
+        return [{"rank": r, **on_this_host(pid, local_device(r))} for r, pid in enumerate(self.pids)]
 
     def shutdown(self):
         if any(p.is_alive() for p in self.procs):
