@@ -48,6 +48,12 @@ class TorchTrainer(DistributedWeightSync):
         self.temperature = log_prob_temperature(cfg.rollout.temperature)
         torch.manual_seed(cfg.seed)
         self.model = load_causal_lm(Path(model_path), cfg.model.dtype)
+        for module in self.model.modules():
+            # HF builds nn.Embedding(padding_idx=pad_token_id), whose backward drops the pad
+            # row's gradient; the loss weights already mask padding, so a pad token the policy
+            # generated mid-response must train like any other token (as in train=megatron).
+            if isinstance(module, torch.nn.Embedding):
+                module.padding_idx = None
         ref = load_causal_lm(Path(ref_model_path or model_path), cfg.model.dtype)
         ref.requires_grad_(False)
         common.nudge_ulps(self.model.parameters(), cfg.parallel.noise_ulp, cfg.seed)
