@@ -210,12 +210,12 @@ class RayCluster:
             return
         if c.address is None:  # a new private instance (even where RAY_ADDRESS is set), sized to fit the job
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-            self.reaper, since = Reaper(), now_ticks()
+            self.reaper, self.since = Reaper(), now_ticks()
             custom = {k: v for k, v in needs.items() if k not in ("CPU", "GPU")}
             ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(-(-needs.get("CPU", 0) // 1))),
                      resources=custom or None, include_dashboard=False, runtime_env=runtime_env,
                      logging_level=logging.WARNING)
-            self.reaper.watch(descendants(os.getpid(), since))
+            self.reaper.watch(descendants(os.getpid(), self.since))  # and again once the actors run
             self.private = True
         else:
             check_reachable(c.address)
@@ -264,6 +264,8 @@ class RayCluster:
                      num_threads=threads, device_index=0)) for r, actor in enumerate(ranks.actors)]))
         for hosts, refs in builds:
             hosts.collect(refs)  # on an error: its actors stopped here, the others by close()
+        if self.reaper:  # Ray's agents may start after ray.init returns
+            self.reaper.watch(descendants(os.getpid(), self.since))
         log.info("Ray actors ready in %.1f s: %d trainer rank(s), %d engine(s)", time.perf_counter() - t0,
                  len(ranks), len(engines))
         return (EngineGroup(engines, cfg.rollout) if engines.actors else None,
