@@ -1,6 +1,6 @@
 """What cluster=ray costs against cluster=local: start-up, time per rollout, memory.
 
-    python bench/cluster_overhead.py [--rollouts 6] [--repeats 2] [--layout single] [key=value ...]
+    python bench/cluster_overhead.py [--rollouts 6] [--repeats 2] [--layout single|dp2] [key=value ...]
 
 Runs the default job (GRPO on the tiny model, 32 prompts x 8 samples per rollout) through
 the real CLI, cluster=local and cluster=ray (a private Ray instance) in turn, `--repeats`
@@ -48,7 +48,10 @@ def kind(pid: int, driver: int) -> str:
         return "gone"
     if cmd.startswith("ray::Host") or "relax-rank" in cmd or "multiprocessing.spawn" in cmd:
         return "ranks/actors"
-    return "relax reaper" if "relax.cluster.reaper" in cmd else "ray itself"
+    if "relax.cluster.reaper" in cmd:
+        return "relax reaper"
+    # "other": e.g. the multiprocessing resource tracker of local ranks
+    return "ray itself" if cmd.startswith("ray::") or "/ray/" in cmd else "other"
 
 
 def finish_times(run: Path) -> list[float]:

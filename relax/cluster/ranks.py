@@ -48,10 +48,20 @@ def on_this_host(pid: int, device: str) -> dict:
             "pid": pid}
 
 
+def open_store(world_size: int):
+    """The rendezvous store, opened on a port the OS picks at bind time (a port found free
+    earlier may be taken by then: Ray's workers open ports all the time). Ranks connect to
+    it by address and `store.port`."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("0.0.0.0", 0, world_size, is_master=True, wait_for_workers=False)
+
+
 def start_rank(rank: int, world_size: int, address: str, port: int, log_dir: str | None,
-               num_threads: int, device_index: int) -> None:
+               num_threads: int, device_index: int, store=None) -> None:
     """What every trainer rank does first, wherever it runs: logs, threads, its device, and
-    the gloo process group with rendezvous at rank 0's node (address:port)."""
+    the gloo process group, through the rendezvous store at address:port (`store`: where
+    this process holds it)."""
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints a hung rank's stacks
     os.environ.update(MASTER_ADDR=address, MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(device_index), WORLD_SIZE=str(world_size))
@@ -65,7 +75,8 @@ def start_rank(rank: int, world_size: int, address: str, port: int, log_dir: str
     torch.set_num_threads(num_threads)
     if torch.cuda.is_available():
         torch.cuda.set_device(device_index)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    store = store or dist.TCPStore(address, port, world_size, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
 
 
 def run_method(trainer, rank: int, method: str, args, kwargs):
@@ -132,7 +143,8 @@ class LocalRanks(RankGroup):
     def __init__(self, factory, world_size: int, args=(), kwargs=None, log_dir: str | None = None,
                  num_threads: int = 1):
         ctx = mp.get_context("spawn")
-        port = free_port()
+        self.store = open_store(world_size)  # held by the driver while the ranks live
+        port = self.store.port
         self.conns, self.procs = [], []
         for rank in range(world_size):
             parent, child = ctx.Pipe()
@@ -204,6 +216,6 @@ class LocalRanks(RankGroup):
                 proc.join()
         for conn in self.conns:
             conn.close()
-        self.conns, self.procs = [], [p for p in self.procs if p.is_alive()]
+        self.conns, self.procs, self.store = [], [p for p in self.procs if p.is_alive()], None
         if self.procs:
             print(f"relax: could not stop {len(self.procs)} trainer ranks", file=sys.stderr)

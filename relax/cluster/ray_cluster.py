@@ -27,7 +27,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from relax.cluster.engines import EngineGroup, make_engine
 from relax.cluster.placement import check_cluster, plan_bundles, reserve
-from relax.cluster.ranks import RankError, RankGroup, run_method, start_rank
+from relax.cluster.ranks import RankError, RankGroup, open_store, run_method, start_rank
 from relax.cluster.reaper import Reaper, descendants, now_ticks
 from relax.distributed import free_port
 from relax.errors import CheckFailed, ConfigError, ReplayError
@@ -44,7 +44,7 @@ class Host:
     def __init__(self, role: str, index: int, num_threads: int):
         import torch
 
-        self.role, self.index, self.obj = role, index, None
+        self.role, self.index, self.obj, self.store = role, index, None, None
         faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints a hung actor's stacks
         torch.set_num_threads(num_threads)
 
@@ -55,13 +55,18 @@ class Host:
             "pid": os.getpid(), "device": ",".join(f"cuda:{g}" for g in gpus) if gpus else "cpu"})
 
     def address(self) -> tuple[str, int]:
-        """This node's address and a port free on it (rank 0: the rendezvous)."""
+        """This node's address and a port free on it (for a weight-sync group with rank 0)."""
         return ray.util.get_node_ip_address(), free_port()
+
+    def open_store(self, world_size: int) -> tuple[str, int]:
+        """Rank 0: the trainer's rendezvous store, here; where the other ranks find it."""
+        self.store = open_store(world_size)
+        return ray.util.get_node_ip_address(), self.store.port
 
     def build(self, factory, args, kwargs, rank_setup: dict | None = None):
         def build():
             if rank_setup:
-                start_rank(**rank_setup)
+                start_rank(**rank_setup, store=self.store)
             self.obj = factory(*args, **kwargs)
         return _guarded(build)
 
@@ -255,7 +260,7 @@ class RayCluster:
             builds.append((engines, [a.build.remote(*x) for a, x in zip(engines.actors, args, strict=True)]))
         if ranks.actors:
             model_path, ref_model_path, pad_token_id, save_train_data = trainer_spec
-            address, port = ray.get(ranks.actors[0].address.remote())
+            address, port = ray.get(ranks.actors[0].open_store.remote(len(ranks)))
             kwargs = dict(ref_model_path=str(ref_model_path), pad_token_id=pad_token_id,
                           save_train_data=save_train_data, world_size=len(ranks))
             builds.append((ranks, [actor.build.remote(
