@@ -40,7 +40,9 @@ def build_family_model(path: Path, family: str, dtype: str = "float32", seed: in
         "vocab_size": VOCAB_SIZE, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "intermediate_size": 128, "max_position_embeddings": 128,
         "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "eos_token_id": tokenizer.eos_token_id,
-        "pad_token_id": tokenizer.pad_token_id, "bos_token_id": None, **extra})
+        # no pad_token_id, as in real Llama-3/Qwen configs: with one, HF's embedding never
+        # trains the pad row (padding_idx) and Megatron's does, and a random model samples pads
+        "pad_token_id": None, "bos_token_id": None, **extra})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # HF initialises norms to 1 and biases to 0: noise makes swapping

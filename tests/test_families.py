@@ -120,3 +120,23 @@ def test_torch_trainer_first_step_and_weight_sync(family_model, tokenizer, famil
         assert (lp[0, len(prompt) - 1:] - torch.tensor(gen.log_probs)).abs().max() < 1e-4
     trainer.save_checkpoint(str(tmp_path))
     assert sorted(load_safetensors_dir(tmp_path / "hf")) == sorted(checkpoint)
+
+
+@pytest.mark.parametrize("family,compute_dtype", [("llama", "float32"), ("qwen3", "bfloat16")])
+def test_rl_loop_on_a_sharded_bf16_checkpoint_starts_with_kl_zero(family_model, tmp_path, family,
+                                                                  compute_dtype):
+    """model=hf on a bf16 checkpoint: engine and trainer compute in model.dtype (fp32 upcasts
+    the stored bf16 exactly), and the actor starts as the reference: first-step KL exactly 0."""
+    from .conftest import run_loop
+
+    path = family_model(family, "bfloat16")
+    rollouts, steps = run_loop(tmp_path, "model=hf", f"model.path={path}", f"model.dtype={compute_dtype}",
+                               "rollout.num_rollout=3", "rollout.rollout_batch_size=4",
+                               "rollout.n_samples_per_prompt=4", "checkpoint.save_interval=null",
+                               "debug.check_weight_update_equal=true")
+    assert [r["rollout_id"] for r in rollouts] == [0, 1, 2] and len(steps) == 3
+    assert rollouts[0]["rollout/log_probs"] == rollouts[0]["rollout/ref_log_probs"]
+    assert rollouts[0]["rollout/kl"] == 0.0
+    assert steps[0]["train/ppo_kl"] == 0.0 and steps[0]["train/kl_loss"] == 0.0
+    assert steps[0]["train/train_rollout_logprob_abs_diff"] < (1e-4 if compute_dtype == "float32" else 1e-2)
+    assert json.loads((tmp_path / "weight_check.json").read_text())["passed"]
