@@ -81,8 +81,6 @@ def prepare(cfg, run_dir: Path) -> Run:
     check_config(cfg.checkpoint)
     checkpoint = find_checkpoint(cfg.resume, run_dir.parent)
     saved = read_state(checkpoint) if checkpoint else None
-    if checkpoint:  # the run's metrics and first-step records, as they were at the checkpoint
-        restore_history(checkpoint, run_dir)
     start = saved["rollout_id"] + 1 if saved else 0
     plan = resolve(cfg, start, read_hf_config(saved["ref_model_path"]) if saved else None)
     if saved and plan.builds_train:
@@ -94,6 +92,8 @@ def prepare(cfg, run_dir: Path) -> Run:
     if plan.dump_dir:  # with the rollout/train data, enough to reproduce the run
         tokenizer.save_pretrained(plan.dump_dir / "tokenizer")
         (plan.dump_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    if checkpoint:  # the run's metrics and first-step records as they were at the checkpoint (last:
+        restore_history(checkpoint, run_dir)  # a run refused above leaves the run dir untouched)
     return Run(cfg, run_dir, plan, start, checkpoint, model_path,
                checkpoint / "hf" if checkpoint else model_path, tokenizer,
                build_manifest(cfg, model_path, tokenizer), task)
