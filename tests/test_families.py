@@ -140,3 +140,23 @@ def test_rl_loop_on_a_sharded_bf16_checkpoint_starts_with_kl_zero(family_model, 
     assert steps[0]["train/ppo_kl"] == 0.0 and steps[0]["train/kl_loss"] == 0.0
     assert steps[0]["train/train_rollout_logprob_abs_diff"] < (1e-4 if compute_dtype == "float32" else 1e-2)
     assert json.loads((tmp_path / "weight_check.json").read_text())["passed"]
+
+
+def test_moe_weight_sync_under_torch_tensor_parallelism(family_model, tmp_path):
+    """The reported bug: `parallel=tp2` with an MoE model failed at the first weight sync
+    (KeyError: mlp.experts.gate_up_proj). Qwen3-MoE's q/k norms run on TP-sharded heads."""
+    from .conftest import run_loop
+
+    from relax.model import load_safetensors_dir
+
+    path = family_model("qwen3_moe")
+    _, steps = run_loop(tmp_path, "model=hf", f"model.path={path}", "parallel=tp2", "rollout.num_rollout=1",
+                        "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=4",
+                        "checkpoint.save_interval=null", "debug.check_weight_update_equal=true",
+                        "debug.check_weight_update_every_sync=true")
+    assert len(steps) == 1 and steps[0]["train/ppo_kl"] == 0.0
+    assert steps[0]["train/train_rollout_logprob_abs_diff"] < 1e-4
+    report = json.loads((tmp_path / "weight_check.json").read_text())
+    assert report["passed"] and [c["stage"] for c in report["checks"]] == ["load", "sync", "sync"]
+    # every per-expert tensor of the checkpoint, and the rotary buffer
+    assert all(c["compared"] == len(load_safetensors_dir(path)) + 1 for c in report["checks"][1:])
