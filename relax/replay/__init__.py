@@ -110,9 +110,15 @@ def load_rollout(path: Path, manifest: dict | None = None, allow_mismatch: bool 
 def subsample_groups(samples: list[Sample], fraction: float, seed: int) -> list[Sample]:
     """Keep a random `fraction` of whole GRPO groups (advantages need complete groups)."""
     groups = sorted({s.group_index for s in samples})
-    keep = set(random.Random(seed).sample(groups, max(1, math.ceil(fraction * len(groups)))))
-    kept = [s for s in samples if s.group_index in keep]
-    remap = {g: i for i, g in enumerate(sorted(keep))}
+    keep = random.Random(seed).sample(groups, max(1, math.ceil(fraction * len(groups))))
+    return keep_groups(samples, set(keep))
+
+
+def keep_groups(samples: list[Sample], groups: set[int]) -> list[Sample]:
+    """Copies of the samples of these GRPO groups, renumbered 0..N-1 as a rollout must be
+    (metadata["replay_index"] keeps each one's index in the full rollout)."""
+    kept = [Sample.from_dict(s.to_dict()) for s in samples if s.group_index in groups]
+    remap = {g: i for i, g in enumerate(sorted(groups))}
     for i, s in enumerate(kept):
         s.metadata["replay_index"] = s.index
         s.index, s.group_index = i, remap[s.group_index]

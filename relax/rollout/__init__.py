@@ -47,10 +47,19 @@ def torch_cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def engine_dtype(cfg) -> str:
+    """The engine's dtype: rollout.dtype, or the model's (a bf16 engine against an fp32
+    trainer is the classic rollout/train mismatch that algo.tis corrects)."""
+    return cfg.rollout.dtype or cfg.model.dtype
+
+
 def check_engine(cfg) -> None:
     """Start-up refusals: the engine class imports and supports what the config asks of it."""
     engine = load_target(cfg, "rollout")
     r = cfg.rollout
+    if r.max_new_tokens < 1:
+        raise ConfigError(f"rollout.max_new_tokens={r.max_new_tokens}: a rollout needs at least one "
+                          f"generated token (an empty response has nothing to train on)")
     if r.weight_update_mode not in ("tensor", "disk", "distributed"):
         raise ConfigError(f"rollout.weight_update_mode={r.weight_update_mode!r}: expected tensor, "
                           f"disk or distributed")

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from relax import faults
 from relax.model import families, load_safetensors_dir, read_hf_config, torch_dtype
+from relax.rollout import engine_dtype
 from relax.rollout import Generation, SamplingParams
 from relax.sample import log_prob_temperature
 
@@ -73,7 +74,7 @@ class TorchEngine:
         self.eps = c.rms_norm_eps
         self.eos = torch.tensor(eos_token_ids, dtype=torch.long)
         self.pad_token_id = pad_token_id
-        self.dtype = torch_dtype(cfg.model.dtype)
+        self.dtype = torch_dtype(engine_dtype(cfg))
         self.rotary = families.hf_rotary(c)
         self.params = self._load(load_safetensors_dir(model_path))
         if faults.active("engine_weights"):  # a bad checkpoint load

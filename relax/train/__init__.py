@@ -23,6 +23,7 @@ from __future__ import annotations
 from omegaconf import DictConfig, OmegaConf
 
 from relax.config import load_target
+from relax.errors import ConfigError
 
 
 def make_trainer(cfg, *args, **kwargs):
@@ -34,9 +35,15 @@ def make_trainer(cfg, *args, **kwargs):
 
 
 def check_trainer(cfg, hf_config: dict) -> None:
-    """Start-up refusals: the trainer class imports, and its own checks pass for this model
+    """Start-up refusals: the trainer class imports, the algo and non-finite settings hold
+    (every trainer trains with relax.algo), and its own checks pass for this model
     (`hf_config`: its config.json, see relax.model.model_config)."""
     trainer = load_target(cfg, "train")
+    if cfg.train.on_nonfinite not in ("error", "skip"):
+        raise ConfigError(f"train.on_nonfinite={cfg.train.on_nonfinite!r}: expected error or skip")
+    from relax.algo import check_algo
+
+    check_algo(cfg.algo, cfg.rollout)
     if hasattr(trainer, "check_config"):
         trainer.check_config(cfg, hf_config)
 
