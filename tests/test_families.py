@@ -48,6 +48,20 @@ def test_model_hf_refuses_what_no_engine_runs_before_anything_is_built(family_mo
                                        "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 
+def test_megatron_refuses_an_moe_model_with_dense_layers_at_plan_time(family_model, tmp_path):
+    import shutil
+
+    from relax.debug.plan import resolve
+
+    model = shutil.copytree(family_model("qwen3_moe"), tmp_path / "model")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(config | {"mlp_only_layers": [1]}))
+    cfg = make_cfg("model=hf", f"model.path={model}", "train=megatron")
+    with pytest.raises(ConfigError, match=re.escape("this model's layers [1] are dense")):
+        resolve(cfg)
+    resolve(make_cfg("model=hf", f"model.path={model}"))  # train=torch takes it
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_family_dirs_have_real_checkpoint_layouts(family_model, dtype):
     path = family_model("llama", dtype)
