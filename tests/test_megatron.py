@@ -11,9 +11,8 @@ from safetensors.torch import load_file
 from relax.debug.plan import resolve
 from relax.errors import ConfigError
 from relax.model import resolve_model_path
-from relax.train import build_trainer
 
-from .conftest import make_cfg, only_run_dir, relax_cli, run_loop
+from .conftest import build_trainer, make_cfg, only_run_dir, relax_cli, run_loop
 
 pytestmark = pytest.mark.slow
 # A 4-layer tiny model (random weights: no warm-up needed to compare layouts), so that
@@ -46,7 +45,7 @@ def replay(root) -> list[str]:
 def test_hf_megatron_hf_round_trip_is_bit_identical(model, layout):
     cfg = make_cfg(*model[:3], "train=megatron", f"parallel={layout}")
     path = resolve_model_path(cfg.model)
-    trainer = build_trainer(cfg, path, path, 0, None, None)
+    trainer = build_trainer(cfg, path)
     try:
         weights = trainer.named_weights()
     finally:

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from relax import faults
 from relax.model import families, load_safetensors_dir, read_hf_config, torch_dtype
 from relax.rollout import engine_dtype
-from relax.rollout import Generation, SamplingParams
+from relax.rollout import Generation, SamplingParams, sample_seed
 from relax.sample import log_prob_temperature
 
 log = logging.getLogger(__name__)
@@ -56,13 +56,13 @@ def apply_rope(x, cos, signed_sin):
 
 
 class TorchEngine:
-    """Rollout engine interface (relax/rollout/__init__.py). It runs on CPU in the driver, so it
-    has no memory to release for rollout.colocate (refused at start-up)."""
+    """Rollout engine interface (relax/rollout/__init__.py). It runs on CPU (in the driver, or in
+    a Ray actor), so it has no memory to release for rollout.colocate (refused at start-up)."""
 
     def __init__(self, cfg, model_path: Path, eos_token_ids: list[int], pad_token_id: int):
         if cfg.rollout.rollout_num_gpus > 1:
-            log.info("rollout=torch runs in-process on CPU; rollout_num_gpus=%d is used by "
-                     "GPU engines", cfg.rollout.rollout_num_gpus)
+            log.info("rollout=torch runs on CPU; rollout_num_gpus=%d is used by GPU engines",
+                     cfg.rollout.rollout_num_gpus)
         families.check(read_hf_config(model_path), f"{model_path}/config.json")
         from transformers import AutoConfig
 
@@ -204,7 +204,9 @@ class TorchEngine:
         return F.linear(x, self.params["lm_head.weight"]).float()
 
     @staticmethod
-    def _sample(logits, sp: SamplingParams, generator):
+    def _sample(logits, sp: SamplingParams, uniforms):
+        """One token per row by inverse CDF at that row's own uniform draw: a sample depends on
+        its seed and its logits only, never on which other rows share the batch."""
         logp = (logits / log_prob_temperature(sp.temperature)).log_softmax(-1)
         if sp.temperature == 0:
             token = logits.argmax(-1)
@@ -214,11 +216,16 @@ class TorchEngine:
             sorted_p, order = probs.sort(-1, descending=True)
             drop = sorted_p.cumsum(-1) - sorted_p > sp.top_p
             probs = torch.zeros_like(probs).scatter(-1, order, sorted_p.masked_fill(drop, 0))
-        token = torch.multinomial(probs, 1, generator=generator)[:, 0]
+        cdf = probs.cumsum(-1)
+        token = torch.searchsorted(cdf, uniforms[:, None] * cdf[:, -1:], right=True)[:, 0]
+        last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(-1)  # u*total rounded up
+        token = torch.minimum(token, last)
         return token, logp.gather(-1, token[:, None])[:, 0]
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], sp: SamplingParams, seed: int) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], sp: SamplingParams, seed: int,
+                 first_index: int = 0) -> list[Generation]:
+        """Sample `prompts[i]` with the seed of sample `first_index + i` (see sample_seed)."""
         B, P, N = len(prompts), max(map(len, prompts)), sp.max_new_tokens
         # Identical prompts (a GRPO group) are prefilled once and their KV cache shared.
         unique: dict[tuple, int] = {}
@@ -246,14 +253,15 @@ class TorchEngine:
             logits, valid, positions = logits[row_of], valid[row_of], positions[row_of]
             cache = [(k[row_of], v[row_of]) for k, v in cache]
 
-        generator = torch.Generator().manual_seed(seed)
+        uniforms = torch.stack([torch.rand(N, generator=torch.Generator().manual_seed(
+            sample_seed(seed, first_index + b))) for b in range(B)])
         out_tokens = torch.full((B, N), self.pad_token_id, dtype=torch.long)
         out_logp = torch.zeros(B, N)
         response_lens = torch.zeros(B, dtype=torch.long)
         finished = torch.zeros(B, dtype=torch.bool)
         next_pos = positions[:, -1:] + 1
         for t in tqdm(range(N), desc="generate", leave=False, delay=2):
-            token, logp = self._sample(logits, sp, generator)
+            token, logp = self._sample(logits, sp, uniforms[:, t])
             out_tokens[:, t] = token.masked_fill(finished, self.pad_token_id)
             out_logp[:, t] = logp.masked_fill(finished, 0.0)
             response_lens += ~finished
