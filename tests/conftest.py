@@ -85,6 +85,22 @@ def tokenizer(tiny_path):
     return load_tokenizer(tiny_path)
 
 
+@pytest.fixture(scope="session")
+def family_model(tmp_path_factory):
+    """family_model(family, dtype="float32") -> the HF directory of a tiny random-initialised
+    model of that family (tests/families.py), built once per session."""
+    from .families import build_family_model
+
+    built: dict[tuple, Path] = {}
+
+    def make(family: str, dtype: str = "float32") -> Path:
+        if (family, dtype) not in built:
+            built[family, dtype] = build_family_model(tmp_path_factory.mktemp(f"{family}-{dtype}"),
+                                                      family, dtype)
+        return built[family, dtype]
+    return make
+
+
 # -- Ray (tests/test_cluster*.py) --------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ pytest.importorskip("sglang", reason="needs the SGLang environment (scripts/setu
 
 from relax.cluster.engines import EngineGroup, InDriver  # noqa: E402
 from relax.debug.weights import WeightCheck  # noqa: E402
+from relax.model import load_safetensors_dir  # noqa: E402
 from relax.rollout import SamplingParams, generate_rollout  # noqa: E402
 from relax.rollout.sglang_engine import SGLangEngine  # noqa: E402
 from relax.rollout.torch_engine import TorchEngine  # noqa: E402
@@ -21,6 +22,7 @@ from relax.task import build_task  # noqa: E402
 from relax.train import make_trainer  # noqa: E402
 
 from .conftest import make_cfg, relax_cli  # noqa: E402
+from .families import FAMILIES  # noqa: E402
 from .test_engine import chat_prompts  # noqa: E402
 
 pytestmark = pytest.mark.sglang
@@ -73,6 +75,31 @@ def test_sampled_log_probs_are_the_trainers(sglang_engine, tiny_path, tokenizer)
         with torch.no_grad():
             lp, _ = token_log_probs(model(tokens).logits[:, :-1], tokens[:, 1:], 0.7)
         assert (lp[0, len(prompt) - 1:] - torch.tensor(gen.log_probs)).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_each_family_matches_the_torch_engine_and_syncs_by_checkpoint_names(family_model, tokenizer,
+                                                                            family, tmp_path):
+    """Per family (tests/families.py, sharded fp32 checkpoints): greedy tokens equal the torch
+    engine's; the engine's tensors (MoE experts unfused back to per-expert names) equal the
+    checkpoint's after load and after a sync from the torch trainer."""
+    path = family_model(family)
+    cfg = make_cfg("rollout=sglang")
+    engine = SGLangEngine(cfg, path, [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    try:
+        prompts = chat_prompts(tokenizer, 8, 1, 999)
+        ours = engine.generate(prompts, GREEDY, seed=0)
+        reference = torch_engine(path, tokenizer).generate(prompts, GREEDY, seed=0)
+        assert [g.tokens for g in ours] == [g.tokens for g in reference]
+        engines = EngineGroup(InDriver([engine], ["cpu"]), cfg.rollout)
+        check = WeightCheck(engines, path, tmp_path)
+        trainer = make_trainer(make_cfg(), str(path), ref_model_path=str(path),
+                               pad_token_id=tokenizer.pad_token_id)
+        sync, = check.check_first_sync(engines, trainer)
+    finally:
+        engine.shutdown()
+    assert check.results[0]["passed"] and sync["passed"]
+    assert sync["compared"] == len(load_safetensors_dir(path)) + 1  # and the rotary cache
 
 
 def test_truncated_status(sglang_engine, tokenizer):

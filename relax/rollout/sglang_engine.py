@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 GPU = torch.cuda.is_available()
 FINISH = {"stop": "completed", "length": "truncated", "abort": "aborted"}
 EXPORT_TENSORS = f"{__name__}.export_tensors"  # the custom weight loader that reads tensors back
+CPU_KERNELS = f"{__name__}.cpu_kernels"  # ...and the one that replaces Triton kernels on CPU
 
 
 def engine_args(cfg, model_path: Path, base_gpu_id: int = 0) -> dict:
@@ -55,14 +56,23 @@ def engine_args(cfg, model_path: Path, base_gpu_id: int = 0) -> dict:
                       max_total_tokens=r.max_total_tokens)
     common.update(dict(r.sglang_server_args))  # anything else, passed through as-is
     # Relax's functions that run inside the scheduler (see export_tensors), kept beside any of yours.
-    common["custom_weight_loader"] = [EXPORT_TENSORS, faults.SGLANG_DROP_BUFFER,
+    common["custom_weight_loader"] = [EXPORT_TENSORS, CPU_KERNELS, faults.SGLANG_DROP_BUFFER,
                                       *(common.get("custom_weight_loader") or [])]
     return {**common, "base_gpu_id": base_gpu_id} if GPU else common
 
 
 def sglang_to_hf(name: str, tensor: torch.Tensor, hf_config: dict) -> dict[str, torch.Tensor]:
-    """SGLang's fused q/k/v and gate/up parameters back under HF names (TP = 1)."""
+    """SGLang's fused parameters back under the checkpoint's HF names (TP = 1). SGLang's
+    Llama/Qwen2/Qwen3 models name them alike: q/k/v in `qkv_proj`, gate/up in `gate_up_proj`,
+    and (Qwen2-MoE, Qwen3-MoE) every expert's [gate; up] in `experts.w13_weight` [E, 2I, H]
+    and down in `experts.w2_weight` [E, H, I]."""
     pre, _, kind = name.rpartition(".")
+    if name.endswith((".experts.w13_weight", ".experts.w2_weight")):
+        base = name.rsplit(".", 1)[0]
+        if name.endswith("w2_weight"):
+            return {f"{base}.{e}.down_proj.weight": w for e, w in enumerate(tensor)}
+        return {f"{base}.{e}.{which}_proj.weight": part for e, w in enumerate(tensor)
+                for which, part in zip(("gate", "up"), w.chunk(2), strict=True)}
     if ".qkv_proj" in name:
         heads, groups = hf_config["num_attention_heads"], hf_config["num_key_value_heads"]
         d = hf_config.get("head_dim") or hf_config["hidden_size"] // heads
@@ -116,6 +126,8 @@ class SGLangEngine:
         self.cfg, self.eos = cfg, eos_token_ids
         self.hf_config = read_hf_config(model_path)
         self.engine = sglang.Engine(**engine_args(cfg, model_path, base_gpu_id))
+        if not GPU:
+            _run_in_scheduler(self.engine, CPU_KERNELS)
         self.deterministic = bool(cfg.rollout.sglang_server_args.get("enable_deterministic_inference"))
         log.info("SGLang %s engine on %s", sglang.__version__,
                  f"GPUs {base_gpu_id}.." if GPU else "CPU")
@@ -232,6 +244,20 @@ def export_tensors(model, named_tensors) -> None:
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     save_file({k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()},
               f"{_argument(named_tensors)}/tp{get_parallel().tp_rank}.safetensors")
+
+
+def cpu_kernels(model, named_tensors) -> None:
+    """Runs once inside SGLang's scheduler on CPU (a custom weight loader, like export_tensors):
+    SGLang 0.5.23's Qwen2-MoE adds its gated shared expert with a Triton kernel even off CUDA
+    (Triton has no CPU driver); the same arithmetic in torch, HF's, replaces it."""
+    from sglang.srt.models import qwen2_moe
+
+    def gated(hidden, gate_weight, shared):
+        return torch.sigmoid(hidden @ gate_weight)[:, None] * shared
+
+    qwen2_moe.fused_gate_sigmoid_mul = gated
+    qwen2_moe.fused_gate_sigmoid_mul_add = lambda hidden, gate_weight, shared, out: out.add_(
+        gated(hidden, gate_weight, shared))
 
 
 def _run_in_scheduler(engine, loader: str, argument: str = "") -> None:

@@ -144,8 +144,15 @@ class TorchTrainer(DistributedWeightSync):
 
     # -- weights and checkpoints -------------------------------------------------------------
     def named_weights(self) -> dict[str, torch.Tensor]:
-        """Full tensors by HF name (collective under TP/FSDP; rank 0's result is used)."""
-        return {name: full_tensor(p.detach()).clone() for name, p in self.model.named_parameters()}
+        """Full tensors under the checkpoint's HF names (collective under TP/FSDP; rank 0's
+        result is used). transformers 5 loads some checkpoint tensors into one fused parameter
+        (an MoE layer's experts into 3-D `experts.gate_up_proj` / `experts.down_proj`); its own
+        conversion mapping, the one `save_pretrained` applies, turns them back into the
+        per-expert tensors that engines and checkpoints name."""
+        from transformers.core_model_loading import revert_weight_conversion
+
+        return revert_weight_conversion(self.model, {
+            name: full_tensor(p.detach()).clone() for name, p in self.model.named_parameters()})
 
     def save_checkpoint(self, path: str) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
