@@ -129,7 +129,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(module.main(args[1:]))
     config.register()
     sys.argv = [sys.argv[0], *translate_args(args)]
-    hydra_app()
+    try:
+        hydra_app()
+    except KeyboardInterrupt:  # Ctrl-C before a run started (a run handles its own: relax.process)
+        raise SystemExit("relax: interrupted") from None
 
 
 if __name__ == "__main__":

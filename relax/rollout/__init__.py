@@ -15,6 +15,7 @@ and, optionally, what some settings need (refused at start-up where the engine l
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +46,18 @@ def torch_cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def check_rollout(r) -> None:
+    """rollout.* values no run can use, refused whether or not an engine is built (a replay
+    still takes num_rollout, and its trainer the temperature)."""
+    for key in ("num_rollout", "rollout_batch_size", "n_samples_per_prompt", "max_new_tokens"):
+        if r[key] < 1:
+            raise ConfigError(f"rollout.{key}={r[key]}: expected a positive integer")
+    if not math.isfinite(r.temperature) or r.temperature < 0:
+        raise ConfigError(f"rollout.temperature={r.temperature}: expected a number >= 0 (0: greedy)")
+    if not 0 < r.top_p <= 1:
+        raise ConfigError(f"rollout.top_p={r.top_p}: expected a probability in (0, 1]")
 
 
 def check_engine(cfg) -> None:

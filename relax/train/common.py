@@ -17,7 +17,7 @@ import torch
 
 from relax.algo import kl_estimate, masked_sum, policy_loss
 from relax.files import atomic_save, fill
-from relax.sample import Sample
+from relax.sample import Sample, group_size_of  # noqa: F401 (trainers use it from here)
 
 FIRST_STEP_SAMPLES = 16  # per-token log-probs of these sample indices go to layout comparisons
 STEP_KEYS = ("train/loss", "train/pg_loss", "train/pg_clipfrac", "train/ppo_kl", "train/kl_loss",
@@ -35,16 +35,6 @@ class MicroBatch:
     old_log_probs: torch.Tensor | None = None
     ref_log_probs: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
-
-
-def group_size_of(samples: list[Sample]) -> int:
-    groups = [s.group_index for s in samples]
-    size = groups.count(groups[0])
-    if len(samples) % size or groups != sorted(groups):
-        raise ValueError("samples must come in equal, contiguous GRPO groups")
-    if [s.index for s in samples] != list(range(len(samples))):
-        raise ValueError("sample indices must be 0..N-1 in order")
-    return size
 
 
 def make_micro_batch(samples: list[Sample], advantages: torch.Tensor, pad_id: int,

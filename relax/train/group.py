@@ -39,6 +39,7 @@ def _die_with_parent() -> None:
 
 def _rank_main(conn, rank, world_size, port, factory, args, kwargs, log_dir):
     _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every process: the driver stops the ranks
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints a hung rank's stacks
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
@@ -71,7 +72,7 @@ class TrainerGroup:
     def __init__(self, factory, world_size: int, args=(), kwargs=None, log_dir: str | None = None):
         ctx = mp.get_context("spawn")
         port = free_port()
-        self.conns, self.procs = [], []
+        self.conns, self.procs, self.busy = [], [], True
         for rank in range(world_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_rank_main, daemon=True, name=f"relax-rank{rank}",
@@ -102,10 +103,12 @@ class TrainerGroup:
                     raise RankError(f"trainer rank {rank} failed:\n{payload}")
                 results[rank] = payload
                 del pending[rank]
+        self.busy = False
         return results[0]
 
     def send(self, method: str, *args, **kwargs) -> None:
         """Start `method` on every rank without waiting (pair with `collect`)."""
+        self.busy = True
         for conn in self.conns:
             conn.send((method, args, kwargs))
 
@@ -130,7 +133,7 @@ class TrainerGroup:
         return self.call("load_checkpoint", path)
 
     def shutdown(self):
-        if any(p.is_alive() for p in self.procs):
+        if not self.busy and any(p.is_alive() for p in self.procs):  # busy: aborted mid-call (Ctrl-C twice)
             try:
                 self.call("shutdown")
             except (RankError, BrokenPipeError, OSError):
