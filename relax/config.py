@@ -60,7 +60,8 @@ class RolloutConfig:
     n_samples_per_prompt: int = 8  # responses per prompt (the GRPO group size)
     temperature: float = 1.0  # sampling temperature (0: greedy); the trainer divides logits by it too
     top_p: float = 1.0  # nucleus sampling threshold
-    max_new_tokens: int = 8  # response length cap (longer responses are 'truncated')
+    max_new_tokens: int = 8  # response length cap (longer responses are 'truncated'; >= 1)
+    dtype: Optional[str] = None  # engine dtype (null: model.dtype); e.g. bfloat16 against an fp32 trainer
     rollout_num_gpus: int = 1  # GPUs for all engines (rollout_num_gpus_per_engine each)
     rollout_num_gpus_per_engine: int = 1  # each engine's tensor-parallel size
     weight_update_mode: str = "tensor"  # tensor: by name; disk: via a temp HF dir; distributed: NCCL (GPU)
@@ -86,6 +87,7 @@ class TrainConfig:
     num_steps_per_rollout: int = 1  # optimizer steps per rollout (the batch is split evenly)
     micro_batch_size: int = 64  # samples per forward/backward (gradient accumulation, pipeline micro-batches)
     clip_grad: float = 1.0  # max global grad norm (0: no clipping)
+    on_nonfinite: str = "error"  # non-finite loss/grad_norm: error (stop) or skip (the step); both dump it
     num_threads: int = 1  # torch threads per process (1 is fastest for tiny models on 2 cores)
 
 
@@ -109,19 +111,28 @@ class ParallelConfig:
     dp: int = 1  # data parallel size
     sequence_parallel: bool = False  # shard activations along the sequence in TP regions
     fsdp: bool = False  # shard parameters/grads/optimizer over dp (FSDP2)
+    noise_ulp: int = 0  # >0: each initial actor weight nudged by that many ulps (parallel=twin)
     world_size: int = II("mul:${.tp},${.pp},${.cp},${.dp}")  # ranks: derived, not set
 
 
 @dataclass
 class AlgoConfig:
-    advantage_estimator: str = "grpo"  # grpo (group-normalised) or reinforce (group mean baseline only)
+    advantage_estimator: str = "grpo"  # grpo (group-normalised), reinforce (group mean), reinforce_plus_plus
     grpo_std_normalization: bool = True  # divide by the group's reward std
     eps_clip: float = 0.2  # PPO lower clip: ratio >= 1 - eps_clip
     eps_clip_high: Optional[float] = None  # PPO upper clip: ratio <= 1 + eps_clip_high (null: eps_clip)
+    eps_clip_c: Optional[float] = 3.0  # dual clip: for A < 0 the loss is at most -A * eps_clip_c (null: off)
+    policy_loss: str = "ppo"  # ppo (token ratio) or gspo (sequence ratio: geometric mean of its tokens')
+    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | ...-sum-norm
     use_kl_loss: bool = False  # add kl_loss_coef * KL(actor || ref) to the loss
     kl_loss_coef: float = 0.0  # KL loss weight
-    kl_loss_type: str = "low_var_kl"  # k1, k2, k3 or low_var_kl (k3 clamped, as in slime/verl)
+    kl_loss_type: str = "low_var_kl"  # k1, k2, k3 or low_var_kl (one bounded k3, as in verl)
     entropy_coef: float = 0.0  # entropy bonus weight
+    tis: Optional[str] = None  # truncated IS against rollout/train mismatch: null, token or sequence
+    tis_cap: float = 2.0  # TIS: importance weights pi_train / pi_rollout above this are capped
+    mis: Optional[str] = None  # masked IS: null, token or sequence (weight 0 where the ratio is off bounds)
+    mis_low: float = 0.5  # masked IS: lowest ratio kept
+    mis_high: float = 2.0  # masked IS: highest ratio kept
 
 
 @dataclass

@@ -13,6 +13,11 @@ class CheckFailed(RuntimeError):
     """A precision check failed during a run with debug.strict_checks=true."""
 
 
+class NonFiniteError(RuntimeError):
+    """A NaN or Inf where training needs finite numbers (a reward, a loss, a grad norm,
+    weights about to be checkpointed); the message names the sample or file to look at."""
+
+
 class DiskFull(OSError):
     """No space left for a file Relax must write (names the path and the space needed)."""
 

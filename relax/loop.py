@@ -25,15 +25,15 @@ from relax.debug import checks
 from relax.debug.health import SAMPLES_FILE, response_health, sample_record
 from relax.debug.plan import Plan, check_dump_dir, resolve
 from relax.debug.weights import WeightCheck
-from relax.errors import CheckFailed, ConfigError, DiskFull, Interrupted, ReplayError
+from relax.errors import CheckFailed, ConfigError, DiskFull, Interrupted, NonFiniteError, ReplayError
 from relax.config import instantiate, load_target
 from relax.logger import plot_run
 from relax.model import load_tokenizer, read_hf_config, resolve_model_path
 from relax.files import append_jsonl, atomic_save, fill
 from relax.process import LogGuard, StatusFile, Stop
-from relax.replay import build_manifest, check_replay_files, load_rollout, save_rollout
+from relax.replay import build_manifest, check_replay_files, keep_groups, load_rollout, save_rollout
 from relax.sample import Sample
-from relax.task import Task, build_task
+from relax.task import Task, build_task, check_rewards
 from relax.train import check_batch_split, checkpoint_layout
 
 log = logging.getLogger("relax")
@@ -110,8 +110,8 @@ def prepare(cfg, run_dir: Path) -> Run:
     if plan.dump_dir:  # with the rollout/train data, enough to reproduce the run
         tokenizer.save_pretrained(plan.dump_dir / "tokenizer")
         (plan.dump_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    if source:  # the run's metrics and first-step records, as they were at the checkpoint
-        restore_history(checkpoint, run_dir)
+    if source:  # the run's metrics and first-step records as they were at the checkpoint (last:
+        restore_history(checkpoint, run_dir)  # a run refused above leaves the run dir untouched)
         if not plan.rollout_ids:
             log.warning("resume: %s is at the run's last rollout (rollout.num_rollout=%d): nothing "
                         "left to run", checkpoint, cfg.rollout.num_rollout)
@@ -150,13 +150,15 @@ def rollout(run: Run, engine, rollout_id: int) -> tuple[list[Sample], dict]:
     """Generate and score (or replay) one rollout; save it if asked; log `Finish rollout`."""
     cfg, t0 = run.cfg, time.perf_counter()
     if run.plan.replays:
-        _, samples = load_rollout(run.plan.replay_files[rollout_id], run.manifest,
-                                  cfg.debug.allow_manifest_mismatch,
+        source = run.plan.replay_files[rollout_id]
+        _, samples = load_rollout(source, run.manifest, cfg.debug.allow_manifest_mismatch,
                                   cfg.debug.load_rollout_data_subsample, cfg.seed)
+        check_rewards(samples, f"the replay file {source}")
     else:
         from relax.rollout import generate_rollout
 
         samples = generate_rollout(engine, run.task, run.tokenizer, cfg.rollout, rollout_id, cfg.seed)
+        check_rewards(samples, f"task.reward_fn={cfg.task.reward_fn} at rollout {rollout_id}")
     record = {"rollout_id": rollout_id, **rollout_stats(
         samples, time.perf_counter() - t0, run.tokenizer, cfg.task.answer_format)}
     if run.plan.save_rollout_data:
@@ -174,6 +176,23 @@ def train(run: Run, trainer, engine, rollout_id: int, samples: list[Sample]) -> 
     if colocated:
         engine.resume_memory_occupation()
     return out
+
+
+def report_nonfinite(run: Run, rollout_id: int, samples: list[Sample], events: list[dict]) -> None:
+    """train.on_nonfinite: the trainer skipped these steps; their offending micro-batches'
+    GRPO groups go to <run dir>/nonfinite/<rollout_id>.pt as replay data. `error` stops."""
+    if not events:
+        return
+    path = run.dir / "nonfinite" / f"{rollout_id}.pt"
+    groups = {samples[i].group_index for e in events for i in e["indices"]}
+    save_rollout(path, rollout_id, keep_groups(samples, groups), run.manifest)
+    what = "; ".join(f"step {e['step']}: loss {e['loss']:.4g}, grad_norm {e['grad_norm']:.4g}, samples "
+                     f"{e['indices'][:8]}{' ...' if len(e['indices']) > 8 else ''}" for e in events)
+    message = (f"rollout {rollout_id}: non-finite training step ({what}); the step was not applied. Their "
+               f"groups are in {path}: replay with relax debug=train_only debug.load_rollout_data={path}")
+    if run.cfg.train.on_nonfinite == "error":
+        raise NonFiniteError(message + " (train.on_nonfinite=skip trains on past such steps)")
+    log.warning("%s", message)
 
 
 def sync_weights(run: Run, trainer, engine, weight_check, rollout_id: int) -> None:
@@ -229,6 +248,7 @@ def rl_loop(cfg, run_dir: Path, stop: Stop | None = None) -> None:
                 first_step(run, rollout_id, samples, record, out)
                 for step, step_metrics in enumerate(out["steps"]):
                     metrics.log({"rollout_id": rollout_id, "step": step, **step_metrics}, "rollout_id")
+                report_nonfinite(run, rollout_id, samples, out["nonfinite"])
             metrics.log(record, "rollout_id")
             faults.kill_point("metrics_written")
             if trainer:
@@ -267,7 +287,7 @@ def run_job(cfg) -> None:
         status.write("interrupted", error=message)
         log.warning("%s", message)
         sys.exit(128 + signum)
-    except (ConfigError, ReplayError, CheckFailed, DiskFull) as e:
+    except (ConfigError, ReplayError, CheckFailed, DiskFull, NonFiniteError) as e:
         status.write("failed", error=str(e))
         if hydra_cfg.mode == RunMode.MULTIRUN:
             raise  # Hydra records the failed job and the sweep goes on

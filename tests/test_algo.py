@@ -1,13 +1,18 @@
-"""The RL math against values computed by hand."""
+"""The RL math against values computed by hand (tests/test_algo_verl.py: against verl)."""
 
+import logging
 import math
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-from relax.algo import (compute_advantages, group_advantages, kl_estimate, masked_sum,
-                        policy_loss, token_log_probs)
+from relax.algo import (check_algo, compute_advantages, group_advantages, gspo_loss, kl_estimate,
+                        masked_sum, mismatch_kl, policy_loss, reinforce_plus_plus, rollout_is_weights,
+                        sequence_loss_scales, token_log_probs)
+from relax.errors import ConfigError
+
+from .conftest import make_cfg
 
 
 def test_grpo_advantages_by_hand():
@@ -19,29 +24,81 @@ def test_grpo_advantages_by_hand():
     assert adv.tolist() == pytest.approx(expected, abs=1e-5)
 
 
+def test_groups_of_one_have_mean_zero_std_one():
+    rewards = torch.tensor([1.0, 0.0, 2.5])
+    assert group_advantages(rewards, 1).tolist() == pytest.approx([1 / (1 + 1e-6), 0.0, 2.5 / (1 + 1e-6)],
+                                                                  rel=1e-7)
+    assert group_advantages(rewards, 1, normalize_std=False).tolist() == [1.0, 0.0, 2.5]
+
+
 def test_reinforce_is_mean_baseline_only():
     cfg = OmegaConf.create({"advantage_estimator": "reinforce", "grpo_std_normalization": True})
-    adv = compute_advantages(torch.tensor([1.0, 0.0, 3.0, 1.0]), 2, cfg)
+    adv = compute_advantages(torch.tensor([1.0, 0.0, 3.0, 1.0]), 2, torch.ones(4), cfg)
     assert adv.tolist() == pytest.approx([0.5, -0.5, 1.0, -1.0])
+
+
+def test_reinforce_plus_plus_whitens_over_tokens_by_hand():
+    # rewards 1 (1 token) and 0 (3 tokens): token mean 1/4, biased var 3/16, unbiased x4/3 = 1/4
+    adv = reinforce_plus_plus(torch.tensor([1.0, 0.0]), torch.tensor([1, 3]))
+    assert adv.tolist() == pytest.approx([0.75 / 0.5, -0.25 / 0.5], rel=1e-6)
 
 
 def test_ppo_clip_loss_by_hand():
     old = torch.zeros(1, 4)
     new = torch.log(torch.tensor([[1.5, 0.5, 1.1, 1.5]]))  # ratios
     adv = torch.tensor([[1.0, 1.0, -1.0, -1.0]])
-    loss, clipfrac, ppo_kl = policy_loss(new, old, adv, eps_clip=0.2, eps_clip_high=0.3)
+    loss, clipfrac, lower, ppo_kl = policy_loss(new, old, adv, eps_clip=0.2, eps_clip_high=0.3)
     # r=1.5,A=+1: max(-1.5, -1.3) = -1.3 (clipped); r=0.5,A=+1: max(-0.5,-0.8) = -0.5
-    # r=1.1,A=-1: max(1.1, 1.1) = 1.1;              r=1.5,A=-1: max(1.5, 1.3) = 1.5
+    # r=1.1,A=-1: max(1.1, 1.1) = 1.1;              r=1.5,A=-1: max(1.5, 1.3) = 1.5 (< 3: no dual clip)
     assert loss.tolist()[0] == pytest.approx([-1.3, -0.5, 1.1, 1.5], abs=1e-6)
     assert clipfrac.tolist()[0] == [1.0, 0.0, 0.0, 0.0]
+    assert lower.tolist()[0] == [0.0] * 4
     assert ppo_kl.tolist()[0] == pytest.approx((-new).tolist()[0])
+
+
+def test_dual_clip_bounds_negative_advantages_by_hand():
+    new = torch.log(torch.tensor([[4.0, 0.1, 1.5, 5.0]]))
+    adv = torch.tensor([[-1.0, -1.0, 1.0, 1.0]])
+    loss, clipfrac, lower, _ = policy_loss(new, torch.zeros(1, 4), adv, 0.2, 0.2, eps_clip_c=3.0)
+    # r=4,A=-1: max(4, 1.2) = 4 -> min(4, 3) = 3 (dual clip); r=0.1,A=-1: max(0.1, 0.8) = 0.8
+    # r=1.5,A=+1: max(-1.5, -1.2) = -1.2;                   r=5,A=+1: max(-5, -1.2) = -1.2
+    assert loss.tolist()[0] == pytest.approx([3.0, 0.8, -1.2, -1.2], abs=1e-6)
+    assert clipfrac.tolist()[0] == [0.0, 1.0, 1.0, 1.0]
+    assert lower.tolist()[0] == [1.0, 0.0, 0.0, 0.0]
+    off, _, _, _ = policy_loss(new, torch.zeros(1, 4), adv, 0.2, 0.2, eps_clip_c=None)
+    assert off[0, 0].item() == pytest.approx(4.0)
+
+
+def test_extreme_log_ratios_stay_finite():
+    new = torch.tensor([[100.0, -100.0, 100.0, -1e4]], requires_grad=True)
+    adv = torch.tensor([[-1.0, -1.0, 1.0, 1.0]])
+    loss, _, _, ppo_kl = policy_loss(new, torch.zeros(1, 4), adv, 0.2, 0.2, eps_clip_c=None)
+    assert loss[0, 0].item() == pytest.approx(math.exp(20), rel=1e-6)  # clamped at +-20, finite
+    assert ppo_kl.tolist()[0] == [-20.0, 20.0, -20.0, 20.0]
+    loss.sum().backward()
+    assert torch.isfinite(loss).all() and torch.isfinite(new.grad).all()
+    dual, _, _, _ = policy_loss(new, torch.zeros(1, 4), adv, 0.2, 0.2, eps_clip_c=3.0)
+    assert dual[0, 0].item() == 3.0
+
+
+def test_gspo_uses_the_sequence_ratio_by_hand():
+    adv = torch.ones(2, 2)
+    mask = torch.ones(2, 2)
+    # row 0: token ratios 2 and 0.5 -> geometric mean 1: no clip, loss -A per token
+    # row 1: token ratios 2 and 2 -> sequence ratio 2, clipped to 1.2: loss -1.2, no gradient
+    lp = torch.log(torch.tensor([[2.0, 0.5], [2.0, 2.0]])).requires_grad_()
+    loss, clipfrac, _, _ = gspo_loss(lp, torch.zeros(2, 2), adv, mask, 0.2, 0.2)
+    assert loss.flatten().tolist() == pytest.approx([-1.0, -1.0, -1.2, -1.2], abs=1e-6)
+    assert clipfrac.tolist() == [[0.0, 0.0], [1.0, 1.0]]
+    loss.sum().backward()
+    assert lp.grad.flatten().tolist() == pytest.approx([-1.0, -1.0, 0.0, 0.0], abs=1e-6)
 
 
 def test_ratio_one_means_no_clipping_and_zero_kl():
     lp = torch.randn(3, 5)
-    loss, clipfrac, ppo_kl = policy_loss(lp, lp.clone(), torch.ones(3, 5), 0.2, 0.2)
+    loss, clipfrac, lower, ppo_kl = policy_loss(lp, lp.clone(), torch.ones(3, 5), 0.2, 0.2)
     assert torch.equal(loss, -torch.ones(3, 5))
-    assert clipfrac.sum() == 0 and ppo_kl.abs().sum() == 0
+    assert clipfrac.sum() == 0 and lower.sum() == 0 and ppo_kl.abs().sum() == 0
 
 
 def test_kl_estimators_by_hand():
@@ -52,11 +109,48 @@ def test_kl_estimators_by_hand():
     k3 = [math.exp(-x) - 1 + x for x in d.tolist()]
     assert kl_estimate(lp, ref, "k3").tolist() == pytest.approx(k3)
     assert kl_estimate(lp, ref, "low_var_kl").tolist() == pytest.approx(k3)
-    far = kl_estimate(torch.tensor([0.0]), torch.tensor([-30.0]), "low_var_kl")
-    assert far.item() == 10.0  # clamped
     assert kl_estimate(lp, lp, "low_var_kl").abs().sum() == 0
     with pytest.raises(ValueError, match="kl_loss_type"):
         kl_estimate(lp, ref, "k4")
+
+
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3", "low_var_kl"])
+def test_no_kl_estimator_returns_inf_or_nan_for_finite_inputs(kind):
+    lp = torch.tensor([0.0, -1e4, -30.0, 0.0, -50.0])
+    ref = torch.tensor([-1e4, 0.0, 0.0, -30.0, -50.0])
+    kl = kl_estimate(lp, ref, kind)
+    assert torch.isfinite(kl).all(), kl
+    if kind in ("k3", "low_var_kl"):  # ref - lp = -1e4, 1e4, 30, -30 -> clamped to +-20, then to [-10, 10]
+        assert kl.tolist() == [10.0, 10.0, 10.0, 10.0, 0.0]
+
+
+def test_loss_aggregation_by_hand():
+    counts = [2, 4, 0]  # tokens per sample; the last has none
+    losses = [[1.0, 3.0], [2.0, 2.0, 2.0, 6.0], []]
+    expected = {"token-mean": 16 / 6, "seq-mean-token-sum": (4 + 12) / 2,
+                "seq-mean-token-mean": (2 + 3) / 2, "seq-mean-token-sum-norm": (4 + 12) / 2 / 8}
+    for mode, value in expected.items():
+        scales = sequence_loss_scales(counts, mode, horizon=8)
+        total = sum(f * sum(ls) for f, ls in zip(scales, losses, strict=True))
+        assert total / sum(counts) == pytest.approx(value), mode
+    assert sequence_loss_scales(counts, "seq-mean-token-mean", 8) == [1.5, 0.75, 0.0]
+
+
+def test_truncated_and_masked_is_by_hand():
+    old = torch.log(torch.tensor([[0.5, 0.9]]))
+    rollout = torch.log(torch.tensor([[0.1, 0.9]]))  # token ratios 5 and 1
+    mask = torch.ones(1, 2)
+    algo = OmegaConf.create({"tis": "token", "tis_cap": 2.0, "mis": None, "mis_low": 0.5, "mis_high": 2.0})
+    w, truncated, dropped = rollout_is_weights(old, rollout, mask, algo)
+    assert w.tolist()[0] == pytest.approx([2.0, 1.0]) and truncated.tolist() == [[1.0, 0.0]]
+    algo.tis = "sequence"  # product 5, capped
+    assert rollout_is_weights(old, rollout, mask, algo)[0].tolist()[0] == pytest.approx([2.0, 2.0])
+    algo.tis, algo.mis = None, "token"
+    w, truncated, dropped = rollout_is_weights(old, rollout, mask, algo)
+    assert w.tolist() == [[0.0, 1.0]] and dropped.tolist() == [[1.0, 0.0]]
+    algo.mis = None
+    assert rollout_is_weights(old, rollout, mask, algo) is None
+    assert mismatch_kl(old, rollout).tolist()[0] == pytest.approx([5 - 1 - math.log(5), 0.0], abs=1e-6)
 
 
 def test_token_log_probs_and_entropy_by_hand():
@@ -71,3 +165,58 @@ def test_token_log_probs_and_entropy_by_hand():
 def test_masked_sum():
     x = torch.tensor([[1.0, 2.0, 100.0]])
     assert masked_sum(x, torch.tensor([[1.0, 1.0, 0.0]])).item() == 3.0
+
+
+@pytest.mark.parametrize("override, match", [
+    ("algo.eps_clip_c=1.0", "eps_clip_c"), ("algo.loss_agg_mode=seq-mean", "loss_agg_mode"),
+    ("algo.policy_loss=grpo", "policy_loss"), ("algo.tis=tokens", "algo.tis"),
+    ("algo.mis_low=1.5", "mis_low"), ("algo.advantage_estimator=rloo", "advantage_estimator")])
+def test_bad_algo_config_is_refused(override, match):
+    cfg = make_cfg(override)
+    with pytest.raises(ConfigError, match=match):
+        check_algo(cfg.algo, cfg.rollout)
+
+
+def test_grpo_without_groups_warns(caplog):
+    cfg = make_cfg("rollout.n_samples_per_prompt=1")
+    with caplog.at_level(logging.WARNING, logger="relax.algo"):
+        check_algo(cfg.algo, cfg.rollout)
+    assert "no baseline" in caplog.text
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                                  "seq-mean-token-sum-norm"])
+def test_loss_aggregation_does_not_depend_on_dp_or_micro_batches(mode):
+    """What every trainer does: sum loss x loss_weights over its micro-batches, all-reduce,
+    divide by the step's token count. Any split of the step's mini-batch gives one value."""
+    from relax.sample import Sample
+    from relax.train.common import shard_steps
+
+    lengths = [3, 1, 5, 2, 4, 4, 1, 6]
+    samples = [Sample(index=i, group_index=i // 4, prompt="", tokens=[1, 2] + [3] * n, response_length=n,
+                      loss_mask=[1] * n, rollout_log_probs=[0.0] * n) for i, n in enumerate(lengths)]
+    per_token = {i: [0.1 * i + t for t in range(n)] for i, n in enumerate(lengths)}  # a loss per token
+
+    def aggregate(dp, micro_batch_size, steps=2):
+        values = []
+        for step in range(steps):
+            total, tokens = 0.0, 0.0
+            for rank in range(dp):
+                for mb in shard_steps(samples, torch.zeros(8), steps, dp, rank, micro_batch_size, 0,
+                                      loss_agg_mode=mode, horizon=8)[step]:
+                    loss = torch.zeros_like(mb.mask)
+                    for b, i in enumerate(mb.indices):
+                        loss[b, mb.mask[b] > 0] = torch.tensor(per_token[i])
+                    total += masked_sum(loss, mb.loss_weights).item()
+                    tokens += mb.mask.sum().item()
+            values.append(total / tokens)
+        return values
+
+    reference = aggregate(1, 4)
+    step0 = [per_token[i] for i in range(4)]  # by hand, step 0 holds samples 0-3
+    by_hand = {"token-mean": sum(map(sum, step0)) / 11, "seq-mean-token-sum": sum(map(sum, step0)) / 4,
+               "seq-mean-token-mean": sum(sum(x) / len(x) for x in step0) / 4,
+               "seq-mean-token-sum-norm": sum(map(sum, step0)) / 4 / 8}
+    assert reference[0] == pytest.approx(by_hand[mode], rel=1e-6)
+    for dp, mbs in ((2, 1), (2, 2), (4, 1), (1, 3)):
+        assert aggregate(dp, mbs) == pytest.approx(reference, rel=1e-6), (dp, mbs)

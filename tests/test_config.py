@@ -27,7 +27,11 @@ RENAMED = {
     "train.backend": ("train._target_", {"torch": TRAINER, "megatron": MEGATRON}),
     "task.name": ("task._target_", {"arithmetic": ARITHMETIC, "jsonl": JSONL}),
 }
-ADDED = {"logger._target_": "relax.logger.MetricsLogger"}
+ADDED = {"logger._target_": "relax.logger.MetricsLogger",
+         # issue 12 (numerics): new keys at their defaults
+         "algo.eps_clip_c": 3.0, "algo.policy_loss": "ppo", "algo.loss_agg_mode": "token-mean",
+         "algo.tis": None, "algo.tis_cap": 2.0, "algo.mis": None, "algo.mis_low": 0.5, "algo.mis_high": 2.0,
+         "train.on_nonfinite": "error", "rollout.dtype": None, "parallel.noise_ulp": 0}
 # Keys (or key prefixes) now carried only by the option that uses them: -> (key, value) of that option.
 OPTION_ONLY = {
     **{f"train.{k}": ("train._target_", MEGATRON)
@@ -57,7 +61,8 @@ def expected_now(before: dict) -> dict:
     for key, value in before.items():
         new_key, classes = RENAMED.get(key, (key, None))
         out[new_key] = classes[value] if classes else value
-    out.update(ADDED)
+    for key, value in ADDED.items():
+        out.setdefault(key, value)  # a recorded value (parallel=twin's noise_ulp) wins
     for key in list(out):
         for only, (where, value) in OPTION_ONLY.items():
             if (key == only or key.startswith(only + ".")) and out[where] != value:

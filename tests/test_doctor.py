@@ -5,12 +5,13 @@ import json
 import pytest
 import torch
 
-from relax.debug.checks import diagnose
+from relax.debug.checks import diagnose, strict_first_step
 from relax.debug.run_data import load_run
 from relax.debug.weights import compare_tensors
 from relax.errors import CheckFailed
+from relax.logger import read_metrics
 
-from .conftest import only_run_dir, relax_cli, run_loop
+from .conftest import make_cfg, only_run_dir, relax_cli, run_loop
 
 SHORT = ["rollout.rollout_batch_size=8", "checkpoint.save_interval=null"]
 
@@ -28,7 +29,7 @@ def clean_run(tmp_path_factory, tiny_path):
 
 
 def test_clean_run_passes_every_check(clean_run):
-    assert verdicts(clean_run) == {1: "PASS", 2: "PASS", 3: "PASS", 4: "PASS", 5: "PASS", 6: "PASS"}
+    assert verdicts(clean_run) == dict.fromkeys(range(1, 8), "PASS")
     report = json.loads((clean_run / "weight_check.json").read_text())
     assert report["passed"] and [c["stage"] for c in report["checks"]][:2] == ["load", "sync"]
     assert len(report["checks"]) == 2 + 6  # load, first sync, then one per rollout
@@ -39,7 +40,7 @@ def test_doctor_cli_report_plots_and_exit_code(clean_run):
     proc = relax_cli("doctor", str(clean_run), "--json", cwd=clean_run)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
-    assert [c["verdict"] for c in report["checks"]] == ["PASS"] * 6
+    assert [c["verdict"] for c in report["checks"]] == ["PASS"] * 7
     markdown = (clean_run / "doctor.md").read_text()
     assert "| 3 | first-rollout log_probs vs ref_log_probs | **PASS** |" in markdown
     assert (clean_run / "doctor_curves.png").stat().st_size > 1000
@@ -172,3 +173,18 @@ def test_compare_tensors_reports_every_kind_of_difference():
     assert report["only_in_engine"] == ["only_a"] and report["only_in_reference"] == ["only_b"]
     nan = compare_tensors({"n": torch.tensor([float("nan")])}, {"n": torch.tensor([0.0])})
     assert not nan["passed"]
+
+
+def test_nan_step_metrics_fail_the_doctor_naming_the_metric(tmp_path, monkeypatch):
+    monkeypatch.setenv("RELAX_FAULT", "nan_log_probs")  # sample 3's forward turns NaN; the step is skipped
+    run_loop(tmp_path, *SHORT, "rollout.num_rollout=2", "train.on_nonfinite=skip")
+    checks = {c.id: c for c in diagnose(load_run(tmp_path))}
+    # though `nan > 10` is False
+    assert checks[4].verdict == "FAIL" and "grad_norm nan" in checks[4].summary
+    assert checks[7].verdict == "FAIL"
+    assert checks[7].summary.startswith("train/loss = nan at rollout 0 step 0")
+    proc = relax_cli("doctor", str(tmp_path), "--json", cwd=tmp_path)
+    assert proc.returncode == 1
+    rollouts, steps = read_metrics(tmp_path)  # the in-run strict checks judge NaN the same way
+    with pytest.raises(CheckFailed, match="train/loss = nan"):
+        strict_first_step(rollouts[0], steps[:1], make_cfg(), [], None)

@@ -1,58 +1,31 @@
 """The RL math (conf/algo/): pure tensor functions shared by every trainer backend.
 
 Per-token tensors are [batch, tokens] with a 0/1 `mask` selecting response tokens.
+advantages.py: advantage estimators; losses.py: policy losses and loss aggregation;
+kl.py: KL estimators and the rollout/train mismatch correction.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
+
+from relax.algo.advantages import ESTIMATORS, compute_advantages, group_advantages, reinforce_plus_plus
+from relax.algo.kl import IS_LEVELS, KL_TYPES, kl_estimate, mismatch_kl, mismatch_ratio, rollout_is_weights
+from relax.algo.losses import (LOSS_AGG_MODES, POLICY_LOSSES, gspo_loss, policy_loss,
+                               sequence_loss_scales)
+from relax.errors import ConfigError
+
+__all__ = ["compute_advantages", "group_advantages", "reinforce_plus_plus", "kl_estimate", "mismatch_kl",
+           "mismatch_ratio",
+           "rollout_is_weights", "gspo_loss", "policy_loss", "sequence_loss_scales", "masked_sum",
+           "token_log_probs", "check_algo"]
+log = logging.getLogger(__name__)
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum()
-
-
-def group_advantages(rewards: torch.Tensor, group_size: int, normalize_std: bool = True,
-                     eps: float = 1e-6) -> torch.Tensor:
-    """GRPO: each reward minus its group's mean, divided by the group's std (unbiased)."""
-    groups = rewards.view(-1, group_size)
-    centred = groups - groups.mean(-1, keepdim=True)
-    if normalize_std:
-        centred = centred / (groups.std(-1, keepdim=True) + eps)
-    return centred.reshape(-1)
-
-
-def compute_advantages(rewards: torch.Tensor, group_size: int, algo_cfg) -> torch.Tensor:
-    if algo_cfg.advantage_estimator == "grpo":
-        return group_advantages(rewards, group_size, algo_cfg.grpo_std_normalization)
-    if algo_cfg.advantage_estimator == "reinforce":
-        return group_advantages(rewards, group_size, normalize_std=False)
-    raise ValueError(f"algo.advantage_estimator={algo_cfg.advantage_estimator!r}: "
-                     f"expected grpo or reinforce")
-
-
-def kl_estimate(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str) -> torch.Tensor:
-    """Per-token KL(actor || ref) estimators from samples of the actor (Schulman's k1/k2/k3)."""
-    log_ratio = log_probs - ref_log_probs
-    if kind == "k1":
-        return log_ratio
-    if kind == "k2":
-        return 0.5 * log_ratio.square()
-    if kind in ("k3", "low_var_kl"):
-        kl = torch.expm1(-log_ratio) + log_ratio  # exp(ref - lp) - 1 - (ref - lp)
-        return kl.clamp(-10, 10) if kind == "low_var_kl" else kl
-    raise ValueError(f"algo.kl_loss_type={kind!r}: expected k1, k2, k3 or low_var_kl")
-
-
-def policy_loss(log_probs, old_log_probs, advantages, eps_clip: float, eps_clip_high: float):
-    """PPO-clip per token: max(-A·r, -A·clip(r, 1-eps, 1+eps_high)); also clip flags and KL."""
-    ratio = torch.exp(log_probs - old_log_probs)
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1 - eps_clip, 1 + eps_clip_high)
-    loss = torch.maximum(unclipped, clipped)
-    clipfrac = (clipped > unclipped).float()
-    ppo_kl = old_log_probs - log_probs
-    return loss, clipfrac, ppo_kl
 
 
 def token_log_probs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0):
@@ -60,3 +33,34 @@ def token_log_probs(logits: torch.Tensor, targets: torch.Tensor, temperature: fl
     logp = (logits.float() / temperature).log_softmax(-1)
     entropy = -(logp.exp() * logp).sum(-1)
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy
+
+
+def _one_of(key: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ConfigError(f"algo.{key}={value!r}: expected one of {', '.join(map(str, allowed))}")
+
+
+def check_algo(algo, rollout) -> None:
+    """Refuse an algo config that cannot train, before anything is built; warn about GRPO
+    without groups."""
+    _one_of("advantage_estimator", algo.advantage_estimator, ESTIMATORS)
+    _one_of("policy_loss", algo.policy_loss, POLICY_LOSSES)
+    _one_of("loss_agg_mode", algo.loss_agg_mode, LOSS_AGG_MODES)
+    _one_of("kl_loss_type", algo.kl_loss_type, KL_TYPES)
+    _one_of("tis", algo.tis, (None, *IS_LEVELS))
+    _one_of("mis", algo.mis, (None, *IS_LEVELS))
+    if algo.eps_clip_c is not None and algo.eps_clip_c <= 1.0:
+        raise ConfigError(f"algo.eps_clip_c={algo.eps_clip_c}: the dual-clip bound must be > 1 "
+                          f"(verl's clip_ratio_c; default 3.0), or null to disable it")
+    if algo.tis_cap <= 0:
+        raise ConfigError(f"algo.tis_cap={algo.tis_cap}: the truncation cap must be > 0")
+    if not 0 <= algo.mis_low < 1 < algo.mis_high:
+        raise ConfigError(f"algo.mis_low={algo.mis_low}, algo.mis_high={algo.mis_high}: masked IS "
+                          f"keeps ratios in [mis_low, mis_high], which must hold 1")
+    if algo.loss_agg_mode == "seq-mean-token-sum-norm" and rollout.max_new_tokens < 1:
+        raise ConfigError("algo.loss_agg_mode=seq-mean-token-sum-norm divides by the generation "
+                          f"budget rollout.max_new_tokens (got {rollout.max_new_tokens}): set it > 0")
+    if algo.advantage_estimator == "grpo" and rollout.n_samples_per_prompt == 1:
+        log.warning("algo.advantage_estimator=grpo with rollout.n_samples_per_prompt=1: GRPO without a "
+                    "group has no baseline (each advantage is its raw reward, verl's mean 0 / std 1 "
+                    "convention); sample several responses per prompt or use reinforce_plus_plus")

@@ -27,7 +27,7 @@ import shutil
 from pathlib import Path
 
 from relax import faults
-from relax.errors import ConfigError, DiskFull
+from relax.errors import ConfigError, DiskFull, NonFiniteError
 from relax.files import atomic_open, atomic_write_text
 from relax.model import check_model_dir
 from relax.process import describe, is_alive, live_elsewhere, read_status
@@ -99,6 +99,19 @@ def _ensure_space(root: Path, complete: list[Path], keep_last: int | None) -> No
                        f"needed, {free / 2**20:.0f} MiB free")
 
 
+def check_finite_weights(hf_dir: Path) -> None:
+    """Refuse to checkpoint NaN/Inf weights, tensor by tensor (nothing is held in memory)."""
+    import torch
+    from safetensors import safe_open
+
+    for file in sorted(Path(hf_dir).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if not torch.isfinite(f.get_tensor(name)).all():
+                    raise NonFiniteError(f"checkpoint: weight {name} is not finite; no checkpoint was "
+                                         f"written (the run trained on a non-finite step)")
+
+
 def save_checkpoint(trainer, tokenizer, run_dir: Path, rollout_id: int, ref_model_path: Path,
                     keep_last: int | None, layout: dict) -> Path:
     root = Path(run_dir) / "checkpoints"
@@ -111,6 +124,7 @@ def save_checkpoint(trainer, tokenizer, run_dir: Path, rollout_id: int, ref_mode
     faults.kill_point("checkpoint_start")
     try:
         trainer.save_checkpoint(str(tmp))
+        check_finite_weights(tmp / "hf")
         faults.kill_point("checkpoint_weights")
         if faults.active("disk_full"):
             raise OSError(errno.ENOSPC, "No space left on device", str(tmp / "hf"))
@@ -123,6 +137,9 @@ def save_checkpoint(trainer, tokenizer, run_dir: Path, rollout_id: int, ref_mode
         atomic_write_text(tmp / STATE_FILE, json.dumps(
             {"rollout_id": rollout_id, "ref_model_path": str(ref_model_path), "trainer_layout": layout,
              "files": files}, indent=2))
+    except NonFiniteError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if e.errno == errno.ENOSPC:

@@ -1,14 +1,16 @@
 """The guide's precision checklist as pure functions of what a run left behind.
 
-Each check (1-6, listed in `relax doctor --help`) returns PASS / WARN / FAIL / SKIP with
+Each check (1-7, listed in `relax doctor --help`) returns PASS / WARN / FAIL / SKIP with
 the evidence, the likely causes and the next command, in the guide's terms. `relax doctor`
 (relax/debug/doctor.py) runs them on a finished run; with `debug.strict_checks=true` the
-loop runs 3-5 at the first step (`strict_first_step`) and 6 after the first sync
-(`strict_weights`) and stops the run with the same explanation.
+loop runs 3-5 and 7 at the first step (`strict_first_step`) and 6 after the first sync
+(`strict_weights`) and stops the run with the same explanation. A NaN never passes: every
+threshold is tested as `not value <= limit` (`nan > limit` is False).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,6 +48,11 @@ class Check:
 
 
 # -- the checks -----------------------------------------------------------------------------
+
+def over(value: float, limit: float) -> bool:
+    """value beyond limit, NaN included (a plain `value > limit` passes NaN)."""
+    return not value <= limit
+
 
 def example_sample(run: RunData, rollout_id: int) -> dict | str | None:
     """The rollout's example sample, or why there is none."""
@@ -140,7 +147,9 @@ def check_logprobs_vs_ref(run: RunData, th: Thresholds) -> Check:
              for a, b in zip(row["log_probs"], row["ref_log_probs"])), default=0.0)
     findings: list[tuple[str, str, list[str]]] = []
     worst = max(evidence["abs_diff"], evidence.get("max_token_abs_diff", 0.0))
-    if worst > th.kl_tol:
+    if math.isnan(evidence["abs_diff"]):
+        worst = math.nan
+    if over(worst, th.kl_tol):
         findings.append((FAIL, f"log_probs differ from ref_log_probs by {worst:.3g} (KL != 0)", [
             "a non-deterministic kernel, e.g. Transformer Engine fused attention under CP: on "
             "train=megatron set train.attention_backend=flash and train.deterministic=true",
@@ -184,8 +193,9 @@ def check_first_step(run: RunData, th: Thresholds) -> Check:
                      f"check needs 1 (later steps are off-policy by design)")
     step = run.steps[0]
     evidence = {k: step[k] for k in ("train/ppo_kl", "train/kl_loss", "train/grad_norm")}
-    problems = [f"{k} = {step[k]:.3g}" for k in ("train/ppo_kl", "train/kl_loss") if abs(step[k]) > th.kl_tol]
-    if step["train/grad_norm"] > th.grad_norm_max:
+    problems = [f"{k} = {step[k]:.3g}" for k in ("train/ppo_kl", "train/kl_loss")
+                if over(abs(step[k]), th.kl_tol)]
+    if over(step["train/grad_norm"], th.grad_norm_max):
         problems.append(f"grad_norm {step['train/grad_norm']:.3g} > {th.grad_norm_max:g}")
     if not problems:
         return Check(4, name, PASS, f"KL 0, grad_norm {step['train/grad_norm']:.3g}", evidence)
@@ -205,14 +215,18 @@ def check_train_rollout_diff(run: RunData, th: Thresholds) -> Check:
         return Check(5, name, SKIP, "no train steps")
     third = max(1, len(diffs) // 3)
     first, last = sum(diffs[:third]) / third, sum(diffs[-third:]) / third
-    evidence = {"max": max(diffs), "first_third_mean": first, "last_third_mean": last,
-                "worst_step": diffs.index(max(diffs))}
+    worst = next((d for d in diffs if not math.isfinite(d)), max(diffs))
+    evidence = {"max": worst, "first_third_mean": first, "last_third_mean": last,
+                "worst_step": diffs.index(worst)}
     causes = ["weight sync into the engine drops or corrupts a tensor",
               "engine and trainer compute differently (dtype, kernels, temperature)"]
     next_steps = ["relax debug.check_weight_update_equal=true debug.check_weight_update_every_sync=true "
-                  "<your overrides>"]
-    if max(diffs) > th.train_rollout_diff_max:
-        return Check(5, name, FAIL, f"abs diff reaches {max(diffs):.3g} > {th.train_rollout_diff_max:g}",
+                  "<your overrides>",
+                  "a mismatch the engine really has (e.g. rollout.dtype=bfloat16 against an fp32 trainer): "
+                  "correct for it with algo.tis=token (truncated IS) or algo.mis=token (masked IS) and "
+                  "watch train/mismatch_kl, train/mismatch_residual, train/tis_weight_mean"]
+    if over(worst, th.train_rollout_diff_max):
+        return Check(5, name, FAIL, f"abs diff reaches {worst:.3g} > {th.train_rollout_diff_max:g}",
                      evidence, causes, next_steps)
     if len(diffs) >= 6 and last > th.drift_floor and last > th.drift_ratio * first:
         return Check(5, name, WARN, f"steady upward drift: {first:.2e} -> {last:.2e}",
@@ -238,8 +252,25 @@ def check_engine_weights(run: RunData, th: Thresholds) -> Check:
                     "debug.check_weight_update_equal=true"])
 
 
+def check_finite(run: RunData, th: Thresholds) -> Check:
+    name = "non-finite metrics"
+    bad = [(r.get("rollout_id"), r.get("step"), k, v) for r in run.rollouts + run.steps for k, v in r.items()
+           if isinstance(v, float) and not math.isfinite(v)]
+    if not bad:
+        return Check(7, name, PASS, f"{len(run.rollouts) + len(run.steps)} records, all finite")
+    rid, step, key, value = bad[0]
+    where = f"rollout {rid}" + (f" step {step}" if step is not None else "")
+    return Check(
+        7, name, FAIL, f"{key} = {value} at {where} ({len(bad)} non-finite values)",
+        {"first": {"rollout_id": rid, "step": step, "metric": key}, "metrics": sorted({b[2] for b in bad})},
+        causes=["a NaN/Inf reward, log-prob or loss (train.on_nonfinite=skip skipped such steps and wrote "
+                "their samples to <run dir>/nonfinite/)", "a diverging update (learning rate, clip range)"],
+        next_steps=["relax debug=train_only debug.load_rollout_data=<run dir>/nonfinite/{rollout_id}.pt "
+                    "# replays the offending samples"])
+
+
 CHECKS = [check_first_responses, check_later_responses, check_logprobs_vs_ref, check_first_step,
-          check_train_rollout_diff, check_engine_weights]
+          check_train_rollout_diff, check_engine_weights, check_finite]
 
 
 def diagnose(run: RunData, th: Thresholds | None = None) -> list[Check]:
@@ -254,7 +285,8 @@ def strict_first_step(record: dict, steps: list[dict], cfg, prompts: list[str], 
                   num_steps_per_rollout=cfg.train.num_steps_per_rollout, backend=cfg.train._target_,
                   chat_template_parts=chat_template_parts(tokenizer))
     failed = [c for c in (check_logprobs_vs_ref(run, Thresholds()), check_first_step(run, Thresholds()),
-                          check_train_rollout_diff(run, Thresholds())) if c.verdict == FAIL]
+                          check_train_rollout_diff(run, Thresholds()), check_finite(run, Thresholds()))
+              if c.verdict == FAIL]
     if failed:
         raise CheckFailed("debug.strict_checks: stopping at the first step\n"
                           + "\n".join(map(as_text, failed)))

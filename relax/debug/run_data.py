@@ -49,7 +49,9 @@ def read_config(path: Path) -> dict:
     try:
         cfg = OmegaConf.to_container(OmegaConf.load(path))
         train, parallel = cfg.get("train", {}), cfg.get("parallel", {})
-        keys = {"train._target_": train.get("_target_", "?"), "parallel.name": parallel.get("name", "?"),
+        keys = {"train._target_": train.get("_target_", train.get("backend", "?")),  # (backend: older runs)
+                "parallel.name": parallel.get("name", "?"),
+                "parallel.noise_ulp": parallel.get("noise_ulp", 0),
                 "train.num_steps_per_rollout": train.get("num_steps_per_rollout")}
     except Exception as e:  # YAML errors, a list or scalar where a mapping belongs
         reason = str(e).splitlines()[0] if str(e) else ""

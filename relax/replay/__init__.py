@@ -23,6 +23,7 @@ import relax
 from relax.errors import ReplayError
 from relax.files import atomic_save, fill, safe_load
 from relax.sample import Sample, group_size_of
+from relax.task import check_rewards
 
 FORMAT_VERSION = 1
 
@@ -126,14 +127,15 @@ def load_rollout(path: Path, manifest: dict | None = None, allow_mismatch: bool 
 def check_replay_files(files: dict[int, Path], manifest: dict, allow_mismatch: bool,
                        subsample: float | None, seed: int) -> dict[int, int]:
     """Start-up: every file a replay will read loads as it will then (plain data, this run's
-    manifest, whole GRPO groups) and holds the rollout its name says. Returns the number of
-    samples each gives."""
+    manifest, whole GRPO groups, finite rewards) and holds the rollout its name says. Returns
+    the number of samples each gives."""
     counts = {}
     for rollout_id, path in tqdm(files.items(), desc="checking replay files", unit="file",
                                  disable=len(files) < 20):
         saved_id, samples = load_rollout(path, manifest, allow_mismatch, subsample, seed)
         if saved_id != rollout_id:
             raise ReplayError(f"{path}: holds rollout {saved_id}, but its name says rollout {rollout_id}")
+        check_rewards(samples, f"the replay file {path}")
         counts[rollout_id] = len(samples)
     return counts
 
@@ -141,9 +143,15 @@ def check_replay_files(files: dict[int, Path], manifest: dict, allow_mismatch: b
 def subsample_groups(samples: list[Sample], fraction: float, seed: int) -> list[Sample]:
     """Keep a random `fraction` of whole GRPO groups (advantages need complete groups)."""
     groups = sorted({s.group_index for s in samples})
-    keep = set(random.Random(seed).sample(groups, max(1, math.ceil(fraction * len(groups)))))
-    kept = [s for s in samples if s.group_index in keep]
-    remap = {g: i for i, g in enumerate(sorted(keep))}
+    keep = random.Random(seed).sample(groups, max(1, math.ceil(fraction * len(groups))))
+    return keep_groups(samples, set(keep))
+
+
+def keep_groups(samples: list[Sample], groups: set[int]) -> list[Sample]:
+    """Copies of the samples of these GRPO groups, renumbered 0..N-1 as a rollout must be
+    (metadata["replay_index"] keeps each one's index in the full rollout)."""
+    kept = [Sample.from_dict(s.to_dict()) for s in samples if s.group_index in groups]
+    remap = {g: i for i, g in enumerate(sorted(groups))}
     for i, s in enumerate(kept):
         s.metadata["replay_index"] = s.index
         s.index, s.group_index = i, remap[s.group_index]

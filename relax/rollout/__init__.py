@@ -52,12 +52,18 @@ def check_rollout(r) -> None:
     """rollout.* values no run can use, refused whether or not an engine is built (a replay
     still takes num_rollout, and its trainer the temperature)."""
     for key in ("num_rollout", "rollout_batch_size", "n_samples_per_prompt", "max_new_tokens"):
-        if r[key] < 1:
+        if r[key] < 1:  # (max_new_tokens: an empty response has nothing to train on)
             raise ConfigError(f"rollout.{key}={r[key]}: expected a positive integer")
     if not math.isfinite(r.temperature) or r.temperature < 0:
         raise ConfigError(f"rollout.temperature={r.temperature}: expected a number >= 0 (0: greedy)")
     if not 0 < r.top_p <= 1:
         raise ConfigError(f"rollout.top_p={r.top_p}: expected a probability in (0, 1]")
+
+
+def engine_dtype(cfg) -> str:
+    """The engine's dtype: rollout.dtype, or the model's (a bf16 engine against an fp32
+    trainer is the classic rollout/train mismatch that algo.tis corrects)."""
+    return cfg.rollout.dtype or cfg.model.dtype
 
 
 def check_engine(cfg) -> None:

@@ -28,7 +28,7 @@ from relax import faults
 from relax.distributed import free_port
 from relax.errors import ConfigError
 from relax.model import read_hf_config
-from relax.rollout import Generation, SamplingParams
+from relax.rollout import Generation, SamplingParams, engine_dtype
 
 log = logging.getLogger(__name__)
 GPU = torch.cuda.is_available()
@@ -45,7 +45,7 @@ def engine_args(cfg, model_path: Path) -> list[dict]:
         raise ConfigError(f"rollout=sglang on CPU runs one engine without tensor parallelism; "
                           f"got rollout_num_gpus={r.rollout_num_gpus}, rollout_num_gpus_per_engine={tp}")
     memory = r.mem_fraction_static or (0.8 if GPU else 0.05)
-    common = dict(model_path=str(model_path), dtype=cfg.model.dtype, tp_size=tp,
+    common = dict(model_path=str(model_path), dtype=engine_dtype(cfg), tp_size=tp,
                   mem_fraction_static=memory, skip_tokenizer_init=True,
                   random_seed=cfg.seed, log_level="error")
     if GPU:  # CUDA graphs stay on; the memory saver lets a colocated engine free GPU memory

@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from relax import faults
 from relax.errors import ConfigError
 from relax.model import load_safetensors_dir, read_hf_config, torch_dtype
+from relax.rollout import engine_dtype
 from relax.rollout import Generation, SamplingParams
 from relax.sample import log_prob_temperature
 
@@ -65,7 +66,7 @@ class TorchEngine:
         self.eps = c.rms_norm_eps
         self.eos = torch.tensor(eos_token_ids, dtype=torch.long)
         self.pad_token_id = pad_token_id
-        self.dtype = torch_dtype(cfg.model.dtype)
+        self.dtype = torch_dtype(engine_dtype(cfg))
         module = importlib.import_module(f"transformers.models.{c.model_type}.modeling_{c.model_type}")
         self.rotary = getattr(module, ROTARY_CLASSES[c.model_type])(c)
         self.params = self._load(load_safetensors_dir(model_path))

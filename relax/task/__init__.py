@@ -9,13 +9,14 @@ source subclasses `Task` and implements `questions`.
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from relax.config import instantiate
-from relax.errors import ConfigError
+from relax.errors import ConfigError, NonFiniteError
 from relax.task.arithmetic import make_problem
 
 RewardFn = Callable[[str, str], float]
@@ -180,3 +181,15 @@ class JsonlTask(Task):
 
 def build_task(cfg) -> Task:
     return instantiate(cfg, "task", seed=cfg.seed)
+
+
+def check_rewards(samples, source: str) -> None:
+    """Stop before anything trains on a NaN or Inf reward (it would turn every advantage of
+    its group, then the weights, into NaN), naming the sample and where the reward came from."""
+    bad = [s for s in samples if not math.isfinite(s.reward)]
+    if bad:
+        s = bad[0]
+        raise NonFiniteError(
+            f"{len(bad)} non-finite reward(s) from {source}; first: reward={s.reward} for sample "
+            f"{s.index} (prompt={s.prompt!r}, response={s.response!r}, label={s.label!r}). Nothing "
+            f"was trained on this rollout: make the reward function return a finite float")

@@ -58,10 +58,16 @@ def check_batch_split(cfg, num_samples: int, source: str) -> None:
 
 
 def check_trainer(cfg, hf_config: dict) -> None:
-    """Start-up refusals: the train keys hold, the trainer class imports, and its own checks pass
-    for this model (`hf_config`: its config.json, see relax.model.model_config)."""
+    """Start-up refusals: the train keys hold, the trainer class imports, the algo and non-finite
+    settings hold (every trainer trains with relax.algo), and its own checks pass for this model
+    (`hf_config`: its config.json, see relax.model.model_config)."""
     check_train_keys(cfg.train)
     trainer = load_target(cfg, "train")
+    if cfg.train.on_nonfinite not in ("error", "skip"):
+        raise ConfigError(f"train.on_nonfinite={cfg.train.on_nonfinite!r}: expected error or skip")
+    from relax.algo import check_algo
+
+    check_algo(cfg.algo, cfg.rollout)
     if hasattr(trainer, "check_config"):
         trainer.check_config(cfg, hf_config)
 

@@ -15,13 +15,17 @@ from dataclasses import dataclass
 
 import torch
 
-from relax.algo import kl_estimate, masked_sum, policy_loss
+from relax import faults
+from relax.algo import (compute_advantages, gspo_loss, kl_estimate, masked_sum, mismatch_kl, mismatch_ratio,
+                        policy_loss, rollout_is_weights, sequence_loss_scales)
 from relax.files import atomic_save, fill
-from relax.sample import Sample, group_size_of  # noqa: F401 (trainers use it from here)
+from relax.sample import Sample, group_size_of
 
 FIRST_STEP_SAMPLES = 16  # per-token log-probs of these sample indices go to layout comparisons
-STEP_KEYS = ("train/loss", "train/pg_loss", "train/pg_clipfrac", "train/ppo_kl", "train/kl_loss",
-             "train/entropy_loss", "train/train_rollout_logprob_abs_diff")
+STEP_KEYS = ("train/loss", "train/pg_loss", "train/pg_clipfrac", "train/pg_clipfrac_lower", "train/ppo_kl",
+             "train/kl_loss", "train/entropy_loss", "train/train_rollout_logprob_abs_diff",
+             "train/mismatch_kl", "train/mismatch_residual", "train/tis_weight_mean", "train/tis_clipfrac",
+             "train/mis_dropfrac")
 
 
 @dataclass
@@ -32,13 +36,34 @@ class MicroBatch:
     mask: torch.Tensor               # [b, T] 1 where targets[t] is a trained response token
     advantages: torch.Tensor         # [b]
     rollout_log_probs: torch.Tensor  # [b, T] the engine's, at the same positions
+    loss_weights: torch.Tensor       # [b, T] mask x the sample's algo.loss_agg_mode factor
     old_log_probs: torch.Tensor | None = None
     ref_log_probs: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
+    is_weights: torch.Tensor | None = None  # [b, T] rollout correction (algo.tis / algo.mis)
+    is_flags: tuple | None = None           # ([b, T] truncated, [b, T] dropped)
+
+
+def nudge_ulps(params, ulps: int, seed: int) -> None:
+    """parallel.noise_ulp: move every weight `ulps` representable values up or down (random
+    signs from `seed`): a twin run whose distance from the original is rounding noise."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in params:
+            target = torch.where(torch.rand(p.shape, generator=generator) < 0.5, -torch.inf, torch.inf)
+            for _ in range(ulps):
+                p.copy_(torch.nextafter(p, target.to(p.dtype)))
+
+
+def advantages_of(samples: list[Sample], algo) -> torch.Tensor:
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float)
+    token_counts = torch.tensor([sum(s.loss_mask) for s in samples])
+    return compute_advantages(rewards, group_size_of(samples), token_counts, algo)
 
 
 def make_micro_batch(samples: list[Sample], advantages: torch.Tensor, pad_id: int,
-                     length: int | None = None, rows: int | None = None) -> MicroBatch:
+                     length: int | None = None, rows: int | None = None,
+                     scales: dict[int, float] | None = None) -> MicroBatch:
     """Right-pad to `length` tokens and `rows` rows (fixed shapes for pipeline schedules)."""
     T = length or max(len(s.tokens) for s in samples)
     B = rows or len(samples)
@@ -50,18 +75,22 @@ def make_micro_batch(samples: list[Sample], advantages: torch.Tensor, pad_id: in
         start = s.prompt_length - 1  # position t predicts token t + 1
         mask[b, start:start + s.response_length] = torch.tensor(s.loss_mask, dtype=torch.float)
         rollout_lp[b, start:start + s.response_length] = torch.tensor(s.rollout_log_probs)
-    adv = torch.zeros(B)
+    adv, scale = torch.zeros(B), torch.zeros(B)
     adv[:len(samples)] = advantages[[s.index for s in samples]]
+    scale[:len(samples)] = torch.tensor([(scales or {}).get(s.index, 1.0) for s in samples])
     indices = [s.index for s in samples] + [-1] * (B - len(samples))
-    return MicroBatch(indices, tokens[:, :T], tokens[:, 1:], mask, adv, rollout_lp)
+    return MicroBatch(indices, tokens[:, :T], tokens[:, 1:], mask, adv, rollout_lp, mask * scale[:, None])
 
 
 def shard_steps(samples: list[Sample], advantages: torch.Tensor, steps: int, dp: int, dp_rank: int,
                 micro_batch_size: int, pad_id: int, fixed_shape: bool = False,
-                length_multiple: int = 1) -> list[list[MicroBatch]]:
+                length_multiple: int = 1, loss_agg_mode: str = "token-mean",
+                horizon: int = 1) -> list[list[MicroBatch]]:
     """Per optimizer step, this rank's micro-batches: each step's mini-batch is split evenly
     over the DP ranks, then into micro-batches of `micro_batch_size` samples. With
-    `fixed_shape`, every micro-batch has the same [rows, T] (padding rows are masked out)."""
+    `fixed_shape`, every micro-batch has the same [rows, T] (padding rows are masked out).
+    The loss weights of `loss_agg_mode` come from the whole step's mini-batch, which every
+    rank sees here, so no layout changes them."""
     if len(samples) % (steps * dp):
         raise ValueError(f"{len(samples)} samples do not split into num_steps_per_rollout="
                          f"{steps} x dp={dp} equal parts")
@@ -71,34 +100,79 @@ def shard_steps(samples: list[Sample], advantages: torch.Tensor, steps: int, dp:
     rows = micro_batch_size if fixed_shape else None
     out = []
     for step in range(steps):
-        start = (step * dp + dp_rank) * per_rank
-        mine = samples[start:start + per_rank]
-        out.append([make_micro_batch(mine[i:i + micro_batch_size], advantages, pad_id, length, rows)
+        batch = samples[step * dp * per_rank:(step + 1) * dp * per_rank]
+        factors = sequence_loss_scales([sum(s.loss_mask) for s in batch], loss_agg_mode, horizon)
+        scales = {s.index: f for s, f in zip(batch, factors, strict=True)}
+        mine = batch[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+        out.append([make_micro_batch(mine[i:i + micro_batch_size], advantages, pad_id, length, rows, scales)
                     for i in range(0, len(mine), micro_batch_size)])
     return out
 
 
-def objective(log_probs: torch.Tensor, entropy: torch.Tensor, mb: MicroBatch, algo):
-    """Per-token loss of one micro-batch, and the masked sums of every STEP_KEYS metric."""
+def attach_is_weights(micro_batches: list[MicroBatch], algo) -> None:
+    """Rollout-correction weights from the old (pre-update) log-probs, once per rollout."""
+    for mb in micro_batches:
+        out = rollout_is_weights(mb.old_log_probs, mb.rollout_log_probs, mb.mask, algo)
+        if out is not None:
+            mb.is_weights, mb.is_flags = out[0], out[1:]
+
+
+def objective(log_probs: torch.Tensor, entropy: torch.Tensor, mb: MicroBatch, algo, seq_sum=None):
+    """Per-token loss of one micro-batch (the trainers reduce it with `mb.loss_weights`),
+    and the sums of every STEP_KEYS metric: train/loss weighted like the loss, so that
+    dividing by the step's token count gives the algo.loss_agg_mode aggregate; the others
+    plain token sums (token means once divided). `seq_sum` sums a [b, t] tensor over each
+    whole sequence (an all-reduce when a sequence is split over context-parallel ranks)."""
+    if faults.active("nan_log_probs") and 3 in mb.indices:  # one sample's forward turns NaN
+        log_probs = log_probs * torch.tensor([[float("nan") if i == 3 else 1.0] for i in mb.indices])
     eps_high = algo.eps_clip_high if algo.eps_clip_high is not None else algo.eps_clip
     adv = mb.advantages[:, None].expand_as(log_probs)
-    pg, clipfrac, ppo_kl = policy_loss(log_probs, mb.old_log_probs, adv, algo.eps_clip, eps_high)
+    if algo.policy_loss == "gspo":
+        pg, clipfrac, clipfrac_lower, ppo_kl = gspo_loss(log_probs, mb.old_log_probs, adv, mb.mask,
+                                                         algo.eps_clip, eps_high, seq_sum)
+    else:
+        pg, clipfrac, clipfrac_lower, ppo_kl = policy_loss(log_probs, mb.old_log_probs, adv, algo.eps_clip,
+                                                           eps_high, algo.eps_clip_c)
+    is_weights = mb.is_weights if mb.is_weights is not None else mb.mask
+    truncated, dropped = mb.is_flags or (torch.zeros_like(mb.mask),) * 2
+    if mb.is_weights is not None:
+        pg = pg * mb.is_weights
     kl = kl_estimate(log_probs, mb.ref_log_probs, algo.kl_loss_type)
     loss = pg - algo.entropy_coef * entropy
     if algo.use_kl_loss:
         loss = loss + algo.kl_loss_coef * kl
     with torch.no_grad():
         diff = (log_probs - mb.rollout_log_probs).abs()
-        sums = torch.stack([masked_sum(x.detach(), mb.mask) for x in (
-            loss, pg, clipfrac, ppo_kl, kl, entropy, diff)])
+        mismatch = mismatch_kl(mb.old_log_probs, mb.rollout_log_probs)
+        # the part of pi_train/pi_rollout the update leaves uncorrected: its bias is
+        # E_rollout[(weight - ratio) * A * grad log pi]
+        ratio = mismatch_ratio(mb.old_log_probs, mb.rollout_log_probs, mb.mask, algo.tis or "token", seq_sum)
+        residual = (is_weights - ratio).abs()
+        sums = torch.stack([masked_sum(loss.detach(), mb.loss_weights)] + [
+            masked_sum(x.detach(), mb.mask) for x in (pg, clipfrac, clipfrac_lower, ppo_kl, kl, entropy, diff,
+                                                      mismatch, residual, is_weights, truncated, dropped)])
     return loss, sums
 
 
 def step_record(sums: torch.Tensor, num_tokens, grad_norm: float, lr: float, seconds: float,
-                peak_memory_mb: float) -> dict:
-    record = {k: (v / num_tokens).item() for k, v in zip(STEP_KEYS, sums)}
+                peak_memory_mb: float, skipped_steps: int = 0) -> dict:
+    record = {k: (v / num_tokens).item() for k, v in zip(STEP_KEYS, sums, strict=True)}
     return {**record, "train/grad_norm": float(grad_norm), "train/lr": lr,
-            "perf/step_time": seconds, "perf/peak_memory_mb": peak_memory_mb}
+            "train/skipped_steps": skipped_steps, "perf/step_time": seconds,
+            "perf/peak_memory_mb": peak_memory_mb}
+
+
+def nonfinite_event(step: int, loss: float, grad_norm: float, indices: list[int]) -> dict:
+    """What `train.on_nonfinite` reports to the driver: the step, what was non-finite, and
+    the samples of the micro-batches whose loss was (all the step's, when only the grad
+    norm was)."""
+    return {"step": step, "loss": loss, "grad_norm": grad_norm, "indices": sorted(indices)}
+
+
+def nonfinite_indices(step_mbs: list[MicroBatch], mb_losses: list[torch.Tensor]) -> list[int]:
+    bad = [i for mb, loss in zip(step_mbs, mb_losses, strict=True) if not torch.isfinite(loss)
+           for i in mb.indices if i >= 0]
+    return bad or [i for mb in step_mbs for i in mb.indices if i >= 0]
 
 
 def rollout_sums(micro_batches: list[MicroBatch]) -> torch.Tensor:

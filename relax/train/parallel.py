@@ -109,14 +109,15 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def clip_grad_norm(params, max_norm: float) -> float:
-    """Global grad norm over plain and DTensor grads, then clip in place.
+    """Global grad norm over plain and DTensor grads, then clip in place (a non-finite
+    norm is returned as is, grads untouched: the caller must not step on it).
 
     torch's clip_grad_norm_ refuses a mix of DTensor (TP-sharded) and plain (replicated)
     grads; a DTensor's norm resolves its shards with one reduction.
     """
     grads = [p.grad for p in params if p.grad is not None]
     total = math.sqrt(sum(full_tensor(g.detach().norm()).item() ** 2 for g in grads))
-    if max_norm > 0 and total > max_norm:
+    if max_norm > 0 and math.isfinite(total) and total > max_norm:
         for g in grads:
             g.mul_(max_norm / (total + 1e-6))
     return total

@@ -6,7 +6,9 @@ raw rewards, reference and old log-probs, then `num_steps_per_rollout` PPO-clip 
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import time
 from pathlib import Path
 
@@ -14,7 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 
-from relax.algo import compute_advantages, masked_sum, token_log_probs
+from relax.algo import masked_sum, token_log_probs
 from relax import faults
 from relax.model import load_causal_lm, save_hf_dir
 from relax.files import atomic_save, safe_load
@@ -48,6 +50,7 @@ class TorchTrainer(DistributedWeightSync):
         self.model = load_causal_lm(Path(model_path), cfg.model.dtype)
         ref = load_causal_lm(Path(ref_model_path or model_path), cfg.model.dtype)
         ref.requires_grad_(False)
+        common.nudge_ulps(self.model.parameters(), cfg.parallel.noise_ulp, cfg.seed)
         if faults.active("trainer_dropout"):  # a noisy forward
             self.model.config.attention_dropout = 0.5
             for module in self.model.modules():
@@ -64,49 +67,73 @@ class TorchTrainer(DistributedWeightSync):
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
             eps=t.adam_eps, weight_decay=t.weight_decay)
+        self.skipped_steps = 0
+
+    def _grad_sync(self):
+        """DDP all-reduces gradients in backward; the `no_allreduce` fault skips that."""
+        if faults.active(f"no_allreduce:{self.cfg.parallel.name}") and hasattr(self.actor, "no_sync"):
+            return self.actor.no_sync()
+        return contextlib.nullcontext()
 
     def _log_probs(self, model, mb: MicroBatch):
         return token_log_probs(model(input_ids=mb.tokens).logits, mb.targets, self.temperature)
 
     # -- the algorithm ---------------------------------------------------------------------
     def train(self, rollout_id: int, samples: list[Sample]) -> dict:
-        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float)
-        advantages = compute_advantages(rewards, common.group_size_of(samples), self.cfg.algo)
+        advantages = common.advantages_of(samples, self.cfg.algo)
         t = self.cfg.train
         steps = common.shard_steps(samples, advantages, t.num_steps_per_rollout, self.layout.dp_size,
-                                   self.layout.dp_rank, t.micro_batch_size, self.pad_id)
+                                   self.layout.dp_rank, t.micro_batch_size, self.pad_id,
+                                   loss_agg_mode=self.cfg.algo.loss_agg_mode,
+                                   horizon=self.cfg.rollout.max_new_tokens)
         micro_batches = [mb for step in steps for mb in step]
 
         with torch.no_grad():  # the policy that sampled (old) and the reference
             for mb in micro_batches:
                 mb.ref_log_probs, _ = self._log_probs(self.ref, mb)
                 mb.old_log_probs, mb.entropy = self._log_probs(self.actor, mb)
+        common.attach_is_weights(micro_batches, self.cfg.algo)
         rollout_metrics = common.rollout_record(
             dp_all_reduce(common.rollout_sums(micro_batches), self.layout))
 
-        step_metrics = []
-        for step_mbs in steps:
+        step_metrics, nonfinite = [], []
+        for step, step_mbs in enumerate(steps):
             t0 = time.perf_counter()
             num_tokens = dp_all_reduce(sum(mb.mask.sum() for mb in step_mbs), self.layout)
-            # DDP/FSDP average gradients over dp ranks; scale so the result is a token mean.
+            # DDP/FSDP average gradients over dp ranks; the loss weights make the result the
+            # algo.loss_agg_mode aggregate once divided by the step's token count.
             scale = self.layout.dp_size / num_tokens
-            sums = torch.zeros(len(common.STEP_KEYS))
+            if faults.active(f"grad_scale:{self.cfg.parallel.name}") and self.layout.rank == 1:
+                scale = scale * 1.01  # one rank's gradient off by 1%
+            sums, mb_losses = torch.zeros(len(common.STEP_KEYS)), []
             self.optimizer.zero_grad(set_to_none=True)
             for mb in tqdm(step_mbs, desc="train", leave=False, delay=2, disable=self.layout.rank > 0):
-                loss, mb_sums = common.objective(*self._log_probs(self.actor, mb), mb, self.cfg.algo)
-                (masked_sum(loss, mb.mask) * scale).backward()
+                with self._grad_sync():  # (DDP decides in forward whether backward all-reduces)
+                    loss, mb_sums = common.objective(*self._log_probs(self.actor, mb), mb, self.cfg.algo)
+                    (masked_sum(loss, mb.loss_weights) * scale).backward()
                 sums += mb_sums
+                mb_losses.append(mb_sums[0])
+            sums = dp_all_reduce(sums, self.layout)
             grad_norm = clip_grad_norm(self.model.parameters(), t.clip_grad)
-            self.optimizer.step()
+            finite = math.isfinite(grad_norm) and bool(torch.isfinite(sums[0]))
+            if finite:  # a non-finite step never reaches the weights (nor Adam's moments)
+                self.optimizer.step()
+            else:
+                self.skipped_steps += 1
+                bad = dp_all_gather(common.nonfinite_indices(step_mbs, mb_losses), self.layout)
+                nonfinite.append(common.nonfinite_event(step, (sums[0] / num_tokens).item(), grad_norm,
+                                                        [i for part in bad for i in part]))
             step_metrics.append(common.step_record(
-                dp_all_reduce(sums, self.layout), num_tokens, grad_norm,
-                self.optimizer.param_groups[0]["lr"], time.perf_counter() - t0, peak_memory_mb()))
+                sums, num_tokens, grad_norm, self.optimizer.param_groups[0]["lr"],
+                time.perf_counter() - t0, peak_memory_mb(), self.skipped_steps))
+            if not finite and t.on_nonfinite == "error":
+                break
         if self.save_train_data and self.layout.writes_data:
             common.save_train_data(self.save_train_data, rollout_id, self.layout.dp_rank, self.layout.rank,
                                    samples, micro_batches, advantages, self.cfg.algo.kl_loss_type,
                                    step_metrics)
         first = dp_all_gather(common.first_step_log_probs(micro_batches), self.layout)
-        return {"rollout": rollout_metrics, "steps": step_metrics,
+        return {"rollout": rollout_metrics, "steps": step_metrics, "nonfinite": nonfinite,
                 "first_step_log_probs": {i: lp for part in first for i, lp in part.items()}}
 
     # -- weights and checkpoints -------------------------------------------------------------

@@ -59,11 +59,14 @@ def cp_local(mb: MicroBatch, layout: Layout) -> tuple[MicroBatch, torch.Tensor]:
         return mb, positions
     from megatron.core.utils import get_batch_on_this_cp_rank
 
-    fields = ("tokens", "targets", "mask", "rollout_log_probs", "old_log_probs", "ref_log_probs", "entropy")
-    local = get_batch_on_this_cp_rank({f: getattr(mb, f) for f in fields} | {"positions": positions})
-    out = MicroBatch(mb.indices, local["tokens"], local["targets"], local["mask"], mb.advantages,
-                     local["rollout_log_probs"], local["old_log_probs"], local["ref_log_probs"],
-                     local["entropy"])
+    fields = ("tokens", "targets", "mask", "rollout_log_probs", "loss_weights", "old_log_probs",
+              "ref_log_probs", "entropy", "is_weights")
+    per_position = {f: getattr(mb, f) for f in fields if getattr(mb, f) is not None}
+    flags = dict(enumerate(mb.is_flags or ()))
+    local = get_batch_on_this_cp_rank(per_position | {f"flag{k}": v for k, v in flags.items()}
+                                      | {"positions": positions})
+    out = MicroBatch(mb.indices, advantages=mb.advantages, **{f: local.get(f) for f in fields},
+                     is_flags=tuple(local[f"flag{k}"] for k in flags) or None)
     return out, local["positions"]
 
 

@@ -10,6 +10,7 @@ optimizer, and its grad clipping (`train/grad_norm` comes from Megatron).
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from functools import partial
@@ -18,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from relax.algo import compute_advantages, masked_sum, token_log_probs
+from relax.algo import masked_sum, token_log_probs
 from relax.model import save_hf_dir
 from relax.sample import Sample, log_prob_temperature
 from relax.train import common
@@ -66,7 +67,10 @@ class MegatronTrainer(DistributedWeightSync):
         self.weights = Weights(self.hf_config, self.layout)
         self.ref = self.weights.load(self._build(), ref_model_path or model_path)
         actor = self.weights.load(self._build(), model_path)  # the actor's passthrough is kept
+        common.nudge_ulps([p for chunk in actor for p in chunk.parameters()], cfg.parallel.noise_ulp,
+                          cfg.seed)
         self.actor, self.optimizer = wrap_for_training(actor, self.config, cfg.train, cfg.model.dtype)
+        self.skipped_steps = 0
 
     def _build(self) -> list:
         return build_chunks(self.config, self.hf_config, self.layout)
@@ -74,11 +78,12 @@ class MegatronTrainer(DistributedWeightSync):
     # -- the algorithm ---------------------------------------------------------------------
     def train(self, rollout_id: int, samples: list[Sample]) -> dict:
         t, layout = self.cfg.train, self.layout
-        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float)
-        advantages = compute_advantages(rewards, common.group_size_of(samples), self.cfg.algo)
+        advantages = common.advantages_of(samples, self.cfg.algo)
         steps = common.shard_steps(samples, advantages, t.num_steps_per_rollout, layout.dp_size,
                                    layout.dp_rank, t.micro_batch_size, self.pad_id,
-                                   fixed_shape=True, length_multiple=layout.length_multiple)
+                                   fixed_shape=True, length_multiple=layout.length_multiple,
+                                   loss_agg_mode=self.cfg.algo.loss_agg_mode,
+                                   horizon=self.cfg.rollout.max_new_tokens)
         micro_batches = [mb for step in steps for mb in step]
         last = layout.is_last_stage  # computes the logits, hence every result
 
@@ -87,24 +92,32 @@ class MegatronTrainer(DistributedWeightSync):
         if last:
             for mb, (ref_lp, _), (old_lp, entropy) in zip(micro_batches, ref, old):
                 mb.ref_log_probs, mb.old_log_probs, mb.entropy = ref_lp, old_lp, entropy
+            common.attach_is_weights(micro_batches, self.cfg.algo)
             rollout_metrics = common.rollout_record(dp_all_reduce(common.rollout_sums(micro_batches), layout))
-        step_metrics = []
-        for step_mbs in steps:
+        step_metrics, nonfinite = [], []
+        for step, step_mbs in enumerate(steps):
             t0 = time.perf_counter()
             for chunk in self.actor:
                 chunk.train()
                 chunk.zero_grad_buffer()
             self.optimizer.zero_grad()
             losses = self._schedule(self.actor, step_mbs, self._loss, forward_only=False)
-            _, grad_norm, _ = self.optimizer.step()
+            # per-position sums were taken on CP-local chunks: sum over CP ranks too
+            sums = _sum(sum(losses), layout.dp_cp_group) if last else None
+            stepped, grad_norm = self._optimizer_step(sums is None or bool(torch.isfinite(sums[0])))
             peak = peak_memory_mb()  # a collective over every rank
+            self.skipped_steps += not stepped
             if last:
-                # per-position sums were taken on CP-local chunks: sum over CP ranks too
-                sums = _sum(sum(losses), layout.dp_cp_group)
                 num_tokens = dp_all_reduce(sum(mb.mask.sum() for mb in step_mbs), layout)
+                if not stepped:
+                    bad = dp_all_gather(common.nonfinite_indices(step_mbs, [x[0] for x in losses]), layout)
+                    nonfinite.append(common.nonfinite_event(step, (sums[0] / num_tokens).item(), grad_norm,
+                                                            [i for part in bad for i in part]))
                 step_metrics.append(common.step_record(
                     sums, num_tokens, grad_norm, self.optimizer.param_groups[0]["lr"],
-                    time.perf_counter() - t0, peak))
+                    time.perf_counter() - t0, peak, self.skipped_steps))
+            if not stepped and t.on_nonfinite == "error":
+                break
         result = None
         if last:
             if self.save_train_data and layout.writes_data:
@@ -112,15 +125,42 @@ class MegatronTrainer(DistributedWeightSync):
                                        samples, micro_batches, advantages, self.cfg.algo.kl_loss_type,
                                        step_metrics)
             first = dp_all_gather(common.first_step_log_probs(micro_batches), layout)
-            result = {"rollout": rollout_metrics, "steps": step_metrics,
+            result = {"rollout": rollout_metrics, "steps": step_metrics, "nonfinite": nonfinite,
                       "first_step_log_probs": {i: lp for part in first for i, lp in part.items()}}
         return self._from_last_stage(result)
 
+    def _optimizer_step(self, loss_finite: bool) -> tuple[bool, float]:
+        """Megatron's optimizer.step(), split so that a non-finite loss (known on the last
+        stage) or grad norm skips the update on every rank: with fp32 params Megatron has
+        no inf check, and a NaN norm fails its `clip_coeff < 1` test and steps anyway."""
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        found_inf = self.optimizer.prepare_grads()
+        grad_norm = float(self.optimizer.get_grad_norm())
+        bad = torch.tensor(float(found_inf or not loss_finite or not math.isfinite(grad_norm)))
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        if bad.item():
+            return False, grad_norm
+        for inner in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            params = inner.get_parameters()
+            if inner.config.clip_grad > 0 and params:
+                clip_grad_by_total_norm_fp32(params, inner.config.clip_grad, grad_norm,
+                                             inner.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+        return self.optimizer.step_with_ready_grads(), grad_norm
+
+    def _seq_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-sequence sums of a CP-local [b, t] tensor over the whole sequence (no autograd)."""
+        total = x.sum(-1)
+        if self.layout.cp_size > 1:
+            dist.all_reduce(total, group=self.layout.cp_group)
+        return total
+
     def _loss(self, mb: MicroBatch, logits: torch.Tensor):
         log_probs, entropy = token_log_probs(logits, mb.targets, self.temperature)
-        loss, sums = common.objective(log_probs, entropy, mb, self.cfg.algo)
-        # Megatron divides by the step's token count (all-reduced over DP): a token mean.
-        return masked_sum(loss, mb.mask), mb.mask.sum().int(), sums
+        loss, sums = common.objective(log_probs, entropy, mb, self.cfg.algo, self._seq_sum)
+        # Megatron divides by the step's token count (all-reduced over DP): with the loss
+        # weights, the algo.loss_agg_mode aggregate.
+        return masked_sum(loss, mb.loss_weights), mb.mask.sum().int(), sums
 
     # -- forward/backward through Megatron's schedules ------------------------------------
     def _schedule(self, chunks, micro_batches: list[MicroBatch], loss_func, forward_only: bool):
