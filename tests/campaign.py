@@ -337,6 +337,9 @@ CASES = [
     Case("inspect_sample", "relax inspect: a rollout file whose samples lack fields",
          replay(edit_rollout("0.pt", lambda d: d["samples"][0].pop("tokens"))),
          r"0.pt: malformed rollout data: .*tokens", kind="inspect"),
+    Case("inspect_dead", "relax inspect on a run killed with SIGKILL (status running)",
+         replay(lambda d: running(d / "status.json", alive=False)), r"run: died: status.json says running",
+         kind="inspect"),
     # disk
     Case("disk_full", "disk full while writing a checkpoint", {"checkpoint.save_interval": "1"},
          r"disk full while writing checkpoint .*rollout_000000", kind="disk_full"),

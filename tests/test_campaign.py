@@ -61,7 +61,7 @@ def run_case(case: Case, tmp: Path, env: Env) -> tuple[str, str]:
     run_dir = tmp / "done" if case.kind == "run_in_done" else tmp / "runs" / "new"
     if case.kind in ("doctor", "compare", "inspect"):
         paths = {"doctor": [tmp / "done"], "compare": [tmp / "done", env.done],
-                 "inspect": [tmp / "replay" / "0.pt"]}
+                 "inspect": [tmp / "replay"]}
         out = io.StringIO()
         try:
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
@@ -82,6 +82,8 @@ def run_case(case: Case, tmp: Path, env: Env) -> tuple[str, str]:
             run_loop(run_dir, *args_of(overrides))
         except clear as e:
             return ("late" if (run_dir / "built.json").exists() and case.kind == "run" else "clear"), str(e)
+        except TimeoutError:  # main()'s alarm: the run hangs
+            raise
         except Exception as e:
             return "traceback", f"{type(e).__name__}: {e}"
     return ("lost" if case.loses else "silent"), ""

@@ -1,6 +1,7 @@
-"""SIGTERM and Ctrl-C stop a run cleanly (the rollout finished, its checkpoint written, status
-`interrupted`, no traceback; a second Ctrl-C aborts at once), status.json says who runs it,
-and a live run's dir is never taken over."""
+"""The driver process (relax/process.py): SIGTERM and Ctrl-C stop a run cleanly (the rollout
+finished, its checkpoint written, status `interrupted`, no traceback; a second Ctrl-C aborts
+at once), status.json says who runs it, a live run's dir is never taken over, a run resumed
+in its own dir keeps its record, and an engine that reconfigures logging keeps relax.log."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import time
 from pathlib import Path
 
 from relax.checkpoint import scan
+from relax.rollout.torch_engine import TorchEngine
 from relax.logger import read_metrics
 from relax.process import HOST, describe, read_status
 
@@ -119,3 +121,50 @@ def test_ctrl_c_to_the_whole_process_group_reaches_ranks_that_leave_the_stop_to_
     stopped_cleanly(tmp_path, signal.SIGINT, proc.returncode)
     built = json.loads((tmp_path / "outputs/run/built.json").read_text())
     assert built["world_size"] == 2
+
+
+def test_a_run_resumed_in_its_own_dir_keeps_its_config_and_compares_equivalent(tmp_path, fork_cli):
+    """Killed after rollout 2's metrics, before its checkpoint, then resumed into the same dir:
+    .hydra/config.yaml is still the one the run started with (the resume's is beside it), and
+    `relax compare` calls the run equivalent to an uninterrupted one."""
+    args = ["rollout.num_rollout=4", "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=2",
+            "checkpoint.save_interval=1"]
+    for name, fault in (("whole", ""), ("resumed", "kill_at:metrics_written:3")):
+        proc = fork_cli(tmp_path, *args, f"hydra.run.dir=outputs/{name}", fault=fault)
+        proc.join(120)
+        assert proc.exitcode == (-signal.SIGKILL if fault else 0), (tmp_path / "out.log").read_text()[-3000:]
+    run = tmp_path / "outputs/resumed"
+    original = (run / ".hydra/config.yaml").read_text()
+    proc = fork_cli(tmp_path, *args, "hydra.run.dir=outputs/resumed", "resume=outputs/resumed")
+    proc.join(120)
+    assert proc.exitcode == 0, (tmp_path / "out.log").read_text()[-3000:]
+    assert (run / ".hydra/config.yaml").read_text() == original and "resume: false" in original
+    assert "resume: outputs/resumed" in (run / ".hydra/restart_1/config.yaml").read_text()
+    compare = subprocess.run([sys.executable, "-m", "relax", "compare", str(tmp_path / "outputs/whole"),
+                              str(run), "--json"], capture_output=True, text=True, timeout=300)
+    assert compare.returncode == 0, compare.stdout + compare.stderr
+    jobs = {j["name"]: j for j in json.loads(compare.stdout)["jobs"]}
+    assert jobs["resumed"]["verdict"] == "equivalent" and jobs["resumed"]["max_loss_diff"] == 0.0
+
+
+class SelfishEngine(TorchEngine):
+    """An engine that configures logging for itself, as SGLang's does (basicConfig(force=True)
+    at its own level), and on top disables every existing logger (dictConfig's default)."""
+
+    def __init__(self, *args, **kwargs):
+        import logging.config
+
+        logging.basicConfig(level=logging.ERROR, format="[engine] %(message)s", force=True)
+        logging.config.dictConfig({"version": 1, "root": {"level": "ERROR"}})
+        super().__init__(*args, **kwargs)
+
+
+def test_an_engine_that_reconfigures_logging_does_not_take_relax_log_away(tmp_path, fork_cli):
+    proc = fork_cli(tmp_path, "rollout._target_=tests.test_process.SelfishEngine", "rollout.num_rollout=2",
+                    "rollout.rollout_batch_size=2", "checkpoint.save_interval=null",
+                    "hydra.run.dir=outputs/run")
+    proc.join(120)
+    assert proc.exitcode == 0, (tmp_path / "out.log").read_text()[-3000:]
+    log = (tmp_path / "outputs/run/relax.log").read_text()
+    assert "Finish rollout 0" in log and "Finish rollout 1" in log
+    assert "Finish rollout 1" in (tmp_path / "out.log").read_text()  # the console handler, too
