@@ -165,7 +165,8 @@ def test_rollout_only_then_train_only_and_a_full_loop(tmp_path, tiny_path):
     assert "Finish rollout 1" in (run / "relax.log").read_text()
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len([r for r in records if "step" in r]) == 2
-    assert json.loads((run / "built.json").read_text())["rollout_engine"] == "relax.rollout.sglang_engine.SGLangEngine"
+    built = json.loads((run / "built.json").read_text())
+    assert built["rollout_engine"] == "relax.rollout.sglang_engine.SGLangEngine"
     assert json.loads((run / "weight_check.json").read_text())["passed"]
     assert sglang_processes() == already  # no orphan scheduler/detokenizer processes
 
