@@ -8,6 +8,8 @@ Nothing here imports torch: `relax --help` and `relax --cfg job` only compose.
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 from pathlib import Path
 
@@ -129,10 +131,17 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(module.main(args[1:]))
     config.register()
     sys.argv = [sys.argv[0], *translate_args(args)]
+    before = os.environ.get("RELAX_ARGV")
+    os.environ["RELAX_ARGV"] = json.dumps(sys.argv[1:])  # for jobs run in other processes (sweeps on Ray)
     try:
         hydra_app()
     except KeyboardInterrupt:  # Ctrl-C before a run started (a run handles its own: relax.process)
         raise SystemExit("relax: interrupted") from None
+    finally:  # a caller's environment (tests call main in-process) is left as it was
+        if before is None:
+            os.environ.pop("RELAX_ARGV")
+        else:
+            os.environ["RELAX_ARGV"] = before
 
 
 if __name__ == "__main__":

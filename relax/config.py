@@ -64,7 +64,9 @@ class RolloutConfig:
     dtype: Optional[str] = None  # engine dtype (null: model.dtype); e.g. bfloat16 against an fp32 trainer
     rollout_num_gpus: int = 1  # GPUs for all engines (rollout_num_gpus_per_engine each)
     rollout_num_gpus_per_engine: int = 1  # each engine's tensor-parallel size
+    num_engines: Optional[int] = None  # engines per rollout (null: GPU engines rollout_num_gpus/tp, else 1)
     weight_update_mode: str = "tensor"  # tensor: by name; disk: via a temp HF dir; distributed: NCCL (GPU)
+    weight_update_bucket_mb: int = 512  # bucket size for tensor weight updates (SGLang; Ray's object store)
     colocate: bool = False  # release engine memory while the trainer runs (same GPUs)
 
 
@@ -72,7 +74,6 @@ class RolloutConfig:
 class SGLangRolloutGroup(RolloutConfig):  # rollout=sglang
     mem_fraction_static: Optional[float] = None  # weights + KV cache memory share (null: GPU 0.8, CPU 0.05)
     max_total_tokens: int = 8192  # KV-cache capacity in tokens (used on CPU)
-    weight_update_bucket_mb: int = 512  # bucket size for tensor weight updates
     sglang_server_args: dict[str, Any] = field(default_factory=dict)  # other ServerArgs, passed through
 
 
@@ -182,6 +183,25 @@ class CheckpointConfig:
 
 
 @dataclass
+class ClusterConfig:  # where ranks and engines run: relax/cluster/, docs/cluster.md
+    _target_: str = MISSING  # cluster class, called with (cfg, run_dir)
+
+
+@dataclass
+class RayClusterGroup(ClusterConfig):  # cluster=ray
+    address: Optional[str] = None  # null: a private Ray instance for this job; auto or host:port: join one
+    num_cpus_per_rank: float = 1  # CPUs each trainer rank's bundle reserves
+    num_gpus_per_rank: float = 0  # GPUs each trainer rank's bundle reserves (0 on CPU, 1 on GPU)
+    num_cpus_per_engine: float = 1  # CPUs each rollout engine's bundle reserves
+    num_gpus_per_engine: float = 0  # GPUs each engine's bundle reserves (on GPU: rollout_num_gpus_per_engine)
+    resources_per_rank: dict[str, float] = field(default_factory=dict)  # custom resources per rank bundle
+    resources_per_engine: dict[str, float] = field(default_factory=dict)  # custom resources per engine bundle
+    placement_strategy: str = "PACK"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD (Ray's strategies)
+    placement_timeout_s: float = 300  # fail when the placement group is not ready after this long
+    runtime_env: dict[str, Any] = field(default_factory=dict)  # Ray runtime_env for the job's actors
+
+
+@dataclass
 class RelaxConfig:
     seed: int = 1234  # seeds model init, prompt sampling and generation
     resume: Any = False  # true: continue from the newest checkpoint; or a run/checkpoint path
@@ -194,6 +214,7 @@ class RelaxConfig:
     debug: DebugConfig = field(default_factory=DebugConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
 
 # The option schemas the YAML files pull in by these names (each a subclass of its group's).
@@ -203,6 +224,7 @@ OPTION_SCHEMAS = {
     "relax_schema_train_megatron": MegatronTrainGroup,
     "relax_schema_task_arithmetic": ArithmeticTaskGroup,
     "relax_schema_task_jsonl": JsonlTaskGroup,
+    "relax_schema_cluster_ray": RayClusterGroup,
 }
 
 
@@ -239,11 +261,17 @@ def sweep_subdir(task_overrides: Any) -> str:
     """The multirun job folder name: only the overrides that vary across the sweep.
 
     `relax -m debug=train_only debug.load_rollout_data=/x/{rollout_id}.pt parallel=tp1,tp2`
-    gives `parallel=tp2`, not a path-laden `override_dirname` with slashes in it.
+    gives `parallel=tp2`, not a path-laden `override_dirname` with slashes in it. The command
+    line comes from RELAX_ARGV where relax.cli set it: a job that a launcher runs in another
+    process (hydra/launcher=ray) has another sys.argv.
     """
+    import json
+    import os
+
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    overrides = [a for a in sys.argv[1:] if "=" in a and not a.startswith("-")]
+    argv = json.loads(os.environ["RELAX_ARGV"]) if "RELAX_ARGV" in os.environ else sys.argv[1:]
+    overrides = [a for a in argv if "=" in a and not a.startswith("-")]
     swept = {
         o.key_or_group
         for o in OverridesParser.create().parse_overrides(overrides)

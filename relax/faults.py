@@ -26,11 +26,11 @@ def kill_point(site: str) -> None:
 
 def perturb_sync(named: dict) -> dict:
     """`sync_perturb`: one tensor corrupted on its way into the engine."""
-    if not active("sync_perturb"):
+    name = "model.layers.0.mlp.down_proj.weight"
+    if not active("sync_perturb") or name not in named:  # weights may come in buckets
         return named
     import torch
 
-    name = "model.layers.0.mlp.down_proj.weight"
     noise = 3 * named[name].std() * torch.randn_like(named[name])
     return {**named, name: named[name] + noise}
 

@@ -21,6 +21,7 @@ from relax import faults
 from relax.checkpoint import (
     check_config, check_layout, check_run_dir, find_checkpoint, read_state, reference_model, restore_history,
     resumed_run, save_checkpoint, scan)
+from relax.cluster import open_cluster
 from relax.debug import checks
 from relax.debug.health import SAMPLES_FILE, response_health, sample_record
 from relax.debug.plan import Plan, check_dump_dir, resolve
@@ -119,24 +120,21 @@ def prepare(cfg, run_dir: Path) -> Run:
                checkpoint / "hf" if checkpoint else model_path, tokenizer, manifest, task)
 
 
-def build(run: Run):
-    """The engine and/or trainer the plan asks for (and the engine-weights check)."""
-    cfg, engine, trainer, weight_check = run.cfg, None, None, None
-    built = {**run.plan.built(cfg), "model_path": str(run.model_path)}
+def build(run: Run, cluster):
+    """The engines and/or trainer the plan asks for, where the cluster puts them (and the
+    engine-weights check)."""
+    cfg, plan, weight_check = run.cfg, run.plan, None
+    built = {**plan.built(cfg), "cluster": cfg.cluster._target_, "model_path": str(run.model_path)}
     log.info("Building %s", ", ".join(f"{k}={v}" for k, v in built.items() if v is not None))
     write_json(run.dir / "built.json", built)
-    if run.plan.builds_rollout:
-        from relax.rollout import build_engine
-
-        engine = build_engine(cfg, run.actor_path, run.tokenizer)
-    if run.plan.builds_train:
-        from relax.train import build_trainer
-
-        trainer = build_trainer(cfg, run.actor_path, run.model_path, run.tokenizer.pad_token_id,
-                                run.plan.save_train_data, str(run.dir))
-        if run.checkpoint:
-            trainer.load_checkpoint(str(run.checkpoint))
-            log.info("Resumed from %s at rollout %d", run.checkpoint, run.start)
+    engine, trainer = cluster.build(
+        (run.actor_path, run.tokenizer) if plan.builds_rollout else None,
+        (run.actor_path, run.model_path, run.tokenizer.pad_token_id, plan.save_train_data)
+        if plan.builds_train else None)
+    write_json(run.dir / "built.json", {**built, "placement": cluster.placement()})
+    if trainer and run.checkpoint:
+        trainer.load_checkpoint(str(run.checkpoint))
+        log.info("Resumed from %s at rollout %d", run.checkpoint, run.start)
     if engine and cfg.debug.check_weight_update_equal:
         weight_check = WeightCheck(engine, run.actor_path, run.dir)
         if trainer:
@@ -229,9 +227,10 @@ def rl_loop(cfg, run_dir: Path, stop: Stop | None = None) -> None:
     """`stop`: the SIGINT/SIGTERM handler run_job installs (checked between rollouts)."""
     stop, log_setup = stop or Stop(), LogGuard()
     run = prepare(cfg, run_dir)
+    cluster = open_cluster(cfg, run_dir)
     engine = trainer = metrics = None
     try:
-        engine, trainer, weight_check = build(run)
+        engine, trainer, weight_check = build(run, cluster)
         metrics = instantiate(cfg, "logger", run_dir=run_dir, resume_from=run.start)
         log_setup.restore()  # an engine or library that reconfigured logging keeps relax.log
         stop.install()  # ... and Relax's signal handlers
@@ -256,7 +255,8 @@ def rl_loop(cfg, run_dir: Path, stop: Stop | None = None) -> None:
             bar.set_postfix(reward=f"{record['rollout/raw_reward']:.3f}")
             stop.check(f"after rollout {rollout_id}")
     finally:
-        for part, close in ((metrics, "close"), (trainer, "shutdown"), (engine, "shutdown")):
+        for part, close in ((metrics, "close"), (trainer, "shutdown"), (engine, "shutdown"),
+                            (cluster, "close")):
             if part:
                 getattr(part, close)()
     plot_run(run_dir)

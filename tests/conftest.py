@@ -46,6 +46,13 @@ def run_loop(run_dir: Path, *overrides: str):
     return read_metrics(run_dir)
 
 
+def build_trainer(cfg, model_path, log_dir=None):
+    """The trainer a run of `cfg` builds (in the driver, or its rank processes / actors)."""
+    from relax.cluster import open_cluster
+
+    return open_cluster(cfg, log_dir).build(None, (model_path, model_path, 0, None))[1]
+
+
 def relax_cli(*args: str, cwd: Path, entry: list[str] | None = None, env: dict | None = None,
               timeout: int = 600) -> subprocess.CompletedProcess:
     """Run the real CLI in a subprocess (outputs/ lands under `cwd`)."""
@@ -107,3 +114,48 @@ def fork_cli():
         proc.start()
         return proc
     return start
+
+
+@pytest.fixture(scope="session")
+def family_model(tmp_path_factory):
+    """family_model(family, dtype="float32") -> the HF directory of a tiny random-initialised
+    model of that family (tests/families.py), built once per session."""
+    from .families import build_family_model
+
+    built: dict[tuple, Path] = {}
+
+    def make(family: str, dtype: str = "float32") -> Path:
+        if (family, dtype) not in built:
+            built[family, dtype] = build_family_model(tmp_path_factory.mktemp(f"{family}-{dtype}"),
+                                                      family, dtype)
+        return built[family, dtype]
+    return make
+
+
+# -- Ray (tests/test_cluster*.py) --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    """A real two-node Ray cluster on this machine: two raylets, 2 CPUs each; node A carries
+    the custom resource `trainer`, node B `rollout`. One per test module that asks for it."""
+    pytest.importorskip("ray", reason="needs the [ray] extra")
+    from ray.cluster_utils import Cluster
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a test cluster: no login token
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "resources": {"trainer": 2}, "include_dashboard": False})
+    cluster.add_node(num_cpus=2, resources={"rollout": 2})
+    cluster.wait_for_nodes()
+    yield cluster
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_replay(two_nodes, tmp_path_factory):
+    """Rollouts saved by a rollout_only run on `two_nodes` with 2 engines (and no trainer)."""
+    root = tmp_path_factory.mktemp("ray_replay")
+    run_loop(root / "run", "cluster=ray", f"cluster.address={two_nodes.address}", "debug=rollout_only",
+             "rollout.num_rollout=2", "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4",
+             "checkpoint.save_interval=null", "rollout.num_engines=2",
+             f"debug.save_rollout_data={root}/rollout_data/{{rollout_id}}.pt")
+    return root

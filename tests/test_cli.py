@@ -77,6 +77,7 @@ def test_cfg_job_and_help_do_not_import_torch():
             "print('TORCH' if 'torch' in sys.modules else 'NO_TORCH')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "rollout:" in out.stdout and "Configuration groups" in out.stdout
+    assert "cluster: local, ray" in out.stdout
     assert out.stdout.strip().endswith("NO_TORCH")
 
 

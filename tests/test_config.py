@@ -31,13 +31,22 @@ ADDED = {"logger._target_": "relax.logger.MetricsLogger",
          # issue 12 (numerics): new keys at their defaults
          "algo.eps_clip_c": 3.0, "algo.policy_loss": "ppo", "algo.loss_agg_mode": "token-mean",
          "algo.tis": None, "algo.tis_cap": 2.0, "algo.mis": None, "algo.mis_low": 0.5, "algo.mis_high": 2.0,
-         "train.on_nonfinite": "error", "rollout.dtype": None, "parallel.noise_ulp": 0}
+         "train.on_nonfinite": "error", "rollout.dtype": None, "parallel.noise_ulp": 0,
+         # issue 11 (Ray): the cluster group and the engine count
+         "cluster._target_": "relax.cluster.LocalCluster", "rollout.num_engines": None}
+RAY = {"cluster._target_": "relax.cluster.ray_cluster.RayCluster", "cluster.address": None,
+       "cluster.num_cpus_per_rank": 1.0, "cluster.num_gpus_per_rank": 0.0, "cluster.num_cpus_per_engine": 1.0,
+       "cluster.num_gpus_per_engine": 0.0, "cluster.resources_per_rank": {},
+       "cluster.resources_per_engine": {}, "cluster.placement_strategy": "PACK",
+       "cluster.placement_timeout_s": 300.0, "cluster.runtime_env": {}}
+# Options added after the recording: (the recorded option they compose like, what they change).
+NEW_OPTIONS = {"cluster=local": ("algo=grpo", {}), "cluster=ray": ("algo=grpo", RAY)}
 # Keys (or key prefixes) now carried only by the option that uses them: -> (key, value) of that option.
 OPTION_ONLY = {
     **{f"train.{k}": ("train._target_", MEGATRON)
        for k in ("attention_backend", "moe_permute_fusion", "deterministic", "use_distributed_optimizer")},
     **{f"rollout.{k}": ("rollout._target_", SGLANG)
-       for k in ("mem_fraction_static", "max_total_tokens", "weight_update_bucket_mb", "sglang_server_args")},
+       for k in ("mem_fraction_static", "max_total_tokens", "sglang_server_args")},
     "task.min_operand": ("task._target_", ARITHMETIC),
     "task.max_operand": ("task._target_", ARITHMETIC),
     "task.data_path": ("task._target_", JSONL),
@@ -89,10 +98,11 @@ def composed():
 
 def test_every_option_composes_the_values_it_had(composed):
     before = json.loads(BEFORE.read_text())
-    assert sorted(composed) == sorted(before), "an option was added or removed: record it"
+    assert sorted(composed) == sorted([*before, *NEW_OPTIONS]), "an option was added or removed: record it"
     for option, cfg in composed.items():
         now = flatten(OmegaConf.to_container(cfg, resolve=True))
-        want = expected_now(before[option])
+        like, changes = NEW_OPTIONS.get(option, (option, {}))
+        want = {**expected_now(before[like]), **changes}
         assert now == want, (option, {k: (now.get(k), want.get(k)) for k in now.keys() | want.keys()
                                       if now.get(k) != want.get(k)})
     moved = composed["train=torch"].train

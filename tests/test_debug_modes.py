@@ -102,7 +102,7 @@ def test_rollout_only_never_constructs_a_trainer(tmp_path, monkeypatch, tiny_pat
     def boom(*a, **k):
         raise AssertionError("trainer constructed in rollout_only")
 
-    monkeypatch.setattr("relax.train.build_trainer", boom)
+    monkeypatch.setattr("relax.train.make_trainer", boom)
     rollouts, steps = run_loop(tmp_path, *SHORT, "debug=rollout_only")
     assert len(rollouts) == 3 and steps == []
     assert built(tmp_path)["trainer"] is None

@@ -11,7 +11,7 @@ import pytest
 
 from relax.files import safe_load
 
-from .conftest import make_cfg, only_run_dir, relax_cli, run_loop
+from .conftest import build_trainer, make_cfg, only_run_dir, relax_cli, run_loop
 
 # 2 steps per rollout and micro-batches of 8: gradient accumulation and the per-step
 # mini-batch split over DP ranks are both exercised.
@@ -142,13 +142,11 @@ def test_full_loop_with_tensor_parallel_trainer_syncs_weights(tmp_path, tiny_pat
 
 
 def test_a_rank_failure_stops_the_group_and_leaves_no_process(tmp_path, tiny_path, monkeypatch):
-    from relax.train import build_trainer
-    from relax.train.group import RankError
+    from relax.cluster.ranks import RankError
 
-    cfg = make_cfg("parallel=dp2")
-    group = build_trainer(cfg, tiny_path, tiny_path, 0, None, str(tmp_path))
-    pids = [p.pid for p in group.procs]
-    with pytest.raises(RankError, match="rank . failed"):
+    group = build_trainer(make_cfg("parallel=dp2"), tiny_path, tmp_path)
+    pids = group.pids
+    with pytest.raises(RankError, match=r"rank . \(node .*, pid \d+\) failed"):
         group.call("no_such_method")
     assert not any(alive(pid) for pid in pids)
 
@@ -156,11 +154,9 @@ def test_a_rank_failure_stops_the_group_and_leaves_no_process(tmp_path, tiny_pat
 def test_ranks_die_with_a_killed_driver(tmp_path, tiny_path):
     code = (
         "import sys, time\n"
-        "from tests.conftest import make_cfg\n"
-        "from relax.train import build_trainer\n"
-        f"g = build_trainer(make_cfg('parallel=dp2'), {str(tiny_path)!r}, {str(tiny_path)!r}, 0, None,"
-        f" {str(tmp_path)!r})\n"
-        "print(' '.join(str(p.pid) for p in g.procs), flush=True)\n"
+        "from tests.conftest import build_trainer, make_cfg\n"
+        f"g = build_trainer(make_cfg('parallel=dp2'), {str(tiny_path)!r}, {str(tmp_path)!r})\n"
+        "print(' '.join(map(str, g.pids)), flush=True)\n"
         "time.sleep(600)\n")
     driver = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                               cwd=os.path.dirname(os.path.dirname(__file__)))

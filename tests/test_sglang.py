@@ -12,7 +12,9 @@ import torch
 
 pytest.importorskip("sglang", reason="needs the SGLang environment (scripts/setup_sglang_cpu.sh)")
 
+from relax.cluster.engines import EngineGroup, InDriver  # noqa: E402
 from relax.debug.weights import WeightCheck  # noqa: E402
+from relax.model import load_safetensors_dir  # noqa: E402
 from relax.rollout import SamplingParams, generate_rollout  # noqa: E402
 from relax.rollout.sglang_engine import SGLangEngine  # noqa: E402
 from relax.rollout.torch_engine import TorchEngine  # noqa: E402
@@ -20,6 +22,7 @@ from relax.task import build_task  # noqa: E402
 from relax.train import make_trainer  # noqa: E402
 
 from .conftest import make_cfg, relax_cli  # noqa: E402
+from .families import FAMILIES  # noqa: E402
 from .test_engine import chat_prompts  # noqa: E402
 
 pytestmark = pytest.mark.sglang
@@ -74,6 +77,31 @@ def test_sampled_log_probs_are_the_trainers(sglang_engine, tiny_path, tokenizer)
         assert (lp[0, len(prompt) - 1:] - torch.tensor(gen.log_probs)).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_each_family_matches_the_torch_engine_and_syncs_by_checkpoint_names(family_model, tokenizer,
+                                                                            family, tmp_path):
+    """Per family (tests/families.py, sharded fp32 checkpoints): greedy tokens equal the torch
+    engine's; the engine's tensors (MoE experts unfused back to per-expert names) equal the
+    checkpoint's after load and after a sync from the torch trainer."""
+    path = family_model(family)
+    cfg = make_cfg("rollout=sglang")
+    engine = SGLangEngine(cfg, path, [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    try:
+        prompts = chat_prompts(tokenizer, 8, 1, 999)
+        ours = engine.generate(prompts, GREEDY, seed=0)
+        reference = torch_engine(path, tokenizer).generate(prompts, GREEDY, seed=0)
+        assert [g.tokens for g in ours] == [g.tokens for g in reference]
+        engines = EngineGroup(InDriver([engine], ["cpu"]), cfg.rollout)
+        check = WeightCheck(engines, path, tmp_path)
+        trainer = make_trainer(make_cfg(), str(path), ref_model_path=str(path),
+                               pad_token_id=tokenizer.pad_token_id)
+        sync, = check.check_first_sync(engines, trainer)
+    finally:
+        engine.shutdown()
+    assert check.results[0]["passed"] and sync["passed"]
+    assert sync["compared"] == len(load_safetensors_dir(path)) + 1  # and the rotary cache
+
+
 def test_truncated_status(sglang_engine, tokenizer):
     gens = sglang_engine.generate(chat_prompts(tokenizer, 4), SamplingParams(0.0, 1.0, 1), seed=0)
     assert all(g.status == "truncated" and len(g.tokens) == 1 for g in gens)
@@ -104,14 +132,16 @@ def test_engine_weights_check_passes_and_names_a_corrupted_tensor(
     cfg = make_cfg()
     trainer = make_trainer(cfg, str(tiny_path), ref_model_path=str(tiny_path),
                            pad_token_id=tokenizer.pad_token_id)
-    check = WeightCheck(sglang_engine, tiny_path, tmp_path)
+    engines = EngineGroup(InDriver([sglang_engine], ["cpu"]), cfg.rollout)
+    check = WeightCheck(engines, tiny_path, tmp_path)
     assert check.results[0]["passed"] and check.results[0]["compared"] == 27  # load
-    assert list(check.buffers) == [ROTARY_CACHE]  # read from inside the engine, with the parameters
-    assert check.buffers[ROTARY_CACHE].abs().max() > 0.5  # cos/sin values, not an empty allocation
-    sync = check.check_first_sync(sglang_engine, trainer)  # random -> synced -> equal
+    buffers, = check.buffers
+    assert list(buffers) == [ROTARY_CACHE]  # read from inside the engine, with the parameters
+    assert buffers[ROTARY_CACHE].abs().max() > 0.5  # cos/sin values, not an empty allocation
+    sync, = check.check_first_sync(engines, trainer)  # random -> synced -> equal
     assert sync["passed"] and sync["compared"] == 28
     monkeypatch.setenv("RELAX_FAULT", "sync_perturb")
-    report = check.check_first_sync(sglang_engine, trainer)
+    report, = check.check_first_sync(engines, trainer)
     assert not report["passed"]
     assert [m["name"] for m in report["mismatches"]] == ["model.layers.0.mlp.down_proj.weight"]
 
@@ -165,8 +195,8 @@ def test_rollout_only_then_train_only_and_a_full_loop(tmp_path, tiny_path):
     assert "Finish rollout 1" in (run / "relax.log").read_text()
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len([r for r in records if "step" in r]) == 2
-    built = json.loads((run / "built.json").read_text())
-    assert built["rollout_engine"] == "relax.rollout.sglang_engine.SGLangEngine"
+    assert json.loads((run / "built.json").read_text())["rollout_engine"] == \
+        "relax.rollout.sglang_engine.SGLangEngine"
     assert json.loads((run / "weight_check.json").read_text())["passed"]
     assert sglang_processes() == already  # no orphan scheduler/detokenizer processes
 
@@ -226,3 +256,23 @@ def test_nccl_weight_sync_on_gpu(tmp_path):
              if '"step"' in line]
     # the engine generated rollout 2 with the weights broadcast after step 1
     assert steps[2]["train/train_rollout_logprob_abs_diff"] < 1e-3
+
+
+def test_sglang_engine_as_a_ray_actor(tmp_path):
+    """cluster=ray (a private instance): the SGLang engine runs in its own Ray actor, weights reach
+    it through Ray's object store, the engine-weights check passes after every sync, and no
+    SGLang or Ray process is left."""
+    pytest.importorskip("ray", reason="the SGLang environment without ray")
+    already = sglang_processes()
+    proc = relax_cli("rollout=sglang", "cluster=ray", "rollout.num_rollout=2", "rollout.rollout_batch_size=4",
+                     "checkpoint.save_interval=null", "debug.check_weight_update_equal=true",
+                     "debug.check_weight_update_every_sync=true", "hydra.run.dir=outputs/ray", cwd=tmp_path,
+                     entry=[sys.executable, "-m", "relax"], env={"RAY_AUTH_MODE": "disabled"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "outputs" / "ray"
+    placement = json.loads((run / "built.json").read_text())["placement"]
+    assert placement["private_instance"] and [e["engine"] for e in placement["engines"]] == [0]
+    report = json.loads((run / "weight_check.json").read_text())
+    assert report["passed"] and [(c["stage"], c["rollout_id"]) for c in report["checks"]] == [
+        ("load", None), ("sync", None), ("sync", 0), ("sync", 1)]
+    assert sglang_processes() == already

@@ -5,6 +5,7 @@ import torch
 
 from relax.rollout import SamplingParams, generate_rollout
 from relax.rollout.torch_engine import TorchEngine
+from relax.sample import Sample
 from relax.task import build_task
 from relax.train import make_trainer
 
@@ -87,3 +88,33 @@ def test_resume_true_without_checkpoint_is_a_clear_error(tmp_path):
 
     with pytest.raises(ConfigError, match="no complete checkpoint"):
         run_loop(tmp_path / "runs" / "a", "resume=true")
+
+
+def test_a_pad_token_inside_a_response_trains_like_any_other_token(tiny_path, tokenizer):
+    """Rollout 43 of a 400-rollout replay: the policy generated the pad token mid-response
+    (with a non-zero advantage). HF's nn.Embedding(padding_idx=pad) dropped the pad row's
+    gradient, train=megatron did not: grad_norm 0.90320 vs 0.90539. Here the pad token and an
+    unused token get identical weights, so swapping one for the other may not change a thing."""
+    pad, twin = tokenizer.pad_token_id, tokenizer.convert_tokens_to_ids("*")
+    cfg = make_cfg()
+
+    def step(token: int):
+        trainer = make_trainer(cfg, str(tiny_path), ref_model_path=str(tiny_path), pad_token_id=pad)
+        model = trainer.model
+        with torch.no_grad():
+            for weight in (model.model.embed_tokens.weight, model.lm_head.weight):
+                weight[twin] = weight[pad]
+        prompt = tokenizer.encode("<|user|>12+34=<|assistant|>")
+        samples = [Sample(index=i, group_index=0, prompt="", tokens=prompt + response,
+                          response_length=len(response), reward=float(i == 0), loss_mask=[1] * len(response),
+                          rollout_log_probs=[-1.0] * len(response))
+                   for i, response in enumerate([[11, token, 12, 1], [13, 1]])]
+        before = model.model.embed_tokens.weight[token].clone()
+        grad_norm = trainer.train(0, samples)["steps"][0]["train/grad_norm"]
+        return grad_norm, (model.model.embed_tokens.weight[token] - before).detach().abs()
+
+    with_pad, with_twin = step(pad), step(twin)
+    assert with_pad[0] == pytest.approx(with_twin[0], rel=1e-6) and with_pad[0] > 0.1
+    # Adam's first step moves every weight with a gradient by lr
+    assert with_pad[1].min() == pytest.approx(cfg.train.lr, rel=1e-3)
+    assert torch.allclose(with_pad[1], with_twin[1], rtol=1e-4, atol=0)

@@ -8,7 +8,8 @@ step, automated.
    checkpoint (buffers, which no checkpoint holds, with the engine's values after load).
    A tensor the sync path misses, corrupts or drops shows up by name.
 With `debug.check_weight_update_every_sync`, every later sync is checked against the
-trainer's weights the same way. Results go to <run dir>/weight_check.json.
+trainer's weights the same way. With several engines (rollout.num_engines) every engine is
+checked, one record each. Results go to <run dir>/weight_check.json.
 """
 
 from __future__ import annotations
@@ -46,13 +47,15 @@ def compare_tensors(actual: dict[str, torch.Tensor], expected: dict[str, torch.T
             "only_in_engine": only_engine, "only_in_reference": only_reference}
 
 
-def snapshot(engine) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in engine.named_tensors().items()}
+def snapshots(engines) -> list[dict[str, torch.Tensor]]:
+    """Every engine's tensors (an EngineGroup: relax/cluster/engines.py), as writable copies."""
+    return [{k: v.detach().clone() for k, v in named.items()} for named in engines.each_named_tensors()]
 
 
 def describe(report: dict) -> str:
+    engine = f"engine {report['engine']}: " if report.get("engines", 1) > 1 else ""
     if report["passed"]:
-        return f"all {report['compared']} tensors equal"
+        return f"{engine}all {report['compared']} tensors equal"
     parts = [f"{m['name']}: " + ", ".join(
         f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v[0]} vs {v[1]}"
         for k, v in m.items() if k != "name") for m in report["mismatches"][:10]]
@@ -60,27 +63,30 @@ def describe(report: dict) -> str:
         parts.append(f"only in the engine: {', '.join(report['only_in_engine'])}")
     if report["only_in_reference"]:
         parts.append(f"missing in the engine: {', '.join(report['only_in_reference'])}")
-    return "; ".join(parts)
+    return engine + "; ".join(parts)
 
 
 class WeightCheck:
-    """Runs the load and sync comparisons and records them in the run dir."""
+    """Runs the load and sync comparisons on every engine and records them in the run dir."""
 
-    def __init__(self, engine, model_path: Path, run_dir: Path):
+    def __init__(self, engines, model_path: Path, run_dir: Path):
         from relax.model import load_safetensors_dir
 
-        self.loaded = snapshot(engine)
+        self.loaded = snapshots(engines)
         checkpoint = load_safetensors_dir(model_path)
-        self.dtype = next(iter(self.loaded.values())).dtype  # the engine's compute dtype
+        self.dtype = next(iter(self.loaded[0].values())).dtype  # the engines' compute dtype
         self.reference = {k: v.to(self.dtype) for k, v in checkpoint.items()}
-        self.buffers = {k: v for k, v in self.loaded.items() if k not in checkpoint}
+        # buffers, which no checkpoint holds, are expected to stay as each engine loaded them
+        self.buffers = [{k: v for k, v in loaded.items() if k not in checkpoint} for loaded in self.loaded]
         self.path = Path(run_dir) / "weight_check.json"
         self.results: list[dict] = []
-        self._record("load", None, compare_tensors(
-            {k: v for k, v in self.loaded.items() if k in checkpoint}, self.reference))
+        for i, loaded in enumerate(self.loaded):
+            self._record("load", None, i, compare_tensors(
+                {k: v for k, v in loaded.items() if k in checkpoint}, self.reference))
 
-    def _record(self, stage: str, rollout_id, report: dict) -> dict:
-        report = {"stage": stage, "rollout_id": rollout_id, **report}
+    def _record(self, stage: str, rollout_id, engine: int, report: dict) -> dict:
+        report = {"stage": stage, "rollout_id": rollout_id, "engine": engine,
+                  "engines": len(self.loaded), **report}
         self.results.append(report)
         self.path.write_text(json.dumps({"passed": all(r["passed"] for r in self.results),
                                          "checks": self.results}, indent=2))
@@ -89,15 +95,17 @@ class WeightCheck:
                 "" if rollout_id is None else f", rollout {rollout_id}", describe(report))
         return report
 
-    def check_first_sync(self, engine, trainer) -> dict:
-        """Randomise the engine's parameters, sync from the trainer, compare with the checkpoint."""
-        generator = torch.Generator().manual_seed(0)
-        engine.update_weights({k: torch.randn(v.shape, generator=generator).to(v.dtype)
-                               for k, v in self.reference.items() if k in self.loaded})
-        engine.update_weights(trainer.named_weights())
-        return self._record("sync", None, compare_tensors(snapshot(engine),
-                                                          {**self.reference, **self.buffers}))
+    def _compare_all(self, engines, expected: dict, rollout_id) -> list[dict]:
+        return [self._record("sync", rollout_id, i, compare_tensors(actual, {**expected, **self.buffers[i]}))
+                for i, actual in enumerate(snapshots(engines))]
 
-    def check_sync(self, engine, trained: dict[str, torch.Tensor], rollout_id: int) -> dict:
-        expected = {**{k: v.to(self.dtype) for k, v in trained.items()}, **self.buffers}
-        return self._record("sync", rollout_id, compare_tensors(snapshot(engine), expected))
+    def check_first_sync(self, engines, trainer) -> list[dict]:
+        """Randomise every engine's parameters, sync from the trainer, compare with the checkpoint."""
+        generator = torch.Generator().manual_seed(0)
+        engines.update_weights({k: torch.randn(v.shape, generator=generator).to(v.dtype)
+                                for k, v in self.reference.items() if k in self.loaded[0]})
+        engines.update_weights(trainer.named_weights())
+        return self._compare_all(engines, self.reference, None)
+
+    def check_sync(self, engines, trained: dict[str, torch.Tensor], rollout_id: int) -> list[dict]:
+        return self._compare_all(engines, {k: v.to(self.dtype) for k, v in trained.items()}, rollout_id)

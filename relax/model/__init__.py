@@ -1,4 +1,5 @@
-"""Model loading (conf/model/): the tiny built-in model or any local HF Qwen2/Llama directory."""
+"""Model loading (conf/model/): the tiny built-in model or any local HF directory of a
+supported family (relax/model/families/: Llama, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE)."""
 
 from __future__ import annotations
 
@@ -7,14 +8,20 @@ import json
 from pathlib import Path
 
 from relax.errors import ConfigError
+from relax.model import families
+from relax.model.families import SUPPORTED_ARCHITECTURES  # noqa: F401  (re-exported)
 
-SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen2MoeForCausalLM")
 # config.json keys that change what the weights mean; replay data records their hash.
 ARCH_KEYS = (
     "architectures", "model_type", "vocab_size", "hidden_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "intermediate_size", "head_dim",
     "rope_theta", "rope_parameters", "rms_norm_eps", "tie_word_embeddings", "num_experts",
 )
+# ...and those that only some families have, hashed only where present (so that adding
+# one leaves the fingerprints of the families without it unchanged)
+FAMILY_KEYS = ("num_local_experts", "rope_scaling", "qkv_bias", "attention_bias", "num_experts_per_tok",
+               "norm_topk_prob", "moe_intermediate_size", "shared_expert_intermediate_size",
+               "decoder_sparse_step", "mlp_only_layers")
 
 
 # config.json keys every start-up check and engine reads
@@ -34,10 +41,7 @@ def resolve_model_path(model_cfg) -> Path:
     if not (path / "config.json").is_file():
         raise ConfigError(f"model.path={model_cfg.path!r}: no config.json there; expected a "
                           f"Hugging Face model directory")
-    arch = read_hf_config(path).get("architectures") or ["?"]
-    if arch[0] not in SUPPORTED_ARCHITECTURES:
-        raise ConfigError(f"model.path={model_cfg.path!r}: architecture {arch[0]} is not "
-                          f"supported; expected one of {', '.join(SUPPORTED_ARCHITECTURES)}")
+    families.check(read_hf_config(path), f"model.path={model_cfg.path!r} (config.json)")
     return check_model_dir(path)
 
 
@@ -86,7 +90,7 @@ def model_config(model_cfg) -> dict:
 
 def model_fingerprint(path: Path) -> str:
     hf = read_hf_config(path)
-    arch = {k: hf.get(k) for k in ARCH_KEYS}
+    arch = {k: hf.get(k) for k in ARCH_KEYS} | {k: hf[k] for k in FAMILY_KEYS if k in hf}
     return hashlib.sha256(json.dumps(arch, sort_keys=True).encode()).hexdigest()[:16]
 
 

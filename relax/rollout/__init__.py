@@ -1,15 +1,19 @@
 """Rollout (conf/rollout/): build the engine `rollout._target_` names, and turn prompts into Samples.
 
 An engine is constructed as `Engine(cfg, model_path, eos_token_ids, pad_token_id)` (the
-whole config: engines read model.*, seed and rollout.*) and implements calls small enough
-for a Ray actor to wrap:
-  generate(prompt_token_lists, SamplingParams, seed) -> list[Generation]
+whole config: engines read model.*, seed and rollout.*; a GPU engine also takes
+`base_gpu_id`, the first of the visible GPUs it uses). relax.cluster's EngineGroup runs
+rollout.num_engines of them (in the driver, or one Ray actor each) behind these calls:
+  generate(prompt_token_lists, SamplingParams, seed[, first_index]) -> list[Generation]
+        # prompt i drawn with sample_seed(seed, first_index + i); first_index (default 0) is
+        # passed only to the 2nd.. of several engines, so an engine that runs alone may omit it
   update_weights({hf_name: tensor})          # weight sync from the trainer
   named_tensors() -> {hf_name: tensor}       # parameters and buffers, for weight checks
   shutdown()
 and, optionally, what some settings need (refused at start-up where the engine lacks it):
   release_memory_occupation() / resume_memory_occupation()   # rollout.colocate=true
-  update_weights_from_trainer(trainer)                       # weight_update_mode=distributed
+  init_weight_sync(address, port, world_size, group_name)    # weight_update_mode=distributed:
+  receive_weights(metadata, group_name)      # an NCCL group with trainer rank 0, which broadcasts
   check_config(cfg)                          # a static method: the engine's own start-up refusals
 """
 
@@ -74,7 +78,7 @@ def check_engine(cfg) -> None:
         raise ConfigError(f"rollout.weight_update_mode={r.weight_update_mode!r}: expected tensor, "
                           f"disk or distributed")
     if r.weight_update_mode == "distributed" and (
-            not hasattr(engine, "update_weights_from_trainer") or not torch_cuda_available()):
+            not hasattr(engine, "receive_weights") or not torch_cuda_available()):
         raise ConfigError("rollout.weight_update_mode=distributed broadcasts weights over NCCL into "
                           "SGLang: it needs rollout=sglang and CUDA GPUs (use tensor or disk)")
     if r.colocate and not hasattr(engine, "release_memory_occupation"):
@@ -82,12 +86,42 @@ def check_engine(cfg) -> None:
                           f"trainer runs (it has no release_memory_occupation; rollout=torch runs on CPU "
                           f"in the driver: no accelerator memory to share); use rollout=sglang or "
                           f"rollout.colocate=false")
+    if r.num_engines is not None and r.num_engines < 1:
+        raise ConfigError(f"rollout.num_engines={r.num_engines}: expected at least 1 (or null)")
     if hasattr(engine, "check_config"):
         engine.check_config(cfg)
 
 
-def build_engine(cfg, model_path: Path, tokenizer):
-    return load_target(cfg, "rollout")(cfg, model_path, [tokenizer.eos_token_id], tokenizer.pad_token_id)
+def num_engines(cfg) -> int:
+    """rollout.num_engines, or else rollout_num_gpus / rollout_num_gpus_per_engine GPU engines
+    (1 on CPU)."""
+    r = cfg.rollout
+    if r.num_engines is not None:
+        return r.num_engines
+    return r.rollout_num_gpus // r.rollout_num_gpus_per_engine if uses_gpus(cfg) else 1
+
+
+def uses_gpus(cfg) -> bool:
+    """Whether the engine places itself on GPUs (it takes `base_gpu_id`) and there are GPUs."""
+    import inspect
+
+    engine = load_target(cfg, "rollout")
+    return torch_cuda_available() and "base_gpu_id" in inspect.signature(engine).parameters
+
+
+def build_engine(cfg, model_path: Path, tokenizer, base_gpu_id: int = 0):
+    """One engine; a GPU engine on the visible GPUs base_gpu_id.. (its tensor-parallel size)."""
+    gpus = {"base_gpu_id": base_gpu_id} if uses_gpus(cfg) else {}
+    return load_target(cfg, "rollout")(cfg, model_path, [tokenizer.eos_token_id], tokenizer.pad_token_id,
+                                       **gpus)
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of one sample, from the rollout's seed and the sample's index in the rollout:
+    what a sample draws does not depend on how the rollout is split across engines."""
+    import numpy as np
+
+    return int(np.random.SeedSequence([seed % 2**64, index]).generate_state(1, np.uint64)[0] >> 2)  # < 2**62
 
 
 def generate_rollout(engine, task, tokenizer, rollout_cfg, rollout_id: int, seed: int) -> list[Sample]:

@@ -4,7 +4,9 @@ Why the offline `sglang.Engine` and not server + HTTP: rollouts are generated fr
 ids with per-token log-probs and weights are pushed as tensors, both of which the Engine
 API takes directly (no serialisation over a socket, no port to manage), and Relax's
 driver already owns the process lifecycle. `Engine.shutdown()` kills every child of the
-calling process, so `shutdown()` below narrows it to the engine's own processes.
+calling process, so `shutdown()` below narrows it to the engine's own processes. One object
+is one engine; relax.cluster's EngineGroup runs several (in the driver, or one Ray actor
+each), splits the rollout across them and syncs them all.
 
 On a machine without CUDA, SGLang runs for real with the settings of
 docs/measured-on-cpu.md (device cpu, torch_native attention, fp32, no CUDA graphs) in
@@ -25,25 +27,24 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from relax import faults
-from relax.distributed import free_port
 from relax.errors import ConfigError
 from relax.model import read_hf_config
-from relax.rollout import Generation, SamplingParams, engine_dtype
+from relax.rollout import Generation, SamplingParams, engine_dtype, num_engines, sample_seed
 
 log = logging.getLogger(__name__)
 GPU = torch.cuda.is_available()
 FINISH = {"stop": "completed", "length": "truncated", "abort": "aborted"}
 EXPORT_TENSORS = f"{__name__}.export_tensors"  # the custom weight loader that reads tensors back
+CPU_KERNELS = f"{__name__}.cpu_kernels"  # ...and the one that replaces Triton kernels on CPU
 
 
-def engine_args(cfg, model_path: Path) -> list[dict]:
-    """sglang.Engine keyword arguments, one dict per engine."""
+def engine_args(cfg, model_path: Path, base_gpu_id: int = 0) -> dict:
+    """sglang.Engine keyword arguments for one engine on GPUs base_gpu_id.. (of those visible)."""
     r = cfg.rollout
     tp = r.rollout_num_gpus_per_engine
-    engines = r.rollout_num_gpus // tp
-    if not GPU and (engines > 1 or tp > 1):
-        raise ConfigError(f"rollout=sglang on CPU runs one engine without tensor parallelism; "
-                          f"got rollout_num_gpus={r.rollout_num_gpus}, rollout_num_gpus_per_engine={tp}")
+    if not GPU and tp > 1:
+        raise ConfigError(f"rollout=sglang on CPU runs without tensor parallelism; "
+                          f"got rollout_num_gpus_per_engine={tp}")
     memory = r.mem_fraction_static or (0.8 if GPU else 0.05)
     common = dict(model_path=str(model_path), dtype=engine_dtype(cfg), tp_size=tp,
                   mem_fraction_static=memory, skip_tokenizer_init=True,
@@ -55,14 +56,23 @@ def engine_args(cfg, model_path: Path) -> list[dict]:
                       max_total_tokens=r.max_total_tokens)
     common.update(dict(r.sglang_server_args))  # anything else, passed through as-is
     # Relax's functions that run inside the scheduler (see export_tensors), kept beside any of yours.
-    common["custom_weight_loader"] = [EXPORT_TENSORS, faults.SGLANG_DROP_BUFFER,
+    common["custom_weight_loader"] = [EXPORT_TENSORS, CPU_KERNELS, faults.SGLANG_DROP_BUFFER,
                                       *(common.get("custom_weight_loader") or [])]
-    return [{**common, "base_gpu_id": i * tp} if GPU else common for i in range(engines)]
+    return {**common, "base_gpu_id": base_gpu_id} if GPU else common
 
 
 def sglang_to_hf(name: str, tensor: torch.Tensor, hf_config: dict) -> dict[str, torch.Tensor]:
-    """SGLang's fused q/k/v and gate/up parameters back under HF names (TP = 1)."""
+    """SGLang's fused parameters back under the checkpoint's HF names (TP = 1). SGLang's
+    Llama/Qwen2/Qwen3 models name them alike: q/k/v in `qkv_proj`, gate/up in `gate_up_proj`,
+    and (Qwen2-MoE, Qwen3-MoE) every expert's [gate; up] in `experts.w13_weight` [E, 2I, H]
+    and down in `experts.w2_weight` [E, H, I]."""
     pre, _, kind = name.rpartition(".")
+    if name.endswith((".experts.w13_weight", ".experts.w2_weight")):
+        base = name.rsplit(".", 1)[0]
+        if name.endswith("w2_weight"):
+            return {f"{base}.{e}.down_proj.weight": w for e, w in enumerate(tensor)}
+        return {f"{base}.{e}.{which}_proj.weight": part for e, w in enumerate(tensor)
+                for which, part in zip(("gate", "up"), w.chunk(2), strict=True)}
     if ".qkv_proj" in name:
         heads, groups = hf_config["num_attention_heads"], hf_config["num_key_value_heads"]
         d = hf_config.get("head_dim") or hf_config["hidden_size"] // heads
@@ -79,17 +89,17 @@ def sglang_to_hf(name: str, tensor: torch.Tensor, hf_config: dict) -> dict[str, 
 
 
 def sglang_sampling_params(sp: SamplingParams, eos: list[int], seed: int, n: int,
-                           deterministic: bool) -> dict | list[dict]:
+                           deterministic: bool, first_index: int = 0) -> dict | list[dict]:
     """SGLang sampling params: one dict for all prompts or, in SGLang's deterministic mode
     (`sglang_server_args.enable_deterministic_inference`, GPU attention backends only), one
-    per prompt with its own `sampling_seed`, so a rollout is reproducible from `seed` and the
-    samples of a GRPO group still differ. Elsewhere SGLang cannot seed sampling, and samples
-    differ run to run."""
+    per prompt with its own `sampling_seed` (from its index in the rollout: `sample_seed`), so a
+    rollout is reproducible from `seed` and the samples of a GRPO group still differ. Elsewhere
+    SGLang cannot seed sampling, and samples differ run to run."""
     params = {"temperature": sp.temperature, "top_p": sp.top_p,
               "max_new_tokens": sp.max_new_tokens, "stop_token_ids": eos}
     if not deterministic:
         return params
-    return [{**params, "sampling_seed": (seed * 65_537 + i) % 2**62} for i in range(n)]
+    return [{**params, "sampling_seed": sample_seed(seed, first_index + i)} for i in range(n)]
 
 
 class SGLangEngine:
@@ -100,8 +110,12 @@ class SGLangEngine:
         if cfg.debug.check_weight_update_equal and cfg.rollout.rollout_num_gpus_per_engine > 1:
             raise ConfigError("debug.check_weight_update_equal reads the engine's tensors back "
                               "unsharded: run it with rollout.rollout_num_gpus_per_engine=1")
+        if not GPU and num_engines(cfg) > 1:
+            raise ConfigError(f"rollout=sglang on CPU runs one engine; got rollout.num_engines="
+                              f"{cfg.rollout.num_engines} (rollout=torch runs several)")
 
-    def __init__(self, cfg, model_path: Path, eos_token_ids: list[int], pad_token_id: int):
+    def __init__(self, cfg, model_path: Path, eos_token_ids: list[int], pad_token_id: int,
+                 base_gpu_id: int = 0):
         """`pad_token_id` is unused: SGLang batches prompts of any length without padding."""
         try:
             import sglang
@@ -111,62 +125,48 @@ class SGLangEngine:
                               "run relax from that environment (.venv-sglang/bin/relax)") from None
         self.cfg, self.eos = cfg, eos_token_ids
         self.hf_config = read_hf_config(model_path)
-        self.engines = [sglang.Engine(**kwargs) for kwargs in engine_args(cfg, model_path)]
-        self._sync_metadata = None  # (name, dtype, shape) of what NCCL weight sync broadcasts
+        self.engine = sglang.Engine(**engine_args(cfg, model_path, base_gpu_id))
+        if not GPU:
+            _run_in_scheduler(self.engine, CPU_KERNELS)
         self.deterministic = bool(cfg.rollout.sglang_server_args.get("enable_deterministic_inference"))
-        log.info("SGLang %s: %d engine(s) on %s", sglang.__version__, len(self.engines),
-                 "GPU" if GPU else "CPU")
+        log.info("SGLang %s engine on %s", sglang.__version__,
+                 f"GPUs {base_gpu_id}.." if GPU else "CPU")
 
-    def generate(self, prompts: list[list[int]], sp: SamplingParams, seed: int) -> list[Generation]:
-        params = sglang_sampling_params(sp, self.eos, seed, len(prompts), self.deterministic)
-        n = len(self.engines)
-        shares = [prompts[i::n] for i in range(n)]
-        results = [e.generate(input_ids=share, return_logprob=True,
-                              sampling_params=params[i::n] if self.deterministic else params)
-                   for i, (e, share) in enumerate(zip(self.engines, shares)) if share]
-        merged = [None] * len(prompts)
-        for i, result in enumerate(results):
-            merged[i::n] = result
+    def generate(self, prompts: list[list[int]], sp: SamplingParams, seed: int,
+                 first_index: int = 0) -> list[Generation]:
+        params = sglang_sampling_params(sp, self.eos, seed, len(prompts), self.deterministic, first_index)
+        results = self.engine.generate(input_ids=prompts, return_logprob=True, sampling_params=params)
         return [Generation(r["output_ids"], [lp for lp, _, _ in r["meta_info"]["output_token_logprobs"]],
-                           FINISH[r["meta_info"]["finish_reason"]["type"]]) for r in merged]
+                           FINISH[r["meta_info"]["finish_reason"]["type"]]) for r in results]
 
     def update_weights(self, named: dict[str, torch.Tensor]) -> None:
         """Push trainer weights by HF name: tensors in buckets, or via disk
         (`rollout.weight_update_mode=disk`); then drop the prefix cache."""
         named = faults.perturb_sync(named)
-        for engine in self.engines:
-            if faults.active("drop_buffer"):
-                _run_in_scheduler(engine, faults.SGLANG_DROP_BUFFER)
-            if self.cfg.rollout.weight_update_mode == "disk":
-                self._update_from_disk(engine, named)
-            else:
-                self._update_from_tensors(engine, named)
-            engine.flush_cache()
+        if faults.active("drop_buffer"):
+            _run_in_scheduler(self.engine, faults.SGLANG_DROP_BUFFER)
+        if self.cfg.rollout.weight_update_mode == "disk":
+            self._update_from_disk(named)
+        else:
+            self._update_from_tensors(named)
+        self.engine.flush_cache()
 
-    def update_weights_from_trainer(self, trainer) -> None:
-        """rollout.weight_update_mode=distributed (GPU): NCCL broadcast from trainer rank 0
-        into each engine (see relax.train.weight_sync)."""
-        if self._sync_metadata is None:
-            self._sync_metadata = trainer.call("weight_metadata")
-            tp = self.cfg.rollout.rollout_num_gpus_per_engine
-            for i, engine in enumerate(self.engines):
-                port = free_port()
-                trainer.send("init_weight_sync_group", "127.0.0.1", port, 1 + tp, f"relax_sync_{i}")
-                _check(engine.init_weights_update_group(
-                    master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=1 + tp,
-                    group_name=f"relax_sync_{i}", backend="nccl"), "init_weights_update_group")
-                trainer.collect()
-        names, dtypes, shapes = map(list, zip(*self._sync_metadata))
-        for i, engine in enumerate(self.engines):
-            _check(engine.begin_weight_update(), "begin_weight_update")
-            trainer.send("broadcast_weights", f"relax_sync_{i}")
-            _check(engine.update_weights_from_distributed(
-                names=names, dtypes=dtypes, shapes=shapes, group_name=f"relax_sync_{i}",
-                flush_cache=True), "update_weights_from_distributed")
-            trainer.collect()
-            _check(engine.end_weight_update(), "end_weight_update")
+    # rollout.weight_update_mode=distributed (GPU): an NCCL group per engine with trainer rank 0,
+    # which broadcasts (relax.train.weight_sync); relax.cluster's EngineGroup drives both sides.
+    def init_weight_sync(self, address: str, port: int, world_size: int, group_name: str) -> None:
+        _check(self.engine.init_weights_update_group(
+            master_address=address, master_port=port, rank_offset=1, world_size=world_size,
+            group_name=group_name, backend="nccl"), "init_weights_update_group")
 
-    def _update_from_tensors(self, engine, named: dict[str, torch.Tensor]) -> None:
+    def receive_weights(self, metadata: list[tuple[str, str, list[int]]], group_name: str) -> None:
+        names, dtypes, shapes = map(list, zip(*metadata))
+        _check(self.engine.begin_weight_update(), "begin_weight_update")
+        _check(self.engine.update_weights_from_distributed(
+            names=names, dtypes=dtypes, shapes=shapes, group_name=group_name, flush_cache=True),
+            "update_weights_from_distributed")
+        _check(self.engine.end_weight_update(), "end_weight_update")
+
+    def _update_from_tensors(self, named: dict[str, torch.Tensor]) -> None:
         limit = self.cfg.rollout.weight_update_bucket_mb * 2**20
         buckets, size = [[]], 0
         for name, tensor in named.items():
@@ -175,24 +175,24 @@ class SGLangEngine:
                 size = 0
             buckets[-1].append((name, tensor.detach().contiguous()))
             size += tensor.nbytes
-        _check(engine.begin_weight_update(), "begin_weight_update")
+        _check(self.engine.begin_weight_update(), "begin_weight_update")
         for bucket in buckets:
-            _check(engine.update_weights_from_tensor(named_tensors=bucket, flush_cache=False),
+            _check(self.engine.update_weights_from_tensor(named_tensors=bucket, flush_cache=False),
                    "update_weights_from_tensor")
-        _check(engine.end_weight_update(), "end_weight_update")
+        _check(self.engine.end_weight_update(), "end_weight_update")
 
-    def _update_from_disk(self, engine, named: dict[str, torch.Tensor]) -> None:
+    def _update_from_disk(self, named: dict[str, torch.Tensor]) -> None:
         with tempfile.TemporaryDirectory(prefix="relax-sync-") as tmp:
             (Path(tmp) / "config.json").write_text(json.dumps(self.hf_config))
             save_file({k: v.contiguous() for k, v in named.items()}, f"{tmp}/model.safetensors")
-            _check(engine.update_weights_from_disk(tmp), "update_weights_from_disk")
+            _check(self.engine.update_weights_from_disk(tmp), "update_weights_from_disk")
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor the first engine computes with — parameters and buffers (the rotary
-        cos/sin cache) — under HF names, exported from its scheduler process. Unsharded
-        engines only: check_config refuses the check for TP engines at start-up."""
+        """Every tensor the engine computes with — parameters and buffers (the rotary cos/sin
+        cache) — under HF names, exported from its scheduler process. Unsharded engines only:
+        check_config refuses the check for TP engines at start-up."""
         with tempfile.TemporaryDirectory(prefix="relax-engine-weights-") as tmp:
-            _run_in_scheduler(self.engines[0], EXPORT_TENSORS, tmp)
+            _run_in_scheduler(self.engine, EXPORT_TENSORS, tmp)
             out = {}
             for name, tensor in load_file(f"{tmp}/tp0.safetensors").items():
                 out.update(sglang_to_hf(name, tensor, self.hf_config))
@@ -201,37 +201,36 @@ class SGLangEngine:
         return out
 
     def release_memory_occupation(self) -> None:
-        for engine in self.engines:
-            engine.release_memory_occupation()
+        self.engine.release_memory_occupation()
 
     def resume_memory_occupation(self) -> None:
-        for engine in self.engines:
-            engine.resume_memory_occupation()
+        self.engine.resume_memory_occupation()
 
     def shutdown(self) -> None:
-        """Stop the engines' processes, and only those: SGLang's own shutdown SIGKILLs every
-        child of this process (trainer ranks, multiprocessing's resource tracker...)."""
+        """Stop the engine's processes, and only those: SGLang's own shutdown SIGKILLs every
+        child of this process (trainer ranks, other engines, multiprocessing's resource tracker...)."""
         import atexit
 
         from sglang.srt.entrypoints import engine as engine_module
 
+        if self.engine is None:
+            return
         kill = engine_module.kill_process_tree
-        for engine in self.engines:
-            own = engine.get_all_child_pids()
+        own = self.engine.get_all_child_pids()
 
-            def kill_own(pid, include_parent=True, **kwargs):
-                if pid != os.getpid():
-                    return kill(pid, include_parent, **kwargs)
-                for child in own:
-                    kill(child, include_parent=True, **kwargs)
+        def kill_own(pid, include_parent=True, **kwargs):
+            if pid != os.getpid():
+                return kill(pid, include_parent, **kwargs)
+            for child in own:
+                kill(child, include_parent=True, **kwargs)
 
-            engine_module.kill_process_tree = kill_own
-            try:
-                engine.shutdown()
-            finally:
-                engine_module.kill_process_tree = kill
-            atexit.unregister(engine.shutdown)
-        self.engines = []
+        engine_module.kill_process_tree = kill_own
+        try:
+            self.engine.shutdown()
+        finally:
+            engine_module.kill_process_tree = kill
+        atexit.unregister(self.engine.shutdown)
+        self.engine = None
 
 
 def export_tensors(model, named_tensors) -> None:
@@ -245,6 +244,20 @@ def export_tensors(model, named_tensors) -> None:
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     save_file({k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()},
               f"{_argument(named_tensors)}/tp{get_parallel().tp_rank}.safetensors")
+
+
+def cpu_kernels(model, named_tensors) -> None:
+    """Runs once inside SGLang's scheduler on CPU (a custom weight loader, like export_tensors):
+    SGLang 0.5.23's Qwen2-MoE adds its gated shared expert with a Triton kernel even off CUDA
+    (Triton has no CPU driver); the same arithmetic in torch, HF's, replaces it."""
+    from sglang.srt.models import qwen2_moe
+
+    def gated(hidden, gate_weight, shared):
+        return torch.sigmoid(hidden @ gate_weight)[:, None] * shared
+
+    qwen2_moe.fused_gate_sigmoid_mul = gated
+    qwen2_moe.fused_gate_sigmoid_mul_add = lambda hidden, gate_weight, shared, out: out.add_(
+        gated(hidden, gate_weight, shared))
 
 
 def _run_in_scheduler(engine, loader: str, argument: str = "") -> None:

@@ -1,33 +1,44 @@
 """The in-process torch rollout engine: batched sampling with a preallocated KV cache.
 
 Why not `transformers.generate()`: for small models its per-step Python and cache
-bookkeeping dominates; a direct Qwen2/Llama forward over a preallocated cache is 2-3x
-faster (bench/rollout_speed.py) and gives the same greedy tokens. The engine owns its
+bookkeeping dominates; a direct forward over a preallocated cache is 2-3x faster
+(bench/rollout_speed.py) and gives the same greedy tokens. It runs every family of
+relax/model/families/ (Llama, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE): the layers differ only
+in q/k/v biases, Qwen3's per-head q/k norm, and a dense or MoE MLP; RoPE (Llama-3 scaling
+included) comes from transformers' own rotary module. The engine owns its
 weights by HF parameter name, loaded from the checkpoint's safetensors, exactly like an
 inference server: the trainer pushes new weights in by name (`update_weights`).
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from relax import faults
-from relax.errors import ConfigError
-from relax.model import load_safetensors_dir, read_hf_config, torch_dtype
+from relax.model import families, load_safetensors_dir, read_hf_config, torch_dtype
 from relax.rollout import engine_dtype
-from relax.rollout import Generation, SamplingParams
+from relax.rollout import Generation, SamplingParams, sample_seed
 from relax.sample import log_prob_temperature
 
 log = logging.getLogger(__name__)
 
-ROTARY_CLASSES = {"qwen2": "Qwen2RotaryEmbedding", "llama": "LlamaRotaryEmbedding",
-                  "qwen2_moe": "Qwen2MoeRotaryEmbedding"}
+
+
+class Layer(NamedTuple):
+    """One decoder layer's tensors (views into the engine's HF-named parameters)."""
+    input_norm: torch.Tensor
+    qkv: torch.Tensor               # [q; k; v] fused
+    qkv_bias: torch.Tensor | None
+    qk_norm: tuple | None           # (q_norm, k_norm) weights, each [head_dim] (Qwen3)
+    o_proj: torch.Tensor
+    post_norm: torch.Tensor
+    mlp: Callable                   # normed hidden states -> MLP output (dense or MoE)
 
 
 def rms_norm(x, weight, eps):
@@ -45,30 +56,26 @@ def apply_rope(x, cos, signed_sin):
 
 
 class TorchEngine:
-    """Rollout engine interface (relax/rollout/__init__.py). It runs on CPU in the driver, so it
-    has no memory to release for rollout.colocate (refused at start-up)."""
+    """Rollout engine interface (relax/rollout/__init__.py). It runs on CPU (in the driver, or in
+    a Ray actor), so it has no memory to release for rollout.colocate (refused at start-up)."""
 
     def __init__(self, cfg, model_path: Path, eos_token_ids: list[int], pad_token_id: int):
         if cfg.rollout.rollout_num_gpus > 1:
-            log.info("rollout=torch runs in-process on CPU; rollout_num_gpus=%d is used by "
-                     "GPU engines", cfg.rollout.rollout_num_gpus)
-        hf = read_hf_config(model_path)
-        if hf.get("model_type") not in ROTARY_CLASSES:
-            raise ConfigError(f"rollout=torch runs Qwen2/Llama/Qwen2-MoE models; {model_path} is "
-                              f"{hf.get('model_type')!r} (use rollout=sglang)")
+            log.info("rollout=torch runs on CPU; rollout_num_gpus=%d is used by GPU engines",
+                     cfg.rollout.rollout_num_gpus)
+        families.check(read_hf_config(model_path), f"{model_path}/config.json")
         from transformers import AutoConfig
 
         self.config = AutoConfig.from_pretrained(str(model_path))
         c = self.config
         self.num_layers = c.num_hidden_layers
         self.num_heads, self.num_kv_heads = c.num_attention_heads, c.num_key_value_heads
-        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        self.head_dim = families.head_dim(c.to_dict())
         self.eps = c.rms_norm_eps
         self.eos = torch.tensor(eos_token_ids, dtype=torch.long)
         self.pad_token_id = pad_token_id
         self.dtype = torch_dtype(engine_dtype(cfg))
-        module = importlib.import_module(f"transformers.models.{c.model_type}.modeling_{c.model_type}")
-        self.rotary = getattr(module, ROTARY_CLASSES[c.model_type])(c)
+        self.rotary = families.hf_rotary(c)
         self.params = self._load(load_safetensors_dir(model_path))
         if faults.active("engine_weights"):  # a bad checkpoint load
             g = torch.Generator().manual_seed(0)
@@ -87,17 +94,19 @@ class TorchEngine:
             fused_qkv = self._fuse(params, [n + ".weight" for n in qkv])
             fused_bias = self._fuse(params, [n + ".bias" for n in qkv]) \
                 if qkv[0] + ".bias" in params else None
-            self.layers.append((
-                params[pre + "input_layernorm.weight"], fused_qkv, fused_bias,
-                params[pre + "self_attn.o_proj.weight"], params.get(pre + "self_attn.o_proj.bias"),
-                params[pre + "post_attention_layernorm.weight"], self._mlp(params, pre + "mlp.")))
+            qk_norm = (params[pre + "self_attn.q_norm.weight"], params[pre + "self_attn.k_norm.weight"]) \
+                if pre + "self_attn.q_norm.weight" in params else None
+            self.layers.append(Layer(
+                params[pre + "input_layernorm.weight"], fused_qkv, fused_bias, qk_norm,
+                params[pre + "self_attn.o_proj.weight"], params[pre + "post_attention_layernorm.weight"],
+                self._mlp(params, pre + "mlp.")))
         if "lm_head.weight" not in params:  # tied embeddings: one tensor, two names
             params["lm_head.weight"] = params["model.embed_tokens.weight"]
         return params
 
     def _mlp(self, params, pre):
-        """The layer's MLP as a function of the normed hidden states: SwiGLU, or a
-        Qwen2-MoE block (softmax router, top-k experts, optional gated shared expert)."""
+        """The layer's MLP as a function of the normed hidden states: SwiGLU, or an MoE block
+        (softmax router, top-k experts, optional gated shared expert: Qwen2-MoE, Qwen3-MoE)."""
         def swiglu(gate_up, down):
             def forward(h):
                 gate, up = F.linear(h, gate_up).chunk(2, dim=-1)
@@ -176,22 +185,28 @@ class TorchEngine:
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         x = F.embedding(ids, self.params["model.embed_tokens.weight"])
         end = start + T
-        for (ln1, qkv_w, qkv_b, o_w, o_b, ln2, mlp), (keys, values) in zip(self.layers, cache):
-            qk, v = F.linear(rms_norm(x, ln1, self.eps), qkv_w, qkv_b).split(
+        for layer, (keys, values) in zip(self.layers, cache):
+            qk, v = F.linear(rms_norm(x, layer.input_norm, self.eps), layer.qkv, layer.qkv_bias).split(
                 [(H + Hkv) * D, Hkv * D], dim=-1)
-            qk = apply_rope(qk.view(B, T, H + Hkv, D), cos, sin).transpose(1, 2)
+            qk = qk.view(B, T, H + Hkv, D)
+            if layer.qk_norm is not None:  # each head normed with q_norm or k_norm
+                q_norm, k_norm = layer.qk_norm
+                qk = rms_norm(qk, torch.cat([q_norm.expand(H, D), k_norm.expand(Hkv, D)]), self.eps)
+            qk = apply_rope(qk, cos, sin).transpose(1, 2)
             q, keys[:, :, start:end] = qk[:, :H], qk[:, H:]
             values[:, :, start:end] = v.view(B, T, Hkv, D).transpose(1, 2)
             a = F.scaled_dot_product_attention(
                 q, keys[:, :, :end], values[:, :, :end], attn_mask=mask,
                 is_causal=mask is None and T > 1, enable_gqa=True)
-            x = x + F.linear(a.transpose(1, 2).reshape(B, T, H * D), o_w, o_b)
-            x = x + mlp(rms_norm(x, ln2, self.eps))
+            x = x + F.linear(a.transpose(1, 2).reshape(B, T, H * D), layer.o_proj)
+            x = x + layer.mlp(rms_norm(x, layer.post_norm, self.eps))
         x = rms_norm(x[:, -1], self.params["model.norm.weight"], self.eps)
         return F.linear(x, self.params["lm_head.weight"]).float()
 
     @staticmethod
-    def _sample(logits, sp: SamplingParams, generator):
+    def _sample(logits, sp: SamplingParams, uniforms):
+        """One token per row by inverse CDF at that row's own uniform draw: a sample depends on
+        its seed and its logits only, never on which other rows share the batch."""
         logp = (logits / log_prob_temperature(sp.temperature)).log_softmax(-1)
         if sp.temperature == 0:
             token = logits.argmax(-1)
@@ -201,11 +216,16 @@ class TorchEngine:
             sorted_p, order = probs.sort(-1, descending=True)
             drop = sorted_p.cumsum(-1) - sorted_p > sp.top_p
             probs = torch.zeros_like(probs).scatter(-1, order, sorted_p.masked_fill(drop, 0))
-        token = torch.multinomial(probs, 1, generator=generator)[:, 0]
+        cdf = probs.cumsum(-1)
+        token = torch.searchsorted(cdf, uniforms[:, None] * cdf[:, -1:], right=True)[:, 0]
+        last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(-1)  # u*total rounded up
+        token = torch.minimum(token, last)
         return token, logp.gather(-1, token[:, None])[:, 0]
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], sp: SamplingParams, seed: int) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], sp: SamplingParams, seed: int,
+                 first_index: int = 0) -> list[Generation]:
+        """Sample `prompts[i]` with the seed of sample `first_index + i` (see sample_seed)."""
         B, P, N = len(prompts), max(map(len, prompts)), sp.max_new_tokens
         # Identical prompts (a GRPO group) are prefilled once and their KV cache shared.
         unique: dict[tuple, int] = {}
@@ -233,14 +253,15 @@ class TorchEngine:
             logits, valid, positions = logits[row_of], valid[row_of], positions[row_of]
             cache = [(k[row_of], v[row_of]) for k, v in cache]
 
-        generator = torch.Generator().manual_seed(seed)
+        uniforms = torch.stack([torch.rand(N, generator=torch.Generator().manual_seed(
+            sample_seed(seed, first_index + b))) for b in range(B)])
         out_tokens = torch.full((B, N), self.pad_token_id, dtype=torch.long)
         out_logp = torch.zeros(B, N)
         response_lens = torch.zeros(B, dtype=torch.long)
         finished = torch.zeros(B, dtype=torch.bool)
         next_pos = positions[:, -1:] + 1
         for t in tqdm(range(N), desc="generate", leave=False, delay=2):
-            token, logp = self._sample(logits, sp, generator)
+            token, logp = self._sample(logits, sp, uniforms[:, t])
             out_tokens[:, t] = token.masked_fill(finished, self.pad_token_id)
             out_logp[:, t] = logp.masked_fill(finished, 0.0)
             response_lens += ~finished

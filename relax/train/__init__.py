@@ -13,9 +13,8 @@ Optional class attributes, read before any rank starts:
                              the model's config.json (relax.model.model_config)
   checkpoint_layout(cfg)     static method: settings its saved state is tied to (beyond its class)
   runs_in_driver = True      a single rank may run in the driver process (default: its own)
-A trainer that runs in the driver is built there; every other runs in `TrainerGroup` rank
-processes (Megatron always: its CPU compatibility layer and global parallel state must not
-leak into the driver), and the driver cannot tell the difference.
+relax/cluster/ decides where the ranks run (the driver itself, see runs_in_driver; local rank
+processes; or Ray actors), and the driver cannot tell the difference.
 """
 
 from __future__ import annotations
@@ -80,18 +79,10 @@ def checkpoint_layout(cfg) -> dict:
     return {"train._target_": cfg.train._target_, **extra}
 
 
-def build_trainer(cfg, model_path, ref_model_path, pad_token_id, save_train_data, log_dir):
-    kwargs = dict(ref_model_path=str(ref_model_path), pad_token_id=pad_token_id,
-                  save_train_data=save_train_data)
-    world_size = cfg.parallel.world_size
-    # NCCL weight sync needs the trainer in its own process (it broadcasts while the driver
-    # waits on the engine)
-    in_driver = getattr(load_target(cfg, "train"), "runs_in_driver", False) and \
-        cfg.rollout.weight_update_mode != "distributed"
-    if world_size == 1 and in_driver:
-        return make_trainer(cfg, str(model_path), **kwargs)
-    from relax.train.group import TrainerGroup
-
-    plain = OmegaConf.to_container(cfg, resolve=True)  # picklable, no resolvers needed
-    return TrainerGroup(make_trainer, world_size, args=(plain, str(model_path)), kwargs=kwargs,
-                        log_dir=log_dir)
+def runs_in_driver(cfg) -> bool:
+    """Whether a single-rank trainer may run in the driver process (cluster=local): its class says
+    so (`runs_in_driver`; Megatron never: its CPU compatibility layer and global parallel state
+    must not leak into the driver), and NCCL weight sync does not need it in its own process (it
+    broadcasts while the driver waits on the engine)."""
+    return (cfg.parallel.world_size == 1 and getattr(load_target(cfg, "train"), "runs_in_driver", False)
+            and cfg.rollout.weight_update_mode != "distributed")

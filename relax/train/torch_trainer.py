@@ -48,6 +48,12 @@ class TorchTrainer(DistributedWeightSync):
         self.temperature = log_prob_temperature(cfg.rollout.temperature)
         torch.manual_seed(cfg.seed)
         self.model = load_causal_lm(Path(model_path), cfg.model.dtype)
+        for module in self.model.modules():
+            # HF builds nn.Embedding(padding_idx=pad_token_id), whose backward drops the pad
+            # row's gradient; the loss weights already mask padding, so a pad token the policy
+            # generated mid-response must train like any other token (as in train=megatron).
+            if isinstance(module, torch.nn.Embedding):
+                module.padding_idx = None
         ref = load_causal_lm(Path(ref_model_path or model_path), cfg.model.dtype)
         ref.requires_grad_(False)
         common.nudge_ulps(self.model.parameters(), cfg.parallel.noise_ulp, cfg.seed)
@@ -138,8 +144,15 @@ class TorchTrainer(DistributedWeightSync):
 
     # -- weights and checkpoints -------------------------------------------------------------
     def named_weights(self) -> dict[str, torch.Tensor]:
-        """Full tensors by HF name (collective under TP/FSDP; rank 0's result is used)."""
-        return {name: full_tensor(p.detach()).clone() for name, p in self.model.named_parameters()}
+        """Full tensors under the checkpoint's HF names (collective under TP/FSDP; rank 0's
+        result is used). transformers 5 loads some checkpoint tensors into one fused parameter
+        (an MoE layer's experts into 3-D `experts.gate_up_proj` / `experts.down_proj`); its own
+        conversion mapping, the one `save_pretrained` applies, turns them back into the
+        per-expert tensors that engines and checkpoints name."""
+        from transformers.core_model_loading import revert_weight_conversion
+
+        return revert_weight_conversion(self.model, {
+            name: full_tensor(p.detach()).clone() for name, p in self.model.named_parameters()})
 
     def save_checkpoint(self, path: str) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict

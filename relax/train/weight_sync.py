@@ -3,7 +3,7 @@
 Trainer rank 0 joins one extra process group per SGLang engine (rank 0 = trainer, ranks
 1..tp = the engine's workers) and broadcasts every HF-named tensor in the order
 `weight_metadata()` gave; the engine receives them with `update_weights_from_distributed`.
-The driver starts the broadcast on the trainer's ranks (`TrainerGroup.send`) and then
+The driver starts the broadcast on the trainer's ranks (`send`, relax/cluster/ranks.py) and then
 asks the engine to receive, since both sides block until the other arrives. Needs CUDA
 and NCCL: on CPU this mode is refused at start-up.
 """

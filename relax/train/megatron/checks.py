@@ -10,6 +10,7 @@ rank, after start-up.
 from __future__ import annotations
 
 from relax.errors import ConfigError
+from relax.model import families
 from relax.train.parallel import check_divides
 
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
@@ -41,7 +42,12 @@ def check_layout(p, hf: dict) -> None:
     if hf["num_hidden_layers"] % (p.pp * p.vpp):
         raise ConfigError(f"parallel={p.name}: {hf['num_hidden_layers']} layers do not split "
                           f"into pp={p.pp} x vpp={p.vpp} equal chunks")
-    experts = hf.get("num_experts") or 0
+    experts = families.num_experts(hf)
+    if experts and not all(families.moe_layers(hf)):
+        dense = [i for i, moe in enumerate(families.moe_layers(hf)) if not moe]
+        raise ConfigError(f"train=megatron builds every layer of an MoE model as an MoE layer; this "
+                          f"model's layers {dense} are dense (mlp_only_layers / decoder_sparse_step "
+                          f"in config.json): use train=torch")
     if p.ep > 1 and (not experts or experts % p.ep):
         raise ConfigError(f"parallel={p.name}: ep={p.ep} needs an MoE model whose expert count is "
                           f"divisible by it (this model has {experts} experts); try "

@@ -1,5 +1,5 @@
-"""HF <-> Megatron-core parameter conversion for Qwen2 / Llama (dense) and Qwen2-MoE
-(with its gated shared expert).
+"""HF <-> Megatron-core parameter conversion for every family of relax/model/families/
+(Llama, Qwen2, Qwen3 dense; Qwen2-MoE with its gated shared expert, Qwen3-MoE).
 
 No maintained bridge library supports megatron-core 0.16.1 with transformers 5 here, so
 the conversion is written out, one name rule per tensor kind:
@@ -22,6 +22,8 @@ EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc
 RENAMES = {  # Megatron (within a layer) -> HF (within a layer)
     "input_layernorm.weight": "input_layernorm.weight",
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",  # Qwen3's per-head q/k norm
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
     "mlp.router.weight": "mlp.gate.weight",
@@ -35,7 +37,7 @@ TOP = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
 
 
 class Heads:
-    """Head geometry of one HF config (Qwen2/Llama/Qwen2-MoE)."""
+    """Head geometry of one HF config."""
 
     def __init__(self, hf_config):
         self.heads = hf_config.num_attention_heads

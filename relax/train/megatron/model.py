@@ -1,6 +1,7 @@
-"""The Megatron-core model of an HF Qwen2 / Llama / Qwen2-MoE config (train=megatron).
+"""The Megatron-core model of an HF config of a supported family (relax/model/families/).
 
-`transformer_config` maps the HF config and the layout onto Megatron's TransformerConfig;
+`transformer_config` maps the HF config (through its family: biases, q/k norm, head_dim,
+MoE layout) and the layout onto Megatron's TransformerConfig;
 `build_chunks` builds GPTModel chunks (one per virtual pipeline stage) from local layer
 specs on CPU, Transformer Engine specs on GPU; `wrap_for_training` puts the actor into
 Megatron DDP with its optimizer (distributed optimizer and grad clipping included).
@@ -14,8 +15,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from relax.model import torch_dtype
-from relax.train.megatron.convert import Heads
+from relax.model import families, torch_dtype
 from relax.train.megatron.layout import Layout
 
 GPU = torch.cuda.is_available()
@@ -31,31 +31,38 @@ def deterministic_mode() -> None:
 
 
 def num_experts(hf) -> int:
-    return getattr(hf, "num_experts", 0) or 0
+    return families.num_experts(hf.to_dict())
+
+
+def moe_config(hf, family, train_cfg) -> dict:
+    """TransformerConfig's MoE fields for an MoE family (empty for a dense one)."""
+    if not family.moe:
+        return {}
+    # Qwen2-MoE's shared expert: sigmoid(x @ gate) * MLP(x), added to the experts'
+    shared = hf.shared_expert_intermediate_size if family.moe.shared_expert else 0
+    return dict(num_moe_experts=num_experts(hf), moe_router_topk=hf.num_experts_per_tok,
+                # HF: softmax over all experts, top-k, renormalise if norm_topk_prob;
+                # Megatron's default top-k-then-softmax is the renormalised case.
+                moe_router_pre_softmax=not hf.norm_topk_prob,
+                moe_ffn_hidden_size=hf.moe_intermediate_size, moe_router_load_balancing_type="none",
+                moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="alltoall",
+                moe_permute_fusion=train_cfg.moe_permute_fusion, moe_grouped_gemm=False,
+                moe_shared_expert_intermediate_size=shared or None, moe_shared_expert_gate=bool(shared))
 
 
 def transformer_config(hf, layout: Layout, train_cfg, dtype_name: str):
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnBackend
 
-    dtype, t = torch_dtype(dtype_name), train_cfg
-    moe = dict(num_moe_experts=num_experts(hf), moe_router_topk=hf.num_experts_per_tok,
-               # HF: softmax over all experts, top-k, renormalise if norm_topk_prob;
-               # Megatron's default top-k-then-softmax is the renormalised case.
-               moe_router_pre_softmax=not hf.norm_topk_prob,
-               moe_ffn_hidden_size=hf.moe_intermediate_size, moe_router_load_balancing_type="none",
-               moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="alltoall",
-               moe_permute_fusion=t.moe_permute_fusion, moe_grouped_gemm=False,
-               # Qwen2-MoE's shared expert: sigmoid(x @ gate) * MLP(x), added to the experts'
-               moe_shared_expert_intermediate_size=hf.shared_expert_intermediate_size or None,
-               moe_shared_expert_gate=bool(hf.shared_expert_intermediate_size)) if num_experts(hf) else {}
+    dtype, t, config_json = torch_dtype(dtype_name), train_cfg, hf.to_dict()
+    family = families.family_of(config_json)
     return TransformerConfig(
         num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size,
         num_attention_heads=hf.num_attention_heads, num_query_groups=hf.num_key_value_heads,
-        kv_channels=Heads(hf).head_dim, ffn_hidden_size=hf.intermediate_size,
+        kv_channels=families.head_dim(config_json), ffn_hidden_size=hf.intermediate_size,
         normalization="RMSNorm", layernorm_epsilon=hf.rms_norm_eps, gated_linear_unit=True,
         activation_func=F.silu, add_bias_linear=False,
-        add_qkv_bias=getattr(hf, "attention_bias", hf.model_type.startswith("qwen2")),
+        add_qkv_bias=families.qkv_bias(config_json), qk_layernorm=family.qk_norm,
         hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype, pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16, tensor_model_parallel_size=layout.tp_size,
         pipeline_model_parallel_size=layout.pp_size,
@@ -70,7 +77,7 @@ def transformer_config(hf, layout: Layout, train_cfg, dtype_name: str):
         deterministic_mode=t.deterministic,
         # no Transformer Engine on CPU
         attention_backend=AttnBackend[t.attention_backend] if GPU else AttnBackend.local,
-        **moe)
+        **moe_config(hf, family, t))
 
 
 def layer_spec(config, hf, vp_stage: int | None):
@@ -78,10 +85,12 @@ def layer_spec(config, hf, vp_stage: int | None):
     if GPU:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(num_experts=experts)
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=experts,
+                                                          qk_layernorm=config.qk_layernorm)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(num_experts=experts, normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(num_experts=experts, normalization="RMSNorm",
+                                    qk_layernorm=config.qk_layernorm)
     if config.context_parallel_size > 1:
         from relax.train.megatron.context_parallel import ContextParallelAttention
 
@@ -95,16 +104,21 @@ def layer_spec(config, hf, vp_stage: int | None):
 
     spec.submodules.input_layernorm = SequenceParallelRMSNorm
     spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+    if config.qk_layernorm:  # per head, on TP-sharded heads: its grads are summed over TP all the same
+        attention = spec.submodules.self_attention.submodules
+        attention.q_layernorm = attention.k_layernorm = SequenceParallelRMSNorm
     return TransformerBlockSubmodules(
         layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
         layer_norm=SequenceParallelRMSNorm)
 
 
 def build_chunks(config, hf, layout: Layout) -> list:
-    """This rank's model chunks, one per virtual pipeline stage (weights not loaded yet)."""
+    """This rank's model chunks, one per virtual pipeline stage (weights not loaded yet).
+    RoPE frequencies are transformers' own (Llama-3 scaling included: Megatron's hard-codes
+    an original context of 8192 instead of reading the config's)."""
     from megatron.core.models.gpt import GPTModel
 
-    rope = getattr(hf, "rope_parameters", None) or {}
+    inv_freq = families.hf_rotary(hf).inv_freq
     chunks = []
     for chunk in range(layout.vpp):
         vp_stage = chunk if layout.vpp > 1 else None
@@ -113,9 +127,8 @@ def build_chunks(config, hf, layout: Layout) -> list:
             vocab_size=hf.vocab_size, max_sequence_length=hf.max_position_embeddings,
             pre_process=layout.pre_process(chunk), post_process=layout.post_process(chunk),
             parallel_output=False, share_embeddings_and_output_weights=hf.tie_word_embeddings,
-            position_embedding_type="rope",
-            rotary_base=int(rope.get("rope_theta", getattr(hf, "rope_theta", 10000))),
-            vp_stage=vp_stage))
+            position_embedding_type="rope", vp_stage=vp_stage))
+        chunks[-1].rotary_pos_emb.inv_freq.copy_(inv_freq)
     return chunks
 
 

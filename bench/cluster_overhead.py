@@ -1,0 +1,118 @@
+"""What cluster=ray costs against cluster=local: start-up, time per rollout, memory.
+
+    python bench/cluster_overhead.py [--rollouts 6] [--repeats 2] [--layout single] [key=value ...]
+
+Runs the default job (GRPO on the tiny model, 32 prompts x 8 samples per rollout) through
+the real CLI, cluster=local and cluster=ray (a private Ray instance) in turn, `--repeats`
+times each, interleaved, and keeps each side's fastest run (timings on shared 2-core
+machines vary up to 3x, and noise only ever adds time). Measured from the run's own log:
+  start-up      launch -> rollout 0 begins (imports, model, Ray instance and actors)
+  per rollout   median time between consecutive `Finish rollout` lines (generate, train,
+                weight sync: the steady state)
+  memory        resident memory of the job's processes once rollout 1 is done: the driver,
+                its ranks or actors, and (cluster=ray) Ray's own processes
+Goals on 2 cores: start-up at most +10 s, per rollout at most +10 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+from relax.cluster.reaper import descendants
+
+
+def rss_mb(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+    except (OSError, StopIteration):
+        return 0.0
+
+
+def kind(pid: int, driver: int) -> str:
+    if pid == driver:
+        return "driver"
+    try:
+        with open(f"/proc/{pid}/cmdline") as f:
+            cmd = f.read().replace("\0", " ")
+    except OSError:
+        return "gone"
+    if cmd.startswith("ray::Host") or "relax-rank" in cmd or "multiprocessing.spawn" in cmd:
+        return "ranks/actors"
+    return "relax reaper" if "relax.cluster.reaper" in cmd else "ray itself"
+
+
+def finish_times(run: Path) -> list[float]:
+    """When each `Finish rollout` line was logged (right after that rollout's generation)."""
+    return [datetime.strptime(line[1:24], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            for line in (run / "relax.log").read_text().splitlines() if "] - Finish rollout " in line]
+
+
+def one_run(cluster: str, args, extra: list[str]) -> dict:
+    cwd = Path(tempfile.mkdtemp(prefix=f"relax-bench-{cluster}-"))
+    cmd = [sys.executable, "-m", "relax", f"cluster={cluster}", f"rollout.num_rollout={args.rollouts}",
+           f"parallel={args.layout}", "checkpoint.save_interval=null", "hydra.run.dir=run", *extra]
+    env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
+    launched = time.time()
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    memory: dict[str, float] = {}
+    metrics = cwd / "run" / "metrics.jsonl"
+    while proc.poll() is None:
+        rollouts = [r for r in (json.loads(x) for x in metrics.read_text().splitlines()) if "step" not in r] \
+            if metrics.is_file() else []
+        if len(rollouts) >= 2 and not memory:  # steady state: sample once
+            for pid in [proc.pid] + [p for p, _ in descendants(proc.pid)]:
+                k = kind(pid, proc.pid)
+                memory[k] = memory.get(k, 0.0) + rss_mb(pid)
+        time.sleep(0.2)
+    if proc.returncode != 0:
+        raise SystemExit(f"cluster={cluster} failed:\n{proc.stderr.read()[-3000:]}")
+    stamps = finish_times(cwd / "run")
+    first = next(r for r in map(json.loads, metrics.read_text().splitlines()) if "step" not in r)
+    return {"startup": stamps[0] - first["perf/rollout_time"] - launched,
+            "per_rollout": statistics.median(b - a for a, b in zip(stamps, stamps[1:])),
+            "memory": memory, "dir": str(cwd)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rollouts", type=int, default=6)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--layout", default="single", help="parallel=<layout> of both jobs")
+    args, extra = ap.parse_known_args()
+    runs = {"local": [], "ray": []}
+    for i in range(args.repeats):
+        for cluster in runs:
+            runs[cluster].append(one_run(cluster, args, extra))
+            r = runs[cluster][-1]
+            print(f"  {cluster:5s} #{i}: start-up {r['startup']:.1f} s, per rollout "
+                  f"{r['per_rollout']:.2f} s, memory {sum(r['memory'].values()):.0f} MB", flush=True)
+    best = {c: {"startup": min(r["startup"] for r in rs), "per_rollout": min(r["per_rollout"] for r in rs),
+                "memory": min((r["memory"] for r in rs), key=lambda m: sum(m.values()))}
+            for c, rs in runs.items()}
+    local, ray = best["local"], best["ray"]
+    print(f"\nparallel={args.layout}, {args.rollouts} rollouts of 32 prompts x 8 samples; "
+          f"best of {args.repeats}")
+    print(f"start-up:    local {local['startup']:.1f} s, ray {ray['startup']:.1f} s: "
+          f"+{ray['startup'] - local['startup']:.1f} s (goal <= +10 s), "
+          f"ratio {ray['startup'] / local['startup']:.2f}")
+    print(f"per rollout: local {local['per_rollout']:.2f} s, ray {ray['per_rollout']:.2f} s: ratio "
+          f"{ray['per_rollout'] / local['per_rollout']:.3f} (goal <= 1.10)")
+    for name, b in best.items():
+        parts = ", ".join(f"{k} {v:.0f} MB" for k, v in sorted(b["memory"].items()))
+        print(f"memory {name:5s}: {sum(b['memory'].values()):.0f} MB ({parts})")
+    print(f"the Ray instance itself: {ray['memory'].get('ray itself', 0):.0f} MB resident")
+
+
+if __name__ == "__main__":
+    main()

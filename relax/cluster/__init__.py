@@ -1,0 +1,85 @@
+"""Where trainer ranks and rollout engines run (conf/cluster/): local processes or Ray actors.
+
+`open_cluster(cfg, run_dir)` builds the class `cluster._target_` names, after its start-up
+checks (`check_config`); it starts nothing yet. Then
+  cluster.build(engine_spec, trainer_spec) -> (EngineGroup | None, trainer | None)
+  cluster.placement() -> where every rank and engine runs (for built.json)
+  cluster.close()     -> after the trainer and engines are shut down, also on errors
+cluster=local (LocalCluster): engines in the driver, trainer ranks as local processes
+(relax/cluster/ranks.py), a single-rank torch trainer in the driver itself; Ray is never
+imported. cluster=ray (relax/cluster/ray_cluster.py): every rank and engine is a Ray actor.
+The loop cannot tell which it got: both give the same trainer and engine interfaces.
+"""
+
+from __future__ import annotations
+
+import os
+
+from omegaconf import OmegaConf
+
+from relax.config import load_target
+
+
+def open_cluster(cfg, run_dir):
+    cluster = load_target(cfg, "cluster")
+    if hasattr(cluster, "check_config"):
+        cluster.check_config(cfg)
+    return cluster(cfg, run_dir)
+
+
+class LocalCluster:
+    def __init__(self, cfg, log_dir):
+        self.cfg, self.log_dir = cfg, str(log_dir) if log_dir else None
+        self.engines = self.trainer = None
+
+    def build(self, engine_spec: tuple | None, trainer_spec: tuple | None):
+        """engine_spec: (model_path, tokenizer); trainer_spec: (model_path, ref_model_path,
+        pad_token_id, save_train_data). Returns (engines, trainer), None for what is not asked."""
+        if engine_spec:
+            self.engines = self._engines(*engine_spec)
+        if trainer_spec:
+            self.trainer = self._trainer(*trainer_spec)
+        return self.engines, self.trainer
+
+    def _engines(self, model_path, tokenizer):
+        from relax.cluster.engines import EngineGroup, InDriver, make_engine
+        from relax.rollout import num_engines, uses_gpus
+
+        cfg, engines = self.cfg, []
+        tp = cfg.rollout.rollout_num_gpus_per_engine
+        devices = [f"cuda:{i * tp}" if uses_gpus(cfg) else "cpu" for i in range(num_engines(cfg))]
+        try:
+            for i in range(len(devices)):
+                engines.append(make_engine(cfg, model_path, tokenizer, base_gpu_id=i * tp))
+        except BaseException:
+            for engine in engines:
+                engine.shutdown()
+            raise
+        return EngineGroup(InDriver(engines, devices), cfg.rollout)
+
+    def _trainer(self, model_path, ref_model_path, pad_token_id, save_train_data):
+        from relax.train import make_trainer, runs_in_driver
+
+        cfg = self.cfg
+        kwargs = dict(ref_model_path=str(ref_model_path), pad_token_id=pad_token_id,
+                      save_train_data=save_train_data)
+        if runs_in_driver(cfg):
+            return make_trainer(cfg, str(model_path), **kwargs)
+        from relax.cluster.ranks import LocalRanks
+
+        plain = OmegaConf.to_container(cfg, resolve=True)  # picklable, no resolvers needed
+        return LocalRanks(make_trainer, cfg.parallel.world_size, args=(plain, str(model_path)),
+                          kwargs=kwargs, log_dir=self.log_dir, num_threads=cfg.train.num_threads)
+
+    def placement(self) -> dict:
+        if self.trainer is None or hasattr(self.trainer, "placement"):
+            ranks = self.trainer.placement() if self.trainer else []
+        else:  # the trainer runs in the driver
+            from relax.cluster.ranks import on_this_host
+
+            ranks = [{"rank": 0, **on_this_host(os.getpid(), "cpu")}]
+        return {"cluster": "local", "trainer_ranks": ranks,
+                "engines": self.engines.placement() if self.engines else []}
+
+    def close(self) -> None:
+        self.engines = self.trainer = None

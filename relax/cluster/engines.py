@@ -1,0 +1,136 @@
+"""N rollout engines behind the one-engine interface (relax/rollout/__init__.py).
+
+`EngineGroup` splits each rollout into contiguous shares, one per engine, and passes each
+share the index of its first sample, so every sample is drawn with its own seed whatever
+the engine count; weight sync and the engine-weights check reach every engine. The engines
+live in the driver (`InDriver`, cluster=local) or in Ray actors (`RayHosts`, cluster=ray):
+both run one method on every engine and return the results in engine order.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from omegaconf import DictConfig, OmegaConf
+
+from relax.cluster.ranks import RankError, on_this_host
+from relax.rollout import build_engine
+
+
+def make_engine(cfg, model_path, tokenizer, base_gpu_id: int = 0):
+    """Build one engine (in the driver or inside a Ray actor, from a plain config)."""
+    if not isinstance(cfg, DictConfig):
+        cfg = OmegaConf.create(cfg)
+    return build_engine(cfg, model_path, tokenizer, base_gpu_id)
+
+
+class InDriver:
+    """Engines as objects in the driver process."""
+
+    def __init__(self, engines: list, devices: list[str]):
+        self.engines, self.devices = engines, devices
+
+    def __len__(self) -> int:
+        return len(self.engines)
+
+    def map(self, method: str, args: list[tuple], engines: list[int] | None = None) -> list:
+        """`method(*args[k])` on engine engines[k] (default: engine k), results in that order."""
+        results = []
+        for i, a in zip(engines or range(len(args)), args, strict=True):
+            try:
+                results.append(getattr(self.engines[i], method)(*a))
+            except Exception as e:
+                e.add_note(f"in rollout engine {i} (in the driver: node {socket.gethostname()}, "
+                           f"pid {os.getpid()})")
+                raise
+        return results
+
+    def share(self, obj):
+        return obj
+
+    def placement(self) -> list[dict]:
+        return [{"engine": i, **on_this_host(os.getpid(), device)} for i, device in enumerate(self.devices)]
+
+    def kill(self) -> None:
+        self.engines = []
+
+
+def buckets(named: dict, limit_bytes: int) -> list[dict]:
+    out, size = [{}], 0
+    for name, tensor in named.items():
+        if out[-1] and size + tensor.nbytes > limit_bytes:
+            out.append({})
+            size = 0
+        out[-1][name] = tensor
+        size += tensor.nbytes
+    return out
+
+
+class EngineGroup:
+    """Rollout engine interface over N engines (InDriver or RayHosts)."""
+
+    def __init__(self, hosts, rollout_cfg):
+        self.hosts, self.rollout_cfg = hosts, rollout_cfg
+        self._sync_metadata = None  # (name, dtype, shape) of what NCCL weight sync broadcasts
+
+    @property
+    def num_engines(self) -> int:
+        return len(self.hosts)
+
+    def _all(self, method: str, *args) -> list:
+        return self.hosts.map(method, [args] * self.num_engines)
+
+    def generate(self, prompts: list[list[int]], sp, seed: int) -> list:
+        n, total = self.num_engines, len(prompts)
+        bounds = [total * i // n for i in range(n + 1)]  # contiguous: a GRPO group stays together
+        # the first share starts at sample 0: an engine that runs alone needs no first_index
+        shares = [(prompts[a:b], sp, seed, a) if a else (prompts[a:b], sp, seed)
+                  for a, b in zip(bounds, bounds[1:]) if b > a]
+        return [g for part in self.hosts.map("generate", shares) for g in part]
+
+    def update_weights(self, named: dict) -> None:
+        """Every engine gets the same weights. Through Ray's object store, tensors go in buckets
+        of rollout.weight_update_bucket_mb (each stored once, read by every engine); disk mode
+        writes one checkpoint directory, so it gets them all at once."""
+        whole = self.rollout_cfg.weight_update_mode == "disk" or isinstance(self.hosts, InDriver)
+        for bucket in [named] if whole else buckets(named, self.rollout_cfg.weight_update_bucket_mb * 2**20):
+            self._all("update_weights", self.hosts.share(bucket))
+
+    def update_weights_from_trainer(self, trainer) -> None:
+        """rollout.weight_update_mode=distributed (GPU): per engine, an NCCL group of trainer
+        rank 0 and the engine's workers at rank 0's node, over which rank 0 broadcasts. Both
+        sides block until the other arrives: the ranks are started first (`send`)."""
+        tp = self.rollout_cfg.rollout_num_gpus_per_engine
+        if self._sync_metadata is None:
+            self._sync_metadata = trainer.call("weight_metadata")
+            for i in range(self.num_engines):
+                host, port = trainer.rank0_address()
+                trainer.send("init_weight_sync_group", host, port, 1 + tp, f"relax_sync_{i}")
+                self.hosts.map("init_weight_sync", [(host, port, 1 + tp, f"relax_sync_{i}")], [i])
+                trainer.collect()
+        for i in range(self.num_engines):
+            trainer.send("broadcast_weights", f"relax_sync_{i}")
+            self.hosts.map("receive_weights", [(self._sync_metadata, f"relax_sync_{i}")], [i])
+            trainer.collect()
+
+    def each_named_tensors(self) -> list[dict]:
+        """Every engine's tensors by HF name (the engine-weights check compares each)."""
+        return self._all("named_tensors")
+
+    def release_memory_occupation(self) -> None:
+        self._all("release_memory_occupation")
+
+    def resume_memory_occupation(self) -> None:
+        self._all("resume_memory_occupation")
+
+    def placement(self) -> list[dict]:
+        return self.hosts.placement()
+
+    def shutdown(self) -> None:
+        try:
+            self._all("shutdown")
+        except RankError:  # an engine already failed, and that error is being raised
+            pass
+        finally:
+            self.hosts.kill()

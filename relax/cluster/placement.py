@@ -1,0 +1,159 @@
+"""Placement (cluster=ray): one Ray placement group per job, sized by the debug plan as slime
+sizes it (slime/ray/placement_group.py):
+
+    full run, separate    trainer ranks + engines          world_size + num_engines bundles
+    full run, colocated   rank i and engine i share one     max(world_size, num_engines) bundles
+    rollout_only          engines only (no trainer bundle)  num_engines bundles
+    train_only            trainer ranks only (no engine)    world_size bundles
+
+Once Ray has reserved the group, its bundles are ordered by node (IP, then node id) and
+device and handed out in that order, so rank 0 — whose node gives the rendezvous address —
+sits on the first node, and neighbouring ranks share a node where they can.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import time
+from dataclasses import dataclass
+
+from relax.errors import ConfigError
+
+log = logging.getLogger(__name__)
+STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+WAIT_LOG_S = 30  # how often a placement that is still waiting says what it misses
+
+
+class PlacementTimeout(RuntimeError):
+    """The cluster could not give the job its bundles within cluster.placement_timeout_s."""
+
+
+@dataclass
+class BundlePlan:
+    bundles: list[dict[str, float]]  # the resources of each bundle, in the order asked
+    roles: list[str]                 # each bundle's role: trainer, engine, or shared (colocated)
+    num_ranks: int
+    num_engines: int
+    rank_resources: dict[str, float]    # what a trainer rank's actor takes from its bundle
+    engine_resources: dict[str, float]  # what an engine's actor takes from its bundle
+
+    def assign(self, order: list[int]) -> tuple[list[int], list[int]]:
+        """The bundle of each rank and of each engine, handed out in `order`."""
+        def first(n, roles):
+            return [b for b in order if self.roles[b] in roles][:n]
+        return first(self.num_ranks, ("trainer", "shared")), first(self.num_engines, ("engine", "shared"))
+
+
+def _shape(cpus: float, gpus: float, custom) -> dict[str, float]:
+    return {k: float(v) for k, v in {"CPU": cpus, "GPU": gpus, **dict(custom)}.items() if v}
+
+
+def check_cluster(cfg) -> None:
+    """cluster=ray's start-up refusals (RayCluster.check_config), before Ray starts."""
+    c = cfg.cluster
+    if c.placement_strategy not in STRATEGIES:
+        raise ConfigError(f"cluster.placement_strategy={c.placement_strategy!r}: expected one of "
+                          f"{', '.join(STRATEGIES)}")
+    if not c.placement_timeout_s > 0:
+        raise ConfigError(f"cluster.placement_timeout_s={c.placement_timeout_s}: expected > 0")
+    for key in ("num_cpus_per_rank", "num_gpus_per_rank", "num_cpus_per_engine", "num_gpus_per_engine"):
+        if c[key] < 0:
+            raise ConfigError(f"cluster.{key}={c[key]}: expected >= 0")
+    for side in ("rank", "engine"):
+        if not _shape(c[f"num_cpus_per_{side}"], c[f"num_gpus_per_{side}"], c[f"resources_per_{side}"]):
+            raise ConfigError(f"cluster: a {side}'s bundle reserves nothing; set cluster.num_cpus_per_{side}")
+    tp = cfg.rollout.rollout_num_gpus_per_engine
+    if c.num_gpus_per_engine and c.num_gpus_per_engine != tp:
+        raise ConfigError(f"cluster.num_gpus_per_engine={c.num_gpus_per_engine} but each engine runs on "
+                          f"rollout.rollout_num_gpus_per_engine={tp} GPUs: make them equal")
+    if cfg.rollout.colocate and c.num_gpus_per_engine > max(c.num_gpus_per_rank, 1):
+        raise ConfigError(f"cluster=ray with rollout.colocate=true shares one GPU between rank i and "
+                          f"engine i; engines of {c.num_gpus_per_engine} GPUs need rollout.colocate=false")
+
+
+def plan_bundles(cfg, builds_train: bool, builds_rollout: bool, num_engines: int) -> BundlePlan:
+    """The bundles a job asks for and which bundle each rank and engine gets."""
+    c = cfg.cluster
+    rank = _shape(c.num_cpus_per_rank, c.num_gpus_per_rank, c.resources_per_rank)
+    engine = _shape(c.num_cpus_per_engine, c.num_gpus_per_engine, c.resources_per_engine)
+    world = cfg.parallel.world_size if builds_train else 0
+    engines = num_engines if builds_rollout else 0
+    if cfg.rollout.colocate and world and engines:
+        shared = {k: max(rank.get(k, 0.0), engine.get(k, 0.0)) for k in rank.keys() | engine.keys()}
+        half = lambda shape: {k: v / 2 for k, v in shape.items()}  # noqa: E731 (both fit in one bundle)
+        n = max(world, engines)
+        return BundlePlan([shared] * n, ["shared"] * n, world, engines, half(rank), half(engine))
+    return BundlePlan([rank] * world + [engine] * engines, ["trainer"] * world + ["engine"] * engines,
+                      world, engines, rank, engine)
+
+
+def describe(bundles: list[dict[str, float]]) -> str:
+    counts: dict[str, int] = {}
+    for b in bundles:
+        key = "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(b.items())) + "}"
+        counts[key] = counts.get(key, 0) + 1
+    return " + ".join(f"{n} x {k}" for k, n in counts.items())
+
+
+def offered() -> str:
+    """What the cluster has, in all and free, per node."""
+    import ray
+
+    nodes = [n for n in ray.nodes() if n["Alive"]]
+    per_node = "; ".join(
+        f"{n['NodeManagerAddress']} ({n['NodeID'][:8]}): " + ", ".join(
+            f"{k} {v:g}" for k, v in sorted(n["Resources"].items())
+            if k in ("CPU", "GPU") or not k.startswith(("node:", "memory", "object_store")))
+        for n in nodes)
+    free = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
+    return f"{len(nodes)} node(s): {per_node}; free now: {free}"
+
+
+def reserve(plan: BundlePlan, strategy: str, timeout_s: float):
+    """Create the placement group and wait for it (logging what is missing every 30 s); then
+    order its bundles by node and device. Returns (group, order, bundle_nodes)."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    group = placement_group(plan.bundles, strategy=strategy)
+    asked = f"{describe(plan.bundles)} ({strategy})"
+    start = time.monotonic()
+    while not group.wait(min(WAIT_LOG_S, max(timeout_s - (time.monotonic() - start), 0.1))):
+        waited = time.monotonic() - start
+        if waited >= timeout_s:
+            remove_placement_group(group)
+            raise PlacementTimeout(
+                f"cluster.placement_timeout_s={timeout_s:g}: Ray could not place this job's bundles: "
+                f"asked for {asked}; the cluster offers {offered()}")
+        log.info("Waiting %.0f s for Ray to place %s; the cluster offers %s", waited, asked, offered())
+    return group, *order_bundles(group, plan.bundles)
+
+
+def order_bundles(group, bundles) -> tuple[list[int], list[dict]]:
+    """Bundle indices sorted by (node IP, node id, device), and where each bundle landed."""
+    import ray
+    from ray.util import placement_group_table
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    node_of = placement_group_table(group)["bundles_to_node_id"]
+    ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    devices = ["cpu"] * len(bundles)
+    gpu_bundles = [i for i, b in enumerate(bundles) if b.get("GPU")]
+    if gpu_bundles:  # which GPUs each bundle holds, asked from inside it (as slime does)
+        probe = ray.remote(num_cpus=0, num_gpus=0.01)(lambda: [int(g) for g in ray.get_gpu_ids()])
+        found = ray.get([probe.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=group, placement_group_bundle_index=i)).remote() for i in gpu_bundles])
+        for i, gpus in zip(gpu_bundles, found, strict=True):
+            devices[i] = ",".join(f"cuda:{g}" for g in gpus)
+
+    def key(i):
+        ip = ips.get(node_of[i], "")
+        try:
+            ip_key = tuple(ipaddress.ip_address(ip).packed)
+        except ValueError:
+            ip_key = tuple(map(ord, ip))
+        return ip_key, node_of[i], devices[i]
+
+    where = [{"bundle": i, "node_id": node_of[i], "node_ip": ips.get(node_of[i]), "device": devices[i],
+              "resources": bundles[i]} for i in range(len(bundles))]
+    return sorted(range(len(bundles)), key=key), where

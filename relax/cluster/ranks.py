@@ -1,0 +1,212 @@
+"""A trainer of N ranks behind one handle: the driver calls methods, every rank runs them.
+
+The RankGroup contract, which `LocalRanks` (processes on this host) and `RayRanks` (Ray
+actors, relax/cluster/ray_cluster.py) both keep, so the loop cannot tell them apart:
+  call(method, *args)      every rank runs the trainer's method (SPMD); rank 0's result
+  send(...) / collect()    the same in two halves (start on every rank, then wait)
+  rank0_address()          (host, free port) on rank 0's node, for a process group with it
+  train / named_weights / save_checkpoint / load_checkpoint / shutdown
+  placement()              where each rank runs: node, bundle, device, pid (built.json)
+An error on any rank stops the whole group and is raised in the driver as `RankError`,
+naming the rank, its node and pid, with the rank's traceback. Ranks die with the job: on
+shutdown, on error, on Ctrl-C (the driver's `finally`), and when the driver itself dies.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import logging
+import os
+import signal
+import socket
+import sys
+import traceback
+from multiprocessing.connection import wait
+
+import torch.multiprocessing as mp
+
+from relax import faults
+from relax.distributed import free_port
+
+log = logging.getLogger(__name__)
+
+
+class RankError(RuntimeError):
+    """A trainer rank or rollout engine failed or died; the message says which, where, and why."""
+
+
+def local_device(index: int) -> str:
+    import torch
+
+    return f"cuda:{index}" if torch.cuda.is_available() else "cpu"
+
+
+def on_this_host(pid: int, device: str) -> dict:
+    """Where a local rank or engine runs, in the keys a Ray actor's record has (built.json)."""
+    return {"node_id": socket.gethostname(), "node_ip": "127.0.0.1", "bundle": None, "device": device,
+            "pid": pid}
+
+
+def start_rank(rank: int, world_size: int, address: str, port: int, log_dir: str | None,
+               num_threads: int, device_index: int) -> None:
+    """What every trainer rank does first, wherever it runs: logs, threads, its device, and
+    the gloo process group with rendezvous at rank 0's node (address:port)."""
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints a hung rank's stacks
+    os.environ.update(MASTER_ADDR=address, MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(device_index), WORLD_SIZE=str(world_size))
+    log_file = os.path.join(log_dir, f"rank{rank}.log") if log_dir and os.path.isdir(log_dir) else None
+    logging.basicConfig(
+        level=logging.INFO, format=f"[%(asctime)s][rank{rank}][%(name)s] %(message)s",
+        handlers=[logging.FileHandler(log_file)] if log_file else None, force=True)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(num_threads)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(device_index)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+
+
+def run_method(trainer, rank: int, method: str, args, kwargs):
+    """One call on one rank (`sigkill_rank:<rank>:<rollout_id>`: the test fault of a rank
+    killed with SIGKILL as its train step for that rollout starts)."""
+    if method == "train" and faults.active(f"sigkill_rank:{rank}:{args[0]}"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return getattr(trainer, method)(*args, **kwargs)
+
+
+def _die_with_parent() -> None:
+    try:  # Linux: SIGTERM this rank when the driver process dies, however it dies
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _rank_main(conn, rank, world_size, port, factory, args, kwargs, log_dir, num_threads):
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every process: the driver stops the ranks
+    start_rank(rank, world_size, "127.0.0.1", port, log_dir, num_threads, rank)
+    import torch.distributed as dist
+
+    try:
+        trainer = factory(*args, rank=rank, world_size=world_size, **kwargs)
+        conn.send(("ok", None))
+        while True:
+            method, a, kw = conn.recv()
+            result = run_method(trainer, rank, method, a, kw)
+            conn.send(("ok", result if rank == 0 else None))
+            if method == "shutdown":
+                break
+    except EOFError:  # the driver went away
+        pass
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+class RankGroup:
+    """The trainer interface over ranks; subclasses give send, collect, rank0_address,
+    placement and shutdown."""
+
+    def call(self, method: str, *args, **kwargs):
+        self.send(method, *args, **kwargs)
+        return self.collect()
+
+    def train(self, rollout_id, samples):
+        return self.call("train", rollout_id, samples)
+
+    def named_weights(self):
+        return self.call("named_weights")
+
+    def save_checkpoint(self, path):
+        return self.call("save_checkpoint", path)
+
+    def load_checkpoint(self, path):
+        return self.call("load_checkpoint", path)
+
+
+class LocalRanks(RankGroup):
+    """One spawned process per rank on this host (torch.multiprocessing, gloo on 127.0.0.1)."""
+
+    def __init__(self, factory, world_size: int, args=(), kwargs=None, log_dir: str | None = None,
+                 num_threads: int = 1):
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self.conns, self.procs, self.busy = [], [], True
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_rank_main, daemon=True, name=f"relax-rank{rank}",
+                               args=(child, rank, world_size, port, factory, args,
+                                     kwargs or {}, log_dir, num_threads))
+            proc.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(proc)
+        self.pids = [p.pid for p in self.procs]
+        self._collect()
+
+    def _where(self, rank: int) -> str:
+        return f"node {socket.gethostname()}, pid {self.pids[rank]}"
+
+    def _collect(self):
+        results: list = [None] * len(self.conns)
+        pending = dict(enumerate(self.conns))
+        while pending:
+            for conn in wait(list(pending.values())):
+                rank = next(r for r, c in pending.items() if c is conn)
+                try:
+                    status, payload = conn.recv()
+                except EOFError:
+                    self.procs[rank].join(timeout=5)
+                    exitcode = self.procs[rank].exitcode
+                    self.kill()
+                    raise RankError(f"trainer rank {rank} ({self._where(rank)}) died (exit code "
+                                    f"{exitcode}); see its rank{rank}.log") from None
+                if status == "error":
+                    self.kill()
+                    raise RankError(f"trainer rank {rank} ({self._where(rank)}) failed:\n{payload}")
+                results[rank] = payload
+                del pending[rank]
+        self.busy = False
+        return results[0]
+
+    def send(self, method: str, *args, **kwargs) -> None:
+        """Start `method` on every rank without waiting (pair with `collect`)."""
+        self.busy = True
+        for conn in self.conns:
+            conn.send((method, args, kwargs))
+
+    def collect(self):
+        """Wait for the method `send` started; rank 0's result."""
+        return self._collect()
+
+    def rank0_address(self) -> tuple[str, int]:
+        return "127.0.0.1", free_port()
+
+    def placement(self) -> list[dict]:
+        return [{"rank": r, **on_this_host(pid, local_device(r))} for r, pid in enumerate(self.pids)]
+
+    def shutdown(self):
+        if not self.busy and any(p.is_alive() for p in self.procs):  # busy: aborted mid-call (Ctrl-C twice)
+            try:
+                self.call("shutdown")
+            except (RankError, BrokenPipeError, OSError):
+                pass
+        self.kill()
+
+    def kill(self):
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.terminate()
+        for proc in self.procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self.conns:
+            conn.close()
+        self.conns, self.procs = [], [p for p in self.procs if p.is_alive()]
+        if self.procs:
+            print(f"relax: could not stop {len(self.procs)} trainer ranks", file=sys.stderr)

@@ -1,0 +1,310 @@
+"""cluster=ray: trainer ranks and rollout engines as Ray actors in one placement group.
+
+`RayCluster.build` connects (a private instance for the job, or `cluster.address`), reserves
+the placement group (relax/cluster/placement.py), starts one `Host` actor per trainer rank
+and per engine — all at once, since each pays its own imports — and builds the trainer and
+the engines inside them. `RayRanks` keeps the RankGroup contract of relax/cluster/ranks.py;
+`RayHosts` is what EngineGroup (relax/cluster/engines.py) drives. An actor's error or death
+is raised in the driver naming the rank or engine, its node and pid, with its traceback.
+Actors belong to the driver: Ray kills them when it disconnects or dies, and a private
+instance is stopped at the end, by the driver or, if it was killed, by the reaper.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import signal
+import socket
+import time
+import traceback
+
+import ray
+from omegaconf import OmegaConf
+from ray.util.placement_group import remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from relax.cluster.engines import EngineGroup, make_engine
+from relax.cluster.placement import check_cluster, plan_bundles, reserve
+from relax.cluster.ranks import RankError, RankGroup, run_method, start_rank
+from relax.cluster.reaper import Reaper, descendants, now_ticks
+from relax.distributed import free_port
+from relax.errors import CheckFailed, ConfigError, ReplayError
+from relax.rollout import num_engines
+from relax.train import make_trainer
+
+log = logging.getLogger(__name__)
+USER_ERRORS = (ConfigError, ReplayError, CheckFailed)  # re-raised as themselves, not as RankError
+
+
+class Host:
+    """Inside a Ray actor: one trainer rank or one engine. Builds its object, runs calls on it."""
+
+    def __init__(self, role: str, index: int, num_threads: int):
+        import torch
+
+        self.role, self.index, self.obj = role, index, None
+        faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints a hung actor's stacks
+        torch.set_num_threads(num_threads)
+
+    def where(self) -> tuple:
+        gpus = ray.get_gpu_ids()
+        return _guarded(lambda: {
+            "node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address(),
+            "pid": os.getpid(), "device": ",".join(f"cuda:{g}" for g in gpus) if gpus else "cpu"})
+
+    def address(self) -> tuple[str, int]:
+        """This node's address and a port free on it (rank 0: the rendezvous)."""
+        return ray.util.get_node_ip_address(), free_port()
+
+    def build(self, factory, args, kwargs, rank_setup: dict | None = None):
+        def build():
+            if rank_setup:
+                start_rank(**rank_setup)
+            self.obj = factory(*args, **kwargs)
+        return _guarded(build)
+
+    def call(self, method: str, args, kwargs, keep_result: bool = True):
+        def call():
+            # a shared object (weights put once into Ray's object store, read by every engine)
+            a = [ray.get(x) if isinstance(x, ray.ObjectRef) else x for x in args]
+            result = run_method(self.obj, self.index, method, a, kwargs) if self.role == "trainer rank" \
+                else getattr(self.obj, method)(*a, **kwargs)
+            return result if keep_result else None
+        return _guarded(call)
+
+
+def _guarded(fn) -> tuple:
+    """("ok", result), or ("error", the traceback, the exception if it is a user error)."""
+    try:
+        return "ok", fn()
+    except Exception as e:
+        return "error", traceback.format_exc(), e if isinstance(e, USER_ERRORS) else None
+
+
+class RayHosts:
+    """A list of Host actors: run one method on several of them, raise the first failure."""
+
+    def __init__(self, role: str, actors: list, bundles: list[int]):
+        self.role, self.actors, self.bundles = role, actors, bundles
+        self.where: list[dict] = []
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+    def _describe(self, i: int) -> str:
+        w = self.where[i] if i < len(self.where) else {}
+        return f"node {w.get('node_ip', '?')} ({w.get('node_id', '?')[:8]}), pid {w.get('pid', '?')}"
+
+    def send(self, method: str, args: list[tuple], engines: list[int] | None = None) -> list:
+        return [self.actors[i].call.remote(method, a, {})
+                for i, a in zip(engines or range(len(args)), args, strict=True)]
+
+    def collect(self, refs: list, engines: list[int] | None = None) -> list:
+        """Results in order; on the first error or death, every actor is stopped and it is raised."""
+        engines = engines or list(range(len(refs)))
+        pending, results = {ref: k for k, ref in enumerate(refs)}, [None] * len(refs)
+        while pending:
+            (ref,), _ = ray.wait(list(pending), num_returns=1)
+            k = pending.pop(ref)
+            where = f"{self.role} {engines[k]} ({self._describe(engines[k])})"
+            try:
+                reply = ray.get(ref)
+            except ray.exceptions.RayActorError as e:
+                self.kill()
+                reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise RankError(f"{where} died: {reason}. Its log: `ray logs` on that node, or the "
+                                f"driver's output") from None
+            if reply[0] == "error":
+                self.kill()
+                if reply[2] is not None:  # a user error: raised as itself
+                    reply[2].add_note(f"in {where}")
+                    raise reply[2]
+                raise RankError(f"{where} failed:\n{reply[1]}")
+            results[k] = reply[1]
+        return results
+
+    def map(self, method: str, args: list[tuple], engines: list[int] | None = None) -> list:
+        return self.collect(self.send(method, args, engines), engines)
+
+    def share(self, obj):
+        return ray.put(obj)
+
+    def placement(self) -> list[dict]:
+        key = "rank" if self.role == "trainer rank" else "engine"
+        return [{key: i, "bundle": b, **w}
+                for i, (b, w) in enumerate(zip(self.bundles, self.where, strict=True))]
+
+    def kill(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        self.actors = []
+
+
+class RayRanks(RankGroup):
+    """The RankGroup contract (relax/cluster/ranks.py) over Host actors."""
+
+    def __init__(self, hosts: RayHosts):
+        self.hosts, self._refs, self.busy = hosts, [], False
+
+    def send(self, method: str, *args, **kwargs) -> None:
+        self.busy = True
+        self._refs = [actor.call.remote(method, args, kwargs, rank == 0)
+                      for rank, actor in enumerate(self.hosts.actors)]
+
+    def collect(self):
+        result = self.hosts.collect(self._refs)[0]
+        self.busy = False
+        return result
+
+    def rank0_address(self) -> tuple[str, int]:
+        return ray.get(self.hosts.actors[0].address.remote())
+
+    def placement(self) -> list[dict]:
+        return self.hosts.placement()
+
+    def shutdown(self):
+        if self.hosts.actors and not self.busy:  # busy: aborted mid-call (Ctrl-C twice): kill at once
+            try:
+                self.call("shutdown")
+            except RankError:
+                pass
+        self.hosts.kill()
+
+
+def check_reachable(address: str) -> None:
+    """Fail within seconds, naming the address, where ray.init would retry for minutes. `auto`
+    is what Ray would pick (RAY_ADDRESS, else the last cluster `ray start` recorded), which may
+    be a cluster that has since stopped."""
+    if "://" in address:  # Ray Client: ray.init reports it
+        return
+    from ray._private.services import canonicalize_bootstrap_address
+
+    try:
+        resolved = canonicalize_bootstrap_address(address)
+    except (ConnectionError, ValueError) as e:
+        raise ConfigError(f"cluster.address={address}: {e}") from None
+    host, _, port = resolved.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=10).close()
+    except (OSError, ValueError) as e:
+        where = address if resolved == address else f"{address} ({resolved})"
+        raise ConfigError(f"cluster.address={where}: no Ray cluster answers there ({e}). Start one with "
+                          f"`ray start --head`, or use cluster.address=null for a private instance") from None
+
+
+class RayCluster:
+    check_config = staticmethod(check_cluster)
+
+    def __init__(self, cfg, log_dir):
+        self.cfg, self.log_dir = cfg, str(log_dir)
+        self.connected = self.owned = self.private = False  # owned: ray.init was ours to undo
+        self.reaper = self.group = None
+        self.hosts: list[RayHosts] = []
+        self.bundle_where: list[dict] = []
+
+    def _connect(self, needs: dict[str, float]) -> None:
+        c = self.cfg.cluster
+        runtime_env = OmegaConf.to_container(c.runtime_env, resolve=True) or None
+        if ray.is_initialized():  # inside a Ray task (e.g. a sweep on Ray): use its cluster
+            log.info("Already connected to Ray: this job's actors join that cluster")
+            self.connected = True
+            return
+        if c.address is None:  # a new private instance (even where RAY_ADDRESS is set), sized to fit the job
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+            self.reaper, self.since = Reaper(), now_ticks()
+            custom = {k: v for k, v in needs.items() if k not in ("CPU", "GPU")}
+            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(-(-needs.get("CPU", 0) // 1))),
+                     resources=custom or None, include_dashboard=False, runtime_env=runtime_env,
+                     logging_level=logging.WARNING)
+            self.reaper.watch(descendants(os.getpid(), self.since))  # and again once the actors run
+            self.private = True
+        else:
+            check_reachable(c.address)
+            try:
+                ray.init(address=c.address, runtime_env=runtime_env, logging_level=logging.WARNING)
+            except ConnectionError as e:
+                raise ConfigError(f"cluster.address={c.address}: {e}") from None
+        self.connected = self.owned = True
+        log.info("Ray %s at %s (%s)", ray.__version__, ray.get_runtime_context().gcs_address,
+                 "private instance" if self.private else "joined")
+
+    def build(self, engine_spec: tuple | None, trainer_spec: tuple | None):
+        """Start every engine and trainer rank (engine_spec: model_path, tokenizer; trainer_spec:
+        model_path, ref_model_path, pad_token_id, save_train_data); returns (engines, trainer)."""
+        cfg = self.cfg
+        plan = plan_bundles(cfg, trainer_spec is not None, engine_spec is not None, num_engines(cfg))
+        needs: dict[str, float] = {}
+        for bundle in plan.bundles:
+            for k, v in bundle.items():
+                needs[k] = needs.get(k, 0) + v
+        self._connect(needs)
+        t0 = time.perf_counter()
+        self.group, order, self.bundle_where = reserve(plan, cfg.cluster.placement_strategy,
+                                                       cfg.cluster.placement_timeout_s)
+        rank_bundles, engine_bundles = plan.assign(order)
+        threads = cfg.train.num_threads
+        plain = OmegaConf.to_container(cfg, resolve=True)
+        ranks = self._start("trainer rank", rank_bundles, plan.rank_resources, threads)
+        engines = self._start("rollout engine", engine_bundles, plan.engine_resources, threads)
+        started = [(hosts, [a.where.remote() for a in hosts.actors]) for hosts in (ranks, engines)]
+        for hosts, refs in started:  # every actor starts at once; this waits for them all
+            hosts.where = hosts.collect(refs)
+        builds = []
+        if engines.actors:
+            model_path, tokenizer = engine_spec
+            args = [(make_engine, (plain, model_path, tokenizer), {"base_gpu_id": 0})] * len(engines)
+            builds.append((engines, [a.build.remote(*x) for a, x in zip(engines.actors, args, strict=True)]))
+        if ranks.actors:
+            model_path, ref_model_path, pad_token_id, save_train_data = trainer_spec
+            address, port = ray.get(ranks.actors[0].address.remote())
+            kwargs = dict(ref_model_path=str(ref_model_path), pad_token_id=pad_token_id,
+                          save_train_data=save_train_data, world_size=len(ranks))
+            builds.append((ranks, [actor.build.remote(
+                make_trainer, (plain, str(model_path)), {**kwargs, "rank": r},
+                dict(rank=r, world_size=len(ranks), address=address, port=port, log_dir=self.log_dir,
+                     num_threads=threads, device_index=0)) for r, actor in enumerate(ranks.actors)]))
+        for hosts, refs in builds:
+            hosts.collect(refs)  # on an error: its actors stopped here, the others by close()
+        if self.reaper:  # Ray's agents may start after ray.init returns
+            self.reaper.watch(descendants(os.getpid(), self.since))
+        log.info("Ray actors ready in %.1f s: %d trainer rank(s), %d engine(s)", time.perf_counter() - t0,
+                 len(ranks), len(engines))
+        return (EngineGroup(engines, cfg.rollout) if engines.actors else None,
+                RayRanks(ranks) if ranks.actors else None)
+
+    def _start(self, role: str, bundles: list[int], resources: dict, threads: int) -> RayHosts:
+        options = dict(num_cpus=resources.get("CPU", 0), num_gpus=resources.get("GPU", 0),
+                       resources={k: v for k, v in resources.items() if k not in ("CPU", "GPU")},
+                       max_restarts=0)
+        actors = [ray.remote(Host).options(**options, scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=self.group, placement_group_bundle_index=b)).remote(role, i, threads)
+            for i, b in enumerate(bundles)]
+        hosts = RayHosts(role, actors, bundles)
+        self.hosts.append(hosts)
+        return hosts
+
+    def placement(self) -> dict:
+        c = self.cfg.cluster
+        ranks, engines = self.hosts or (None, None)
+        address = ray.get_runtime_context().gcs_address if self.connected else None
+        return {"cluster": "ray", "address": address,
+                "private_instance": self.private, "strategy": c.placement_strategy,
+                "bundles": self.bundle_where, "trainer_ranks": ranks.placement() if ranks else [],
+                "engines": engines.placement() if engines else []}
+
+    def close(self) -> None:
+        for hosts in self.hosts:
+            hosts.kill()
+        if self.group is not None:
+            try:
+                remove_placement_group(self.group)
+            except Exception as e:  # Ray already gone (e.g. Ctrl-C reached it first)
+                log.warning("Could not remove the placement group: %s", e)
+        if self.owned:
+            ray.shutdown()
+        if self.reaper:
+            self.reaper.release()
+        self.connected = self.owned = False
+        self.group = self.reaper = None

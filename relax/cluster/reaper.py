@@ -1,0 +1,109 @@
+"""Stops a job's private Ray instance even when the driver cannot (kill -9, a crash).
+
+Ray starts its GCS, raylet and friends as children of the driver with a parent-death signal,
+but the raylet's agents (dashboard and runtime-env agents) outlive a killed driver by a
+minute or more. The driver therefore starts this small process (`Reaper`), tells it the pid
+and start time of every process of its private instance, and closes the pipe when it has
+stopped Ray. When the pipe closes — because the driver finished, or because it died — the
+reaper stops whatever is still alive of those processes (SIGTERM, then SIGKILL) and exits.
+A process whose start time differs is a new one that reused the pid, and is left alone.
+Linux only (it reads /proc); elsewhere nothing is started.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+
+def start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (/proc/<pid>/stat field 22)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else int(fields[19])  # a zombie has already exited
+
+
+def descendants(root: int, since_ticks: int = 0) -> list[tuple[int, int]]:
+    """(pid, start time) of every live descendant of `root` started at or after `since_ticks`."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rpartition(")")[2].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, stack = [], list(children.get(root, []))
+    while stack:
+        pid = stack.pop()
+        stack.extend(children.get(pid, []))
+        started = start_time(pid)
+        if started is not None and started >= since_ticks:
+            found.append((pid, started))
+    return found
+
+
+def now_ticks() -> int:
+    """This moment, in the clock ticks of /proc start times."""
+    with open("/proc/uptime") as f:
+        return int(float(f.read().split()[0]) * os.sysconf("SC_CLK_TCK"))
+
+
+def stop(processes: dict[int, int], grace_s: float = 5.0) -> None:
+    def alive():
+        return [pid for pid, started in processes.items() if start_time(pid) == started]
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in alive():
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+        deadline = time.monotonic() + grace_s
+        while alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+
+class Reaper:
+    """The driver's side: start the reaper, tell it about processes, release it at the end."""
+
+    def __init__(self):
+        self.proc = None
+        if sys.platform == "linux":
+            self.proc = subprocess.Popen([sys.executable, "-m", "relax.cluster.reaper"],
+                                         stdin=subprocess.PIPE, text=True, start_new_session=True)
+
+    def watch(self, processes: list[tuple[int, int]]) -> None:
+        if self.proc:
+            self.proc.stdin.write("".join(f"{pid} {started}\n" for pid, started in processes))
+            self.proc.stdin.flush()
+
+    def release(self, wait_s: float = 15.0) -> None:
+        """Stop what is left of the watched processes now (the driver stopped Ray first)."""
+        if self.proc:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                pass
+            self.proc = None
+
+
+def main() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C of the job must not stop the reaper
+    processes: dict[int, int] = {}
+    for line in sys.stdin:  # until the driver closes the pipe or dies
+        pid, started = map(int, line.split())
+        processes[pid] = started
+    stop(processes)
+
+
+if __name__ == "__main__":
+    main()

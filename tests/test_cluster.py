@@ -1,0 +1,289 @@
+"""cluster=local vs cluster=ray (relax/cluster/): placement, engines, equal numbers, failures.
+
+The Ray tests share one real two-node cluster (`ray.cluster_utils.Cluster`: two raylets on
+this machine, 2 CPUs each; node A carries the custom resource `trainer`, node B `rollout`)
+and run the loop in-process against it with `cluster.address`; only the tests about a
+private instance start their own. Rollouts are tiny: 4 prompts x 4 samples.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from relax.logger import read_metrics
+
+from .conftest import REPO, make_cfg, only_run_dir, relax_cli, run_loop
+
+TINY = ["rollout.num_rollout=2", "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4",
+        "checkpoint.save_interval=null"]
+TRAIN = ["train.micro_batch_size=8"]
+
+
+def placement(run_dir) -> dict:
+    return json.loads((run_dir / "built.json").read_text())["placement"]
+
+
+def alive(pid: int) -> bool:
+    from relax.cluster.reaper import start_time
+
+    return start_time(pid) is not None
+
+
+def wait_gone(pids, seconds: float) -> list[int]:
+    deadline = time.time() + seconds
+    while time.time() < deadline and any(map(alive, pids)):
+        time.sleep(0.2)
+    return [p for p in pids if alive(p)]
+
+
+def first_step(run_dir) -> dict:
+    return torch.load(run_dir / "first_step_log_probs.pt", weights_only=True)
+
+
+def assert_same_training(run, reference, logprob_atol: float, grad_rtol: float):
+    """`relax compare`'s criteria: first-step per-token log-probs, loss and grad_norm per step."""
+    a, b = first_step(run), first_step(reference)
+    assert sorted(a) == sorted(b) and len(a) == 16
+    worst = max((torch.tensor(a[i]) - torch.tensor(b[i])).abs().max().item() for i in a)
+    assert worst <= logprob_atol, worst
+    (_, steps), (_, ref_steps) = read_metrics(run), read_metrics(reference)
+    assert len(steps) == len(ref_steps) == 4  # 2 rollouts x 2 steps
+    for s, r in zip(steps, ref_steps, strict=True):
+        assert abs(s["train/grad_norm"] - r["train/grad_norm"]) <= grad_rtol * r["train/grad_norm"]
+        assert abs(s["train/loss"] - r["train/loss"]) <= 1e-5
+
+
+# -- no Ray ----------------------------------------------------------------------------------
+
+def test_placement_follows_the_debug_plan():
+    from relax.cluster.placement import plan_bundles
+
+    cfg = make_cfg("parallel=dp2", "cluster=ray", "cluster.num_cpus_per_engine=2")
+    separate = plan_bundles(cfg, True, True, num_engines=3)
+    assert separate.bundles == [{"CPU": 1.0}] * 2 + [{"CPU": 2.0}] * 3
+    # bundles come back from Ray sorted by node: ranks and engines keep their own bundles
+    assert separate.assign([4, 0, 2, 1, 3]) == ([0, 1], [4, 2, 3])
+    rollout_only = plan_bundles(cfg, False, True, num_engines=3)
+    assert rollout_only.bundles == [{"CPU": 2.0}] * 3 and rollout_only.assign([2, 1, 0]) == ([], [2, 1, 0])
+    train_only = plan_bundles(cfg, True, False, num_engines=3)
+    assert train_only.bundles == [{"CPU": 1.0}] * 2 and train_only.assign([1, 0]) == ([1, 0], [])
+    colocated = plan_bundles(make_cfg("parallel=dp2", "cluster=ray", "cluster.num_gpus_per_rank=1",
+                                      "rollout.colocate=true"), True, True, num_engines=3)
+    assert colocated.bundles == [{"CPU": 1.0, "GPU": 1.0}] * 3  # max(2 ranks, 3 engines), shared
+    assert colocated.rank_resources == {"CPU": 0.5, "GPU": 0.5}
+    assert colocated.assign([2, 0, 1]) == ([2, 0], [2, 0, 1])
+
+
+@pytest.mark.parametrize("override,message", [
+    ("cluster.placement_strategy=RANDOM", "cluster.placement_strategy='RANDOM'"),
+    ("cluster.num_cpus_per_engine=0", "set cluster.num_cpus_per_engine"),
+    ("cluster.num_gpus_per_engine=2", "rollout.rollout_num_gpus_per_engine=1"),
+])
+def test_bad_cluster_keys_fail_before_anything_starts(tmp_path, override, message):
+    from relax.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        run_loop(tmp_path, *TINY, "cluster=ray", override)
+    assert not (tmp_path / "built.json").exists()
+
+
+def test_samples_do_not_depend_on_the_engine_count(tiny_path, tokenizer):
+    """The same seed gives the same samples from 1, 2 or 3 engines: each sample draws its own
+    uniforms (seeded by run seed, rollout id and sample index) and picks its token by inverse
+    CDF. Log-probs are compared with a tolerance: a row's logits may differ in the last bits
+    when the batch around it differs (CPU matmul blocking, left padding). A token flips only if
+    a uniform falls within that difference (~1e-7) of a CDF boundary; the seeds are fixed, so
+    this test is deterministic, not flaky."""
+    from relax.cluster.engines import EngineGroup, InDriver
+    from relax.rollout import generate_rollout
+    from relax.rollout.torch_engine import TorchEngine
+    from relax.task import build_task
+
+    cfg = make_cfg(*TINY, "rollout.rollout_batch_size=6")
+    task = build_task(cfg)
+
+    def rollout(n):
+        engines = [TorchEngine(cfg, tiny_path, [tokenizer.eos_token_id], tokenizer.pad_token_id)
+                   for _ in range(n)]
+        group = EngineGroup(InDriver(engines, ["cpu"] * n), cfg.rollout)
+        return generate_rollout(group, task, tokenizer, cfg.rollout, 1, cfg.seed)
+
+    one, two, three = rollout(1), rollout(2), rollout(3)
+    assert len(one) == 24 and len({tuple(s.tokens) for s in one}) > 8  # sampled, not all alike
+    for other in (two, three):
+        assert [s.tokens for s in other] == [s.tokens for s in one]
+        worst = max(abs(a - b) for s, t in zip(other, one, strict=True)
+                    for a, b in zip(s.rollout_log_probs, t.rollout_log_probs, strict=True))
+        assert worst < 1e-5
+    again = rollout(1)
+    assert [s.rollout_log_probs for s in again] == [s.rollout_log_probs for s in one]  # bit-equal
+
+
+def test_cluster_local_never_imports_ray(tmp_path, tiny_path):
+    code = ("import sys\nfrom pathlib import Path\nfrom tests.conftest import run_loop\n"
+            f"run_loop(Path({str(tmp_path)!r}), *{TINY!r}, 'rollout.num_engines=2')\n"
+            "print('ray' in sys.modules, sorted(m for m in sys.modules if m.startswith('relax.cluster')))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[0] == "False", proc.stdout
+    assert "relax.cluster.ray_cluster" not in proc.stdout
+    assert len(placement(tmp_path)["engines"]) == 2
+
+
+@pytest.mark.parametrize("auto", [False, True], ids=["host:port", "auto"])
+def test_an_unreachable_address_fails_fast_naming_it(tmp_path, monkeypatch, auto):
+    pytest.importorskip("ray", reason="needs the [ray] extra")
+    from relax.distributed import free_port
+    from relax.errors import ConfigError
+
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    if auto:  # where `auto` leads (RAY_ADDRESS, or the file of a cluster that has stopped)
+        monkeypatch.setenv("RAY_ADDRESS", address)
+    port = address.rpartition(":")[2]
+    named = rf"auto \([\d.]+:{port}\)" if auto else rf"{address} \([\d.]+:{port}\)"  # and where it leads
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match=rf"cluster.address={named}: no Ray cluster answers there"):
+        run_loop(tmp_path, *TINY, "cluster=ray", f"cluster.address={'auto' if auto else address}")
+    assert time.monotonic() - start < 30
+
+
+# -- Ray: a real two-node cluster on this machine (`two_nodes`, `ray_replay`: conftest.py) ------
+
+def on(cluster, *more) -> list[str]:
+    return ["cluster=ray", f"cluster.address={cluster.address}", *more]
+
+
+ROLES = ["+cluster.resources_per_rank.trainer=1", "+cluster.resources_per_engine.rollout=1"]
+
+
+def replay(root) -> list[str]:
+    return ["debug=train_only", f"debug.load_rollout_data={root}/rollout_data/{{rollout_id}}.pt",
+            "train.num_steps_per_rollout=2", *TRAIN]
+
+
+def test_rollout_only_on_ray_has_no_trainer_and_samples_as_one_local_engine(ray_replay, tmp_path):
+    from relax.files import safe_load
+
+    where = placement(ray_replay / "run")
+    assert where["trainer_ranks"] == [] and len(where["bundles"]) == 2
+    assert [e["engine"] for e in where["engines"]] == [0, 1]
+    run_loop(tmp_path, *TINY, "debug=rollout_only", f"debug.save_rollout_data={tmp_path}/{{rollout_id}}.pt")
+    for rollout_id in (0, 1):
+        ours = safe_load(ray_replay / "rollout_data" / f"{rollout_id}.pt")["samples"]
+        local = safe_load(tmp_path / f"{rollout_id}.pt")["samples"]
+        assert [s["tokens"] for s in ours] == [s["tokens"] for s in local]
+
+
+@pytest.fixture(scope="module")
+def local_single(ray_replay, tmp_path_factory):
+    run = tmp_path_factory.mktemp("local_single")
+    run_loop(run, *replay(ray_replay))
+    return run
+
+
+def test_dp2_ranks_on_two_nodes_train_like_local(two_nodes, ray_replay, local_single, tmp_path):
+    run_loop(tmp_path, *on(two_nodes, "cluster.placement_strategy=STRICT_SPREAD"), *replay(ray_replay),
+             "parallel=dp2")
+    where = placement(tmp_path)
+    assert where["engines"] == [] and len(where["bundles"]) == 2  # train_only: no engine, no bundle
+    ranks = where["trainer_ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1] and ranks[0]["node_id"] != ranks[1]["node_id"]
+    assert {r["device"] for r in ranks} == {"cpu"} and sorted(r["bundle"] for r in ranks) == [0, 1]
+    assert_same_training(tmp_path, local_single, logprob_atol=1e-5, grad_rtol=1e-4)
+
+
+def test_engines_on_one_node_trainer_on_the_other_full_loop(two_nodes, tmp_path):
+    checks = ["debug.check_weight_update_equal=true", "debug.check_weight_update_every_sync=true"]
+    ray_run, local_run = tmp_path / "ray", tmp_path / "local"
+    ours, _ = run_loop(ray_run, *on(two_nodes, *ROLES), *TINY, "rollout.num_engines=2", *checks)
+    theirs, _ = run_loop(local_run, *TINY)
+    where = placement(ray_run)
+    engine_nodes = {e["node_id"] for e in where["engines"]}
+    assert len(where["engines"]) == 2 and len(engine_nodes) == 1
+    assert {r["node_id"] for r in where["trainer_ranks"]}.isdisjoint(engine_nodes)
+    report = json.loads((ray_run / "weight_check.json").read_text())
+    assert report["passed"]  # every engine: at load, after the first sync, after each rollout
+    assert [(c["stage"], c["rollout_id"], c["engine"]) for c in report["checks"]] == [
+        ("load", None, 0), ("load", None, 1), ("sync", None, 0), ("sync", None, 1),
+        ("sync", 0, 0), ("sync", 0, 1), ("sync", 1, 0), ("sync", 1, 1)]
+    # rollout 1 comes from weights synced into both engines: the same samples as one local engine
+    for a, b in zip(ours, theirs, strict=True):
+        assert a["rollout/raw_reward"] == b["rollout/raw_reward"]
+        assert abs(a["rollout/rollout_log_probs"] - b["rollout/rollout_log_probs"]) < 1e-6
+
+
+def test_errors_name_the_rank_or_engine_node_and_traceback(two_nodes, tiny_path, tokenizer, tmp_path):
+    from relax.cluster import open_cluster
+    from relax.cluster.ranks import RankError
+
+    cfg = make_cfg(*on(two_nodes, *ROLES), "parallel=dp2", "rollout.num_engines=2")
+    cluster = open_cluster(cfg, tmp_path)
+    try:
+        engines, trainer = cluster.build((tiny_path, tokenizer), (tiny_path, tiny_path, 0, None))
+        where = cluster.placement()
+        rank_pids = [r["pid"] for r in where["trainer_ranks"]]
+        node = where["trainer_ranks"][0]["node_ip"]
+        with pytest.raises(RankError, match=rf"trainer rank \d \(node {node} \(\w{{8}}\), pid \d+\) failed"
+                                            r"(.|\n)*Traceback(.|\n)*no_such_method"):
+            trainer.call("no_such_method")
+        assert wait_gone(rank_pids, 20) == []  # the whole group is stopped
+        with pytest.raises(RankError, match=r"rollout engine \d \(node .*, pid \d+\) failed(.|\n)*no_such"):
+            engines.hosts.map("no_such_method", [(), ()])
+        assert wait_gone([e["pid"] for e in where["engines"]], 20) == []
+    finally:
+        cluster.close()
+
+
+def test_placement_timeout_names_what_was_asked_and_offered(two_nodes, ray_replay, tmp_path, monkeypatch,
+                                                           caplog):
+    from relax.cluster import placement as placement_module
+    from relax.cluster.placement import PlacementTimeout
+
+    monkeypatch.setattr(placement_module, "WAIT_LOG_S", 0.5)  # 30 s in real runs
+    caplog.set_level(logging.INFO, logger="relax.cluster.placement")
+    start = time.monotonic()
+    with pytest.raises(PlacementTimeout, match=r"asked for 1 x \{CPU: 8\} \(PACK\); the cluster offers "
+                                               r"2 node\(s\)"):
+        run_loop(tmp_path, *on(two_nodes, "cluster.num_cpus_per_rank=8", "cluster.placement_timeout_s=2"),
+                 *TINY, *replay(ray_replay))
+    assert time.monotonic() - start < 20
+    waiting = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Waiting")]
+    assert len(waiting) >= 2 and "to place 1 x {CPU: 8} (PACK); the cluster offers 2 node(s)" in waiting[0]
+
+
+def test_sweep_local_vs_ray_private_instance_is_equivalent(ray_replay, tmp_path):
+    """`relax -m cluster=local,ray ... parallel=dp2` (the Ray job on a private instance of its
+    own): `relax compare` says equivalent, and the numbers are in fact bit-equal."""
+    proc = relax_cli("-m", "cluster=local,ray", "parallel=dp2", *replay(ray_replay), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    multirun = only_run_dir(tmp_path, "multiruns")
+    local, ray_job = multirun / "cluster=local", multirun / "cluster=ray"
+    assert placement(ray_job)["private_instance"] and len(placement(ray_job)["trainer_ranks"]) == 2
+    report = json.loads(relax_cli("compare", str(multirun), "--json", cwd=tmp_path).stdout)
+    assert report["baseline"] == "cluster=local"
+    assert [j["verdict"] for j in report["jobs"]] == ["equivalent", "equivalent"]
+    assert first_step(ray_job) == first_step(local)
+    assert [s["train/grad_norm"] for s in read_metrics(ray_job)[1]] == \
+        [s["train/grad_norm"] for s in read_metrics(local)[1]]
+
+
+MEGATRON = [["train=megatron", f"parallel={p}"] for p in ("tp2", "pp2", "cp2", "tp2sp")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["parallel=tp2"], ["parallel=fsdp2"], ["parallel=dp2tp2"], *MEGATRON],
+                         ids=" ".join)
+def test_layouts_with_ranks_on_two_nodes_train_like_local(two_nodes, ray_replay, local_single, tmp_path,
+                                                         layout):
+    spread = "STRICT_SPREAD" if layout[-1] != "parallel=dp2tp2" else "PACK"  # 4 ranks: 2 per node
+    run_loop(tmp_path, *on(two_nodes, f"cluster.placement_strategy={spread}"), *replay(ray_replay), *layout)
+    ranks = placement(tmp_path)["trainer_ranks"]
+    assert len({r["node_id"] for r in ranks}) == 2
+    assert_same_training(tmp_path, local_single, logprob_atol=1e-5, grad_rtol=1e-4)

@@ -1,0 +1,119 @@
+"""The life of a job on Ray: a rank killed mid-run, a killed driver, Ctrl-C, sweeps on Ray.
+
+The two-node cluster (`two_nodes`, conftest.py) is started for this module only if one of
+its tests asks for it: the main tier's test here runs on a private instance."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from relax.logger import read_metrics
+
+from .conftest import only_run_dir, relax_cli, run_loop
+from .test_cluster import ROLES, TINY, alive, on, placement, replay, wait_gone
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_run_fails_it_naming_the_rank_and_resume_continues(two_nodes, tmp_path):
+    from relax.cluster.ranks import RankError
+
+    common = [*on(two_nodes, *ROLES), *TINY, "rollout.num_rollout=3", "checkpoint.save_interval=1",
+              "parallel=dp2"]
+    kill = "+cluster.runtime_env.env_vars.RELAX_FAULT='sigkill_rank:1:1'"  # SIGKILL as rollout 1 trains
+    with pytest.raises(RankError, match=r"trainer rank 1 \(node .*, pid \d+\) died"):
+        run_loop(tmp_path / "killed", *common, kill)
+    pid = placement(tmp_path / "killed")["trainer_ranks"][1]["pid"]
+    assert not alive(pid)
+    checkpoints = sorted((tmp_path / "killed" / "checkpoints").glob("rollout_*"))
+    assert [c.name for c in checkpoints] == ["rollout_000000"]  # the last one, whole
+    assert (checkpoints[0] / "relax_state.json").is_file()
+    assert (checkpoints[0] / "hf" / "config.json").is_file()
+    rollouts, _ = run_loop(tmp_path / "resumed", *common, "resume=true")
+    assert [r["rollout_id"] for r in rollouts] == [0, 1, 2]  # rollout 0 from the checkpoint's history
+    assert rollouts[0] == read_metrics(tmp_path / "killed")[0][0]
+
+
+def run_driver(tmp_path, *args) -> tuple[subprocess.Popen, list[tuple[int, int]]]:
+    """`relax cluster=ray ...` in its own session; once its actors are up, its processes
+    (Ray's, the actors', the reaper) as (pid, start time)."""
+    from relax.cluster.reaper import descendants
+
+    driver = subprocess.Popen([sys.executable, "-m", "relax", "cluster=ray", *args], cwd=tmp_path,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and driver.poll() is None:
+        built = list((tmp_path / "outputs" / "runs").glob("*/built.json"))
+        if built and "placement" in built[0].read_text():
+            return driver, descendants(driver.pid)
+        time.sleep(0.5)
+    raise AssertionError(f"the driver never came up: {driver.stderr.read()[-3000:]}")
+
+
+@pytest.mark.parametrize("end", ["kill -9", *(pytest.param(e, marks=pytest.mark.slow)
+                                                for e in ("completes", "Ctrl-C"))])
+def test_a_private_instance_leaves_no_process_behind(tmp_path, tiny_path, end):
+    from relax.cluster.reaper import start_time
+
+    num_rollout = 2 if end == "completes" else 100_000
+    driver, processes = run_driver(tmp_path, *TINY, f"rollout.num_rollout={num_rollout}")
+    assert len(processes) >= 6  # GCS, raylet, agents, the rank's and the engine's actors at least
+    if end == "kill -9":
+        driver.kill()
+    elif end == "Ctrl-C":  # what a terminal sends: SIGINT to the job's whole process group
+        os.killpg(driver.pid, signal.SIGINT)
+    code = driver.wait(timeout=120)
+    assert (code == 0) == (end == "completes"), driver.stderr.read()[-3000:]
+    deadline = time.time() + 30
+    left = processes
+    while left and time.time() < deadline:
+        left = [(pid, started) for pid, started in left if start_time(pid) == started]
+        time.sleep(0.2)
+    assert left == [], [open(f"/proc/{pid}/cmdline").read() for pid, _ in left]
+
+
+@pytest.mark.slow
+def test_a_killed_driver_leaves_no_actor_on_a_joined_cluster(two_nodes, tmp_path):
+    driver, _ = run_driver(tmp_path, f"cluster.address={two_nodes.address}", *ROLES, *TINY,
+                           "rollout.num_rollout=100000", "parallel=dp2")
+    run = next((tmp_path / "outputs" / "runs").iterdir())
+    where = json.loads((run / "built.json").read_text())["placement"]
+    actors = [p["pid"] for p in where["trainer_ranks"] + where["engines"]]
+    assert len(actors) == 3 and not where["private_instance"]
+    driver.kill()
+    driver.wait()
+    assert wait_gone(actors, 60) == []
+
+
+def log_span(job) -> tuple[str, str]:
+    """(first, last) timestamp of a job's relax.log."""
+    lines = [line[1:24] for line in (job / "relax.log").read_text().splitlines() if line.startswith("[20")]
+    return lines[0], lines[-1]
+
+
+@pytest.mark.slow
+def test_a_sweep_on_the_ray_launcher_runs_jobs_at_once_and_survives_a_failure(ray_replay, tmp_path):
+    """`relax -m hydra/launcher=ray ...` (hydra-ray-launcher, local mode): the jobs run as Ray
+    tasks side by side, the failing one is reported without stopping the others, and
+    `relax compare` reads the sweep as it reads one from the basic launcher."""
+    launcher = ["hydra/launcher=ray", "hydra.launcher.ray.init.address=local",  # a new one, not two_nodes
+                "+hydra.launcher.ray.init.num_cpus=2", "+hydra.launcher.ray.init.include_dashboard=false"]
+    proc = relax_cli("-m", *launcher, "parallel=single,dp2,pp2",  # 2 CPUs: the first two side by side
+                     *replay(ray_replay), cwd=tmp_path, env={"RAY_AUTH_MODE": "disabled"})
+    assert proc.returncode != 0  # the sweep reports the failed job
+    multirun = only_run_dir(tmp_path, "multiruns")
+    assert sorted(p.name for p in multirun.iterdir() if p.is_dir()) == [
+        "parallel=dp2", "parallel=pp2", "parallel=single"]
+    report = json.loads(relax_cli("compare", str(multirun), "--json", cwd=tmp_path).stdout)
+    jobs = {j["layout"]: j for j in report["jobs"]}
+    assert jobs["pp2"]["verdict"] == "FAILED" and "use train=megatron" in jobs["pp2"]["reasons"][0]
+    assert jobs["dp2"]["verdict"] == "equivalent" and jobs["single"]["status"] == "completed"
+    spans = sorted(log_span(multirun / name) for name in ("parallel=single", "parallel=dp2"))
+    assert spans[1][0] < spans[0][1]  # the second job started before the first one ended
