@@ -135,6 +135,8 @@ def main(argv: list[str] | None = None) -> None:
     os.environ["RELAX_ARGV"] = json.dumps(sys.argv[1:])  # for jobs run in other processes (sweeps on Ray)
     try:
         hydra_app()
+    except KeyboardInterrupt:  # Ctrl-C before a run started (a run handles its own: relax.process)
+        raise SystemExit("relax: interrupted") from None
     finally:  # a caller's environment (tests call main in-process) is left as it was
         if before is None:
             os.environ.pop("RELAX_ARGV")

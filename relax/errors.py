@@ -20,3 +20,11 @@ class NonFiniteError(RuntimeError):
 
 class DiskFull(OSError):
     """No space left for a file Relax must write (names the path and the space needed)."""
+
+
+class Interrupted(Exception):
+    """The run stopped on SIGINT or SIGTERM after finishing a rollout (resume continues it)."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum = signum

@@ -11,6 +11,19 @@ def active(name: str) -> bool:
     return name in os.environ.get("RELAX_FAULT", "").split(",")
 
 
+_visits: dict[str, int] = {}
+
+
+def kill_point(site: str) -> None:
+    """`kill_at:<site>:<n>`: the process dies with SIGKILL the n-th time it passes `site`, as
+    it would in a power loss there (the kill-anywhere test resumes from what is left)."""
+    _visits[site] = _visits.get(site, 0) + 1
+    if active(f"kill_at:{site}:{_visits[site]}"):
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def perturb_sync(named: dict) -> dict:
     """`sync_perturb`: one tensor corrupted on its way into the engine."""
     name = "model.layers.0.mlp.down_proj.weight"

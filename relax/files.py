@@ -88,13 +88,33 @@ def append_jsonl(path: Path, record: dict) -> None:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """The records of a JSON-lines file; a last line torn by a crash mid-write is dropped."""
-    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+    """The records (one JSON object per line) of a JSON-lines file; a last line torn by a crash
+    mid-write is dropped; anything else is a ReplayError naming the line."""
+    try:
+        lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+    except UnicodeDecodeError as e:
+        raise ReplayError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     records = []
     for n, line in enumerate(lines, 1):
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError as e:
             if n < len(lines):
                 raise ReplayError(f"{path}: line {n} is not JSON ({e})") from None
+            continue
+        if not isinstance(record, dict):
+            raise ReplayError(f"{path}: line {n} is not a JSON object")
+        records.append(record)
     return records
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object from a file Relax wrote (built.json, weight_check.json ...), or a
+    ReplayError naming it."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ReplayError(f"{path}: unreadable ({type(e).__name__}: {e})") from None
+    if not isinstance(data, dict):
+        raise ReplayError(f"{path}: expected a JSON object, found {type(data).__name__}")
+    return data

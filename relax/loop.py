@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -16,22 +17,25 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from relax import faults
 from relax.checkpoint import (
-    check_config, check_layout, find_checkpoint, read_state, restore_history, save_checkpoint)
+    check_config, check_layout, check_run_dir, find_checkpoint, read_state, reference_model, restore_history,
+    resumed_run, save_checkpoint, scan)
 from relax.cluster import open_cluster
 from relax.debug import checks
 from relax.debug.health import SAMPLES_FILE, response_health, sample_record
-from relax.debug.plan import Plan, resolve
+from relax.debug.plan import Plan, check_dump_dir, resolve
 from relax.debug.weights import WeightCheck
-from relax.errors import CheckFailed, ConfigError, DiskFull, NonFiniteError, ReplayError
+from relax.errors import CheckFailed, ConfigError, DiskFull, Interrupted, NonFiniteError, ReplayError
 from relax.config import instantiate, load_target
 from relax.logger import plot_run
 from relax.model import load_tokenizer, read_hf_config, resolve_model_path
 from relax.files import append_jsonl, atomic_save, fill
-from relax.replay import build_manifest, keep_groups, load_rollout, save_rollout
+from relax.process import LogGuard, StatusFile, Stop
+from relax.replay import build_manifest, check_replay_files, keep_groups, load_rollout, save_rollout
 from relax.sample import Sample
 from relax.task import Task, build_task, check_rewards
-from relax.train import checkpoint_layout
+from relax.train import check_batch_split, checkpoint_layout
 
 log = logging.getLogger("relax")
 
@@ -78,26 +82,42 @@ class Run:
 
 
 def prepare(cfg, run_dir: Path) -> Run:
-    """Validate and resolve (plan, model, tokenizer) before anything expensive is built."""
+    """Validate and resolve (plan, model, tokenizer, data) before anything expensive is built;
+    nothing in the run dir changes until all of it passed."""
     check_config(cfg.checkpoint)
     checkpoint = find_checkpoint(cfg.resume, run_dir.parent)
+    source = resumed_run(cfg.resume, checkpoint)
+    check_run_dir(run_dir, source)
     saved = read_state(checkpoint) if checkpoint else None
     start = saved["rollout_id"] + 1 if saved else 0
-    plan = resolve(cfg, start, read_hf_config(saved["ref_model_path"]) if saved else None)
+    ref_model = reference_model(checkpoint, saved) if saved else None
+    plan = resolve(cfg, start, read_hf_config(ref_model) if saved else None)
     if saved and plan.builds_train:
         check_layout(checkpoint, saved, checkpoint_layout(cfg))
+    check_dump_dir(plan.dump_dir, source)
     task = build_task(cfg) if plan.builds_rollout else None
     load_target(cfg, "logger")  # a logger._target_ that does not import stops the run here
-    model_path = Path(saved["ref_model_path"]) if saved else resolve_model_path(cfg.model)
+    model_path = ref_model or resolve_model_path(cfg.model)
     tokenizer = load_tokenizer(model_path)
+    manifest = build_manifest(cfg, model_path, tokenizer)
+    if task:
+        task.check_prompts(tokenizer, read_hf_config(model_path).get("max_position_embeddings"),
+                           cfg.rollout.max_new_tokens)
+    if plan.replays:
+        counts = check_replay_files(plan.replay_files, manifest, cfg.debug.allow_manifest_mismatch,
+                                    cfg.debug.load_rollout_data_subsample, cfg.seed)
+        for rollout_id, n in counts.items():
+            check_batch_split(cfg, n, f"the replay file {plan.replay_files[rollout_id]}")
     if plan.dump_dir:  # with the rollout/train data, enough to reproduce the run
         tokenizer.save_pretrained(plan.dump_dir / "tokenizer")
         (plan.dump_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    if checkpoint:  # the run's metrics and first-step records as they were at the checkpoint (last:
+    if source:  # the run's metrics and first-step records as they were at the checkpoint (last:
         restore_history(checkpoint, run_dir)  # a run refused above leaves the run dir untouched)
+        if not plan.rollout_ids:
+            log.warning("resume: %s is at the run's last rollout (rollout.num_rollout=%d): nothing "
+                        "left to run", checkpoint, cfg.rollout.num_rollout)
     return Run(cfg, run_dir, plan, start, checkpoint, model_path,
-               checkpoint / "hf" if checkpoint else model_path, tokenizer,
-               build_manifest(cfg, model_path, tokenizer), task)
+               checkpoint / "hf" if checkpoint else model_path, tokenizer, manifest, task)
 
 
 def build(run: Run, cluster):
@@ -193,25 +213,30 @@ def first_step(run: Run, rollout_id: int, samples, record: dict, out: dict) -> N
         checks.strict_first_step(record, out["steps"], run.cfg, [s.prompt for s in samples], run.tokenizer)
 
 
-def checkpoint_on_schedule(run: Run, trainer, rollout_id: int) -> None:
-    """Every checkpoint.save_interval rollouts and at the last one, after the rollout's metrics
-    are written (a checkpoint carries the run's history up to it)."""
+def checkpoint_on_schedule(run: Run, trainer, rollout_id: int, stopping: bool) -> None:
+    """Every checkpoint.save_interval rollouts, at the last one and when the run is stopping,
+    after the rollout's metrics are written (a checkpoint carries the run's history up to it)."""
     cfg = run.cfg
     interval = cfg.checkpoint.save_interval
-    if interval and ((rollout_id + 1) % interval == 0 or rollout_id == run.plan.rollout_ids[-1]):
+    if interval and ((rollout_id + 1) % interval == 0 or rollout_id == run.plan.rollout_ids[-1] or stopping):
         save_checkpoint(trainer, run.tokenizer, run.dir, rollout_id, run.model_path,
                         cfg.checkpoint.keep_last, checkpoint_layout(cfg))
 
 
-def rl_loop(cfg, run_dir: Path) -> None:
+def rl_loop(cfg, run_dir: Path, stop: Stop | None = None) -> None:
+    """`stop`: the SIGINT/SIGTERM handler run_job installs (checked between rollouts)."""
+    stop, log_setup = stop or Stop(), LogGuard()
     run = prepare(cfg, run_dir)
     cluster = open_cluster(cfg, run_dir)
     engine = trainer = metrics = None
     try:
         engine, trainer, weight_check = build(run, cluster)
         metrics = instantiate(cfg, "logger", run_dir=run_dir, resume_from=run.start)
+        log_setup.restore()  # an engine or library that reconfigured logging keeps relax.log
+        stop.install()  # ... and Relax's signal handlers
         bar = tqdm(run.plan.rollout_ids, desc="rollouts", unit="rollout")
         for rollout_id in bar:
+            stop.check(f"before rollout {rollout_id}")
             samples, record = rollout(run, engine, rollout_id)
             if trainer:
                 t0 = time.perf_counter()
@@ -224,9 +249,11 @@ def rl_loop(cfg, run_dir: Path) -> None:
                     metrics.log({"rollout_id": rollout_id, "step": step, **step_metrics}, "rollout_id")
                 report_nonfinite(run, rollout_id, samples, out["nonfinite"])
             metrics.log(record, "rollout_id")
+            faults.kill_point("metrics_written")
             if trainer:
-                checkpoint_on_schedule(run, trainer, rollout_id)
+                checkpoint_on_schedule(run, trainer, rollout_id, stop.requested)
             bar.set_postfix(reward=f"{record['rollout/raw_reward']:.3f}")
+            stop.check(f"after rollout {rollout_id}")
     finally:
         for part, close in ((metrics, "close"), (trainer, "shutdown"), (engine, "shutdown"),
                             (cluster, "close")):
@@ -235,23 +262,38 @@ def rl_loop(cfg, run_dir: Path) -> None:
     plot_run(run_dir)
 
 
+def resume_hint(run_dir: Path) -> str:
+    complete = scan(run_dir)[0]
+    if not complete:
+        return "no checkpoint was written"
+    return f"newest checkpoint {complete[-1].name}: continue with resume={run_dir}"
+
+
 def run_job(cfg) -> None:
-    """One Hydra job: run the loop, record its status; user errors exit with a clear message."""
+    """One Hydra job: run the loop, record its status (pid and host with it); user errors
+    (exit 2) and SIGINT/SIGTERM stops (exit 128 + signal) end with a message, not a traceback."""
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     torch.set_num_threads(cfg.train.num_threads)
-    status = run_dir / "status.json"
-    write_json(status, {"status": "running"})
+    status = StatusFile(run_dir)
     try:
-        with logging_redirect_tqdm():
-            rl_loop(cfg, run_dir)
+        with Stop() as stop, logging_redirect_tqdm():
+            status.claim()  # refuses a run dir that a live run is writing, leaving its status alone
+            rl_loop(cfg, run_dir, stop)
+    except (Interrupted, KeyboardInterrupt) as e:
+        signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+        what = str(e) if isinstance(e, Interrupted) else "aborted: the rollout in progress is lost"
+        message = f"{what}; {resume_hint(run_dir)}"
+        status.write("interrupted", error=message)
+        log.warning("%s", message)
+        sys.exit(128 + signum)
     except (ConfigError, ReplayError, CheckFailed, DiskFull, NonFiniteError) as e:
-        write_json(status, {"status": "failed", "error": str(e)})
+        status.write("failed", error=str(e))
         if hydra_cfg.mode == RunMode.MULTIRUN:
             raise  # Hydra records the failed job and the sweep goes on
         log.error("%s", e)
         sys.exit(2)
     except BaseException as e:
-        write_json(status, {"status": "failed", "error": f"{type(e).__name__}: {e}"})
+        status.write("failed", error=f"{type(e).__name__}: {e}")
         raise
-    write_json(status, {"status": "completed"})
+    status.write("completed")

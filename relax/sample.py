@@ -30,11 +30,35 @@ class Sample:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Sample":
+        """A saved sample, or a KeyError/ValueError saying what is wrong with it."""
         names = {f.name for f in fields(cls)}
         missing = names - d.keys()
         if missing:
             raise KeyError(f"sample lacks fields {sorted(missing)}")
-        return cls(**{k: d[k] for k in names})
+        s = cls(**{k: d[k] for k in names})
+        lists = (s.tokens, s.loss_mask, s.rollout_log_probs)
+        if not all(isinstance(x, list) for x in lists) or not isinstance(s.reward, (int, float)) or \
+                not all(isinstance(x, int) for x in (s.index, s.group_index, s.response_length, *s.tokens,
+                                                     *s.loss_mask)):
+            raise ValueError(f"sample {s.index!r}: indices, tokens and loss_mask must be integers (in "
+                             f"lists), the reward a number")
+        if not 0 <= s.response_length < len(s.tokens) or \
+                not len(s.loss_mask) == len(s.rollout_log_probs) == s.response_length:
+            raise ValueError(f"sample {s.index}: response_length {s.response_length} does not match "
+                             f"its {len(s.tokens)} tokens, {len(s.loss_mask)} loss_mask and "
+                             f"{len(s.rollout_log_probs)} rollout_log_probs entries")
+        return s
+
+
+def group_size_of(samples: list[Sample]) -> int:
+    """The GRPO group size of a rollout, whose samples come in equal, contiguous groups."""
+    groups = [s.group_index for s in samples]
+    size = groups.count(groups[0])
+    if len(samples) % size or groups != sorted(groups):
+        raise ValueError("samples must come in equal, contiguous GRPO groups")
+    if [s.index for s in samples] != list(range(len(samples))):
+        raise ValueError("sample indices must be 0..N-1 in order")
+    return size
 
 
 def log_prob_temperature(temperature: float) -> float:

@@ -85,6 +85,37 @@ def tokenizer(tiny_path):
     return load_tokenizer(tiny_path)
 
 
+def _cli_in_fork(cwd: str, args: list[str], fault: str, log: str) -> None:
+    """One `relax` command in a child forked from the forkserver: its own cwd, output, RELAX_FAULT."""
+    os.chdir(cwd)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.environ["RELAX_FAULT"] = fault
+    sys.argv = ["relax", *args]
+    from relax.cli import main
+
+    main(args)
+
+
+@pytest.fixture(scope="session")
+def fork_cli():
+    """Start the real CLI (`relax.cli.main`: Hydra, status.json, signal handlers) in a process
+    forked from a forkserver that imported Relax once: a start costs a fork, not a Python
+    start-up. Returns start(cwd, *args, fault="") -> the process; its output goes to cwd/out.log."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["relax.cli", "relax.loop", "relax.train.torch_trainer",
+                                "relax.rollout.torch_engine", "tests.conftest"])
+
+    def start(cwd: Path, *args: str, fault: str = ""):
+        proc = ctx.Process(target=_cli_in_fork, args=(str(cwd), list(args), fault, str(cwd / "out.log")))
+        proc.start()
+        return proc
+    return start
+
+
 @pytest.fixture(scope="session")
 def family_model(tmp_path_factory):
     """family_model(family, dtype="float32") -> the HF directory of a tiny random-initialised

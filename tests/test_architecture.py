@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "relax"
 LAYERS = [
     {"errors", "__init__"},
     {"sample", "config", "files", "faults", "distributed"},
-    {"algo", "task", "logger"},
+    {"algo", "task", "logger", "process"},
     {"model"},
     {"replay", "checkpoint"},
     {"rollout", "train"},

@@ -212,7 +212,7 @@ def test_user_classes_plug_in_from_the_command_line(tmp_path, tiny_path):
                      env={"PYTHONPATH": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = only_run_dir(tmp_path)
-    assert status_of(run) == {"status": "completed"}
+    assert status_of(run)["status"] == "completed"
     assert json.loads((run / "built.json").read_text())["trainer"] == "my_plugins.ProcessNamingTrainer"
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     rollout, step = [r for r in records if "step" not in r], [r for r in records if "step" in r]

@@ -53,4 +53,4 @@ def test_any_local_hf_dir_via_model_path(tmp_path, tiny_path):
     proc = relax_cli("model=hf", f"model.path={tiny_path}", "rollout.num_rollout=1",
                      "rollout.rollout_batch_size=4", "checkpoint.save_interval=null", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert status_of(only_run_dir(tmp_path)) == {"status": "completed"}
+    assert status_of(only_run_dir(tmp_path))["status"] == "completed"

@@ -177,6 +177,9 @@ def test_rollout_only_then_train_only_and_a_full_loop(tmp_path, tiny_path):
                      "hydra.run.dir=outputs/rollout", cwd=tmp_path, entry=python)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(p.name for p in (tmp_path / "rd").iterdir()) == ["0.pt", "1.pt"]
+    # SGLang's engine reconfigures logging at start-up; relax.log keeps every line after it
+    log = (tmp_path / "outputs/rollout/relax.log").read_text()
+    assert "Finish rollout 0" in log and "Finish rollout 1" in log
     proc = relax_cli("debug=train_only", f"debug.load_rollout_data={tmp_path}/rd/{{rollout_id}}.pt",
                      "checkpoint.save_interval=null", "hydra.run.dir=outputs/train", cwd=tmp_path,
                      entry=python)
@@ -189,6 +192,7 @@ def test_rollout_only_then_train_only_and_a_full_loop(tmp_path, tiny_path):
                      cwd=tmp_path, entry=python)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "outputs" / "full"
+    assert "Finish rollout 1" in (run / "relax.log").read_text()
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len([r for r in records if "step" in r]) == 2
     assert json.loads((run / "built.json").read_text())["rollout_engine"] == \

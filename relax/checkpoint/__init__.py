@@ -29,6 +29,8 @@ from pathlib import Path
 from relax import faults
 from relax.errors import ConfigError, DiskFull, NonFiniteError
 from relax.files import atomic_open, atomic_write_text
+from relax.model import check_model_dir
+from relax.process import describe, is_alive, live_elsewhere, read_status
 
 log = logging.getLogger(__name__)
 STATE_FILE = "relax_state.json"
@@ -55,6 +57,7 @@ def _delete(path: Path) -> None:
     trash = path.with_name(f".{path.name}.old")
     shutil.rmtree(trash, ignore_errors=True)
     path.rename(trash)
+    faults.kill_point("checkpoint_delete")
     shutil.rmtree(trash, ignore_errors=True)
 
 
@@ -118,9 +121,11 @@ def save_checkpoint(trainer, tokenizer, run_dir: Path, rollout_id: int, ref_mode
     final = root / f"rollout_{rollout_id:06d}"
     tmp = root / f".{final.name}.tmp"
     _ensure_space(root, scan(run_dir)[0], keep_last)
+    faults.kill_point("checkpoint_start")
     try:
         trainer.save_checkpoint(str(tmp))
         check_finite_weights(tmp / "hf")
+        faults.kill_point("checkpoint_weights")
         if faults.active("disk_full"):
             raise OSError(errno.ENOSPC, "No space left on device", str(tmp / "hf"))
         tokenizer.save_pretrained(tmp / "hf")
@@ -142,9 +147,11 @@ def save_checkpoint(trainer, tokenizer, run_dir: Path, rollout_id: int, ref_mode
                            f"({e.filename or root}): free space there, or lower "
                            f"checkpoint.keep_last") from None
         raise
+    faults.kill_point("checkpoint_state")
     if final.exists():  # the same rollout saved again (a resumed run)
         _delete(final)
     tmp.rename(final)
+    faults.kill_point("checkpoint_renamed")
     complete, incomplete = scan(run_dir)
     for old in incomplete + (complete[:-keep_last] if keep_last else []):  # resume skips the former
         _delete(old)
@@ -158,7 +165,8 @@ def _latest_in(run_dir: Path) -> Path | None:
 
 def find_checkpoint(resume, runs_root: Path) -> Path | None:
     """`resume=true`: the newest complete checkpoint under runs_root; a path: that checkpoint,
-    or the newest complete one of that run."""
+    or the newest complete one of that run (None for a run that died before its first one:
+    it starts again from rollout 0)."""
     if resume is False or resume is None:
         return None
     if resume is True:
@@ -174,16 +182,50 @@ def find_checkpoint(resume, runs_root: Path) -> Path | None:
                               f"dir ({path.parent.parent}) to take its newest complete checkpoint")
         return path
     latest = _latest_in(path)
-    if latest is None:
+    if latest is None and (path / "status.json").is_file():
+        log.warning("resume=%s: that run saved no complete checkpoint: it starts again from rollout 0",
+                    resume)
+    elif latest is None:
         raise ConfigError(f"resume={resume!r}: neither a checkpoint ({STATE_FILE}) nor a run "
                           f"dir with complete checkpoints/")
     return latest
 
 
-def restore_history(checkpoint: Path, run_dir: Path) -> None:
+def resumed_run(resume, checkpoint: Path | None) -> Path | None:
+    """The run dir a resumed run continues: its checkpoint's, or the run `resume` names when it
+    has none (find_checkpoint)."""
+    if checkpoint:
+        return Path(checkpoint).resolve().parent.parent
+    return None if resume in (None, False, True) else Path(str(resume)).expanduser().resolve()
+
+
+def check_run_dir(run_dir: Path, source: Path | None) -> None:
+    """A run dir holds one run: a new run never writes into another run's files, and a resumed
+    run goes into a fresh dir or the dir of the run it continues (`source`), which must not be
+    running."""
+    run_dir = Path(run_dir).resolve()
+    held = [name for name in ("metrics.jsonl", "checkpoints") if (run_dir / name).exists()]
+    if held and source != run_dir:
+        raise ConfigError(f"{run_dir} already holds a run ({' and '.join(held)}): another run's files "
+                          f"would mix with it. Run in a new directory, or continue that run with "
+                          f"resume={run_dir}")
+    status = read_status(source) if source else None
+    if live_elsewhere(status):
+        raise ConfigError(f"resume: {source} is a run that is still {describe(status)}: "
+                          f"stop it first (kill -INT {status['pid']}); to branch off it, copy the "
+                          f"checkpoint and resume from the copy")
+    if status and status["status"] == "running" and is_alive(status) is not True:
+        log.warning("resuming %s: its run %s", source, describe(status))
+
+
+def restore_history(checkpoint: Path | None, run_dir: Path) -> None:
     """The run dir's history files as the checkpoint saw them (rows of rollouts after the
-    checkpoint, which the resumed run redoes, are dropped; also when resuming in the same dir)."""
+    checkpoint, which the resumed run redoes, are dropped; also when resuming in the same dir).
+    No checkpoint: a run restarted from rollout 0 has no history."""
     for name in HISTORY:
+        if checkpoint is None:
+            (Path(run_dir) / name).unlink(missing_ok=True)
+            continue
         saved = Path(checkpoint) / "history" / name
         if saved.is_file():
             with atomic_open(Path(run_dir) / name) as f:
@@ -194,7 +236,25 @@ def restore_history(checkpoint: Path, run_dir: Path) -> None:
 
 
 def read_state(checkpoint: Path) -> dict:
-    return json.loads((Path(checkpoint) / STATE_FILE).read_text())
+    """relax_state.json; a ValueError if it is not one (incomplete_reason reports it)."""
+    state = json.loads((Path(checkpoint) / STATE_FILE).read_text())
+    if not isinstance(state, dict) or not isinstance(state.get("rollout_id"), int) or \
+            not isinstance(state.get("ref_model_path"), str) or not isinstance(state.get("files", {}), dict):
+        raise ValueError(f"{Path(checkpoint) / STATE_FILE}: no rollout_id, ref_model_path and files")
+    return state
+
+
+def reference_model(checkpoint: Path, state: dict) -> Path:
+    """The model the checkpoint's run started from (its reference), which must still be whole,
+    like the checkpoint's own weights."""
+    path = Path(state["ref_model_path"])
+    for folder, what in ((path, "its run's reference model (relax_state.json ref_model_path)"),
+                         (Path(checkpoint) / "hf", "its weights")):
+        try:
+            check_model_dir(folder)
+        except ConfigError as e:
+            raise ConfigError(f"resume: {checkpoint} needs {what} {folder}, which is unusable: {e}") from None
+    return path
 
 
 def check_layout(checkpoint: Path, state: dict, layout: dict) -> None:

@@ -96,6 +96,7 @@ def _die_with_parent() -> None:
 
 def _rank_main(conn, rank, world_size, port, factory, args, kwargs, log_dir, num_threads):
     _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every process: the driver stops the ranks
     start_rank(rank, world_size, "127.0.0.1", port, log_dir, num_threads, rank)
     import torch.distributed as dist
 
@@ -145,7 +146,7 @@ class LocalRanks(RankGroup):
         ctx = mp.get_context("spawn")
         self.store = open_store(world_size)  # held by the driver while the ranks live
         port = self.store.port
-        self.conns, self.procs = [], []
+        self.conns, self.procs, self.busy = [], [], True
         for rank in range(world_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_rank_main, daemon=True, name=f"relax-rank{rank}",
@@ -180,10 +181,12 @@ class LocalRanks(RankGroup):
                     raise RankError(f"trainer rank {rank} ({self._where(rank)}) failed:\n{payload}")
                 results[rank] = payload
                 del pending[rank]
+        self.busy = False
         return results[0]
 
     def send(self, method: str, *args, **kwargs) -> None:
         """Start `method` on every rank without waiting (pair with `collect`)."""
+        self.busy = True
         for conn in self.conns:
             conn.send((method, args, kwargs))
 
@@ -198,7 +201,7 @@ class LocalRanks(RankGroup):
         return [{"rank": r, **on_this_host(pid, local_device(r))} for r, pid in enumerate(self.pids)]
 
     def shutdown(self):
-        if any(p.is_alive() for p in self.procs):
+        if not self.busy and any(p.is_alive() for p in self.procs):  # busy: aborted mid-call (Ctrl-C twice)
             try:
                 self.call("shutdown")
             except (RankError, BrokenPipeError, OSError):

@@ -151,14 +151,17 @@ class RayRanks(RankGroup):
     """The RankGroup contract (relax/cluster/ranks.py) over Host actors."""
 
     def __init__(self, hosts: RayHosts):
-        self.hosts, self._refs = hosts, []
+        self.hosts, self._refs, self.busy = hosts, [], False
 
     def send(self, method: str, *args, **kwargs) -> None:
+        self.busy = True
         self._refs = [actor.call.remote(method, args, kwargs, rank == 0)
                       for rank, actor in enumerate(self.hosts.actors)]
 
     def collect(self):
-        return self.hosts.collect(self._refs)[0]
+        result = self.hosts.collect(self._refs)[0]
+        self.busy = False
+        return result
 
     def rank0_address(self) -> tuple[str, int]:
         return ray.get(self.hosts.actors[0].address.remote())
@@ -167,7 +170,7 @@ class RayRanks(RankGroup):
         return self.hosts.placement()
 
     def shutdown(self):
-        if self.hosts.actors:
+        if self.hosts.actors and not self.busy:  # busy: aborted mid-call (Ctrl-C twice): kill at once
             try:
                 self.call("shutdown")
             except RankError:

@@ -24,12 +24,14 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 
+from relax.debug.run_data import read_config
+from relax.errors import ReplayError
+from relax.files import safe_load
 from relax.logger import read_metrics
+from relax.process import describe, read_status
 
 EQUIVALENT, DIVERGED, FAILED = "equivalent", "DIVERGED", "FAILED"
 
@@ -61,14 +63,13 @@ def load_job(path: Path) -> Job:
     job = Job(path=path, name=path.name)
     config = path / ".hydra" / "config.yaml"
     if config.is_file():
-        cfg = OmegaConf.load(config)
-        # runs recorded before train._target_ existed name their trainer train.backend
-        job.backend, job.layout = cfg.train.get("_target_", cfg.train.get("backend", "?")), cfg.parallel.name
-        job.noise_ulp = cfg.parallel.get("noise_ulp", 0)
-    status_file = path / "status.json"
-    if status_file.is_file():
-        status = json.loads(status_file.read_text())
-        job.status, job.error = status["status"], status.get("error")
+        cfg = read_config(config)
+        job.backend, job.layout = cfg["train._target_"], cfg["parallel.name"]
+        job.noise_ulp = cfg["parallel.noise_ulp"]
+    status = read_status(path)
+    if status:  # a run killed with SIGKILL still says running: describe() tells it is dead
+        job.status = status["status"]
+        job.error = describe(status) if job.status != "completed" else None
     _, steps = read_metrics(path)
     job.loss = [s["train/loss"] for s in steps]
     job.grad_norm = [s["train/grad_norm"] for s in steps]
@@ -76,7 +77,7 @@ def load_job(path: Path) -> Job:
         job.step_time = sum(s["perf/step_time"] for s in steps) / len(steps)
         job.peak_memory_mb = max(s.get("perf/peak_memory_mb", 0.0) for s in steps)
     if (path / "first_step_log_probs.pt").is_file():
-        job.log_probs = torch.load(path / "first_step_log_probs.pt", weights_only=True)
+        job.log_probs = safe_load(path / "first_step_log_probs.pt")
     return job
 
 
@@ -245,7 +246,11 @@ def main(argv: list[str]) -> int:
         if not p.is_dir():
             print(f"relax compare: error: {p} is not a directory", file=sys.stderr)
             return 2
-    jobs = find_jobs(args.paths)
+    try:
+        jobs = find_jobs(args.paths)
+    except ReplayError as e:
+        print(f"relax compare: error: {e}", file=sys.stderr)
+        return 2
     if len(jobs) < 2:
         print(f"relax compare: error: need at least two runs, found {len(jobs)}", file=sys.stderr)
         return 2

@@ -26,7 +26,8 @@ from pathlib import Path
 
 from relax.debug.checks import FAIL, PASS, SKIP, WARN, Check, Thresholds, as_text, diagnose
 from relax.debug.run_data import RunData, load_run
-from relax.errors import ReplayError
+from relax.errors import ConfigError, ReplayError
+from relax.process import describe, read_status
 
 
 def write_plots(run: RunData, out_dir: Path) -> list[str]:
@@ -94,9 +95,10 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         run = load_run(args.path)
-    except ReplayError as e:
+    except (ReplayError, ConfigError) as e:
         print(f"relax doctor: error: {e}", file=sys.stderr)
         return 2
+    state = describe(read_status(args.path))  # a run killed with SIGKILL still says running: dead
     if not run.rollouts:
         print(f"relax doctor: error: {args.path} has no metrics.jsonl with rollouts", file=sys.stderr)
         return 2
@@ -105,12 +107,13 @@ def main(argv: list[str]) -> int:
     plots = write_plots(run, run.path)
     report = write_markdown(run, checks, plots)
     if args.json:
-        print(json.dumps({"run": str(run.path), "report": str(report),
+        print(json.dumps({"run": str(run.path), "run_status": state, "report": str(report),
                           "checks": [asdict(c) for c in checks]}, default=str))
     else:
         from rich.console import Console
 
         console = Console(soft_wrap=True)
+        console.print(f"run: {state}", style="red" if state.startswith("died") else None, highlight=False)
         color = {PASS: "green", WARN: "yellow", FAIL: "red", SKIP: "dim"}
         for c in checks:
             text = as_text(c)

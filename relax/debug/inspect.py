@@ -16,8 +16,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from relax.errors import ReplayError
+from relax.debug.run_data import train_rows
+from relax.errors import ConfigError, ReplayError
+from relax.process import describe, read_status
 from relax.files import safe_load
+from relax.replay import read_rollout
 
 MAX_ROWS = 20  # longer runs: the first and last rollouts (all of them with --json)
 
@@ -26,7 +29,7 @@ def find_rollout_files(root: Path) -> dict[int, Path]:
     """Rollout files in a dump/run dir (rollout_data/) or a plain replay directory."""
     root = Path(root)
     if root.is_file():
-        return {int(safe_load(root)["rollout_id"]): root}
+        return {read_rollout(root)[0]["rollout_id"]: root}
     folder = root / "rollout_data" if (root / "rollout_data").is_dir() else root
     found = {}
     for path in sorted(folder.glob("*.pt")):
@@ -58,7 +61,7 @@ def join_train(root: Path, rollout_id: int) -> dict[int, dict]:
     joined = {}
     for path in find_train_files(root, rollout_id):
         data = safe_load(path)
-        for row in data["samples"]:
+        for row in train_rows(path):
             diffs = [abs(a - b) for a, b in zip(row["log_probs"], row["rollout_log_probs"])]
             joined[row["index"]] = {
                 **row, "rank": data.get("rank"), "dp_rank": data.get("dp_rank"),
@@ -72,13 +75,13 @@ def inspect(root: Path, rollout_id: int | None, sample_index: int) -> dict:
         raise ReplayError(f"{root}: no rollout data (*.pt, or rollout_data/*.pt) found")
     summaries, manifest = [], None
     for rid, path in files.items():
-        data = safe_load(path)
+        data, samples = read_rollout(path)
         manifest = manifest or data.get("manifest")
-        summaries.append(summarize(rid, data["samples"]))
+        summaries.append(summarize(rid, [s.to_dict() for s in samples]))
     chosen = rollout_id if rollout_id is not None else next(iter(files))
     if chosen not in files:
         raise ReplayError(f"{root}: no rollout {chosen} (have {min(files)}..{max(files)})")
-    samples = safe_load(files[chosen])["samples"]
+    samples = [s.to_dict() for s in read_rollout(files[chosen])[1]]
     if not 0 <= sample_index < len(samples):
         raise ReplayError(f"rollout {chosen} has samples 0..{len(samples) - 1}")
     train = join_train(root, chosen)
@@ -89,8 +92,10 @@ def inspect(root: Path, rollout_id: int | None, sample_index: int) -> dict:
         tokenizer = load_tokenizer(Path(root) / "tokenizer")
         response = sample["tokens"][len(sample["tokens"]) - sample["response_length"]:]
         sample = {**sample, "response_token_texts": tokenizer.convert_ids_to_tokens(response)}
+    status = read_status(root) if Path(root).is_dir() else None
     return {
-        "root": str(root), "manifest": manifest, "rollouts": summaries,
+        "root": str(root), "run_status": describe(status) if status else None,
+        "manifest": manifest, "rollouts": summaries,
         "sample": {"rollout_id": chosen, **sample, "train": train.get(sample_index)},
         "train_join": {
             "rollout_id": chosen, "trained_samples": len(train),
@@ -108,6 +113,8 @@ def render(report: dict, console: Console) -> None:
     m = report["manifest"] or {}
     console.print(f"[bold]{report['root']}[/]  model {m.get('model_path')} "
                   f"(fingerprint {m.get('model_fingerprint')}), sampling {m.get('sampling')}")
+    if report["run_status"]:  # a run dir: is it running, finished, or dead?
+        console.print(f"run: {report['run_status']}", highlight=False)
     table = Table("rollout", "samples", "mean reward", "resp len (mean/max)", "truncated",
                   "mean rollout log-prob", title="Rollouts")
     rows = report["rollouts"]
@@ -158,7 +165,7 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     try:
         report = inspect(args.path, args.rollout, args.sample)
-    except ReplayError as e:
+    except (ReplayError, ConfigError) as e:
         print(f"relax inspect: error: {e}", file=sys.stderr)
         return 2
     if args.json:

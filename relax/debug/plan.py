@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,10 +56,57 @@ def _abs_template(template: str | None) -> str | None:
     return None if template is None else os.path.abspath(os.path.expanduser(template))
 
 
+def check_writable(key: str, template: str | None) -> None:
+    """The directory a save template writes into (up to its first `{`) can be created and
+    written: its nearest existing ancestor is a writable directory. Checked before the run,
+    not at its first save; nothing is created here."""
+    if template is None:
+        return
+    prefix = template.split("{")[0]
+    folder = Path(prefix) if prefix.endswith("/") else Path(prefix).parent
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"{key}={template!r}: {existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}={template!r}: cannot write into {existing} (permission denied)")
+
+
+DUMP_PARTS = ("config.yaml", "tokenizer", "rollout_data", "train_data")  # what a dump writes
+
+
+def check_dump_dir(dump_dir: Path | None, resumed_run: Path | None) -> None:
+    """A dump holds one run's files: a second run never writes into it (a resumed run continues
+    the dump of the run it resumes)."""
+    found = [part for part in DUMP_PARTS if dump_dir and (dump_dir / part).exists()]
+    if not found:
+        return
+    built = Path(resumed_run or "") / "built.json"
+    if resumed_run and built.is_file() and json.loads(built.read_text()).get("dump_dir") == str(dump_dir):
+        return
+    raise ConfigError(f"debug.dump_details={str(dump_dir)!r} already holds a dump ({', '.join(found)}): "
+                      f"this run's files would mix with another run's. Dump into a new directory, or "
+                      f"delete that one first")
+
+
+def check_replay_ids(template: str, ids: list[int], start_rollout_id: int) -> None:
+    """Replayed rollouts run in order without a hole: a missing file in the middle would
+    silently skip a rollout (a resumed replay starts at its first rollout)."""
+    low = start_rollout_id if start_rollout_id else ids[0]
+    missing = sorted(set(range(low, ids[-1] + 1)) - set(ids))
+    if missing:
+        raise ConfigError(f"debug.load_rollout_data={template!r}: no file for rollout id(s) "
+                          f"{missing[:10]}{' ...' if len(missing) > 10 else ''} between {low} and "
+                          f"{ids[-1]}; restore them, or set rollout.num_rollout={missing[0]} to stop "
+                          f"before the gap")
+
+
 def resolve(cfg, start_rollout_id: int = 0, hf_config: dict | None = None) -> Plan:
     """The run's plan, or a ConfigError. `hf_config`: the config.json of the model the trainer
     will load (a resumed run's); by default the one `cfg.model` names."""
     d, r = cfg.debug, cfg.rollout
+    from relax.rollout import check_rollout
+
+    check_rollout(r)
     load = _abs_template(d.load_rollout_data)
     train_only = d.train_only or load is not None
     if d.rollout_only and train_only:
@@ -93,6 +141,11 @@ def resolve(cfg, start_rollout_id: int = 0, hf_config: dict | None = None) -> Pl
             raise ConfigError(f"debug.load_rollout_data={d.load_rollout_data!r}: no files match "
                               f"for rollout ids {start_rollout_id}..{r.num_rollout - 1}")
         rollout_ids = list(replay_files)
+        check_replay_ids(d.load_rollout_data, rollout_ids, start_rollout_id)
+        fraction = d.load_rollout_data_subsample
+        if fraction is not None and not 0 < fraction <= 1:
+            raise ConfigError(f"debug.load_rollout_data_subsample={fraction}: expected a fraction of the "
+                              f"GRPO groups in (0, 1]")
     else:
         replay_files = {}
         rollout_ids = list(range(start_rollout_id, r.num_rollout))
@@ -109,11 +162,17 @@ def resolve(cfg, start_rollout_id: int = 0, hf_config: dict | None = None) -> Pl
     if load and save_rollout and load == save_rollout:
         raise ConfigError(f"debug.save_rollout_data and debug.load_rollout_data both point at "
                           f"{load!r}: the replay would overwrite its own input")
+    check_writable("debug.save_rollout_data", save_rollout)
+    check_writable("debug.save_train_data", save_train if builds_train else None)
+    check_writable("debug.dump_details", f"{dump_dir}/" if dump_dir else None)
     if builds_train:
         from relax.model import model_config
-        from relax.train import check_trainer
+        from relax.train import check_batch_split, check_trainer
 
         check_trainer(cfg, hf_config or model_config(cfg.model))
+        if not load:  # a replay's sample counts are checked with its files (relax.loop.prepare)
+            check_batch_split(cfg, r.rollout_batch_size * r.n_samples_per_prompt,
+                              "rollout.rollout_batch_size x rollout.n_samples_per_prompt")
     if not train_only:
         from relax.rollout import check_engine
 

@@ -6,13 +6,14 @@ built.json, weight_check.json, the composed config, and the dumps when the run m
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from relax.debug.health import SAMPLES_FILE
-from relax.files import read_jsonl, safe_load
+from relax.errors import ReplayError
+from relax.files import read_json, read_jsonl, safe_load
 from relax.logger import read_metrics
+from relax.replay import read_rollout
 
 
 @dataclass
@@ -40,9 +41,39 @@ def chat_template_parts(tokenizer) -> tuple[str, str] | None:
     return prefix, suffix
 
 
-def load_run(path: Path) -> RunData:
+def read_config(path: Path) -> dict:
+    """The keys readers use from a composed config.yaml (a run's .hydra/ or a dump's), or a
+    ReplayError naming the file (OmegaConf loads YAML safely: no tag runs code)."""
     from omegaconf import OmegaConf
 
+    try:
+        cfg = OmegaConf.to_container(OmegaConf.load(path))
+        train, parallel = cfg.get("train", {}), cfg.get("parallel", {})
+        keys = {"train._target_": train.get("_target_", train.get("backend", "?")),  # (backend: older runs)
+                "parallel.name": parallel.get("name", "?"),
+                "parallel.noise_ulp": parallel.get("noise_ulp", 0),
+                "train.num_steps_per_rollout": train.get("num_steps_per_rollout")}
+    except Exception as e:  # YAML errors, a list or scalar where a mapping belongs
+        reason = str(e).splitlines()[0] if str(e) else ""
+        raise ReplayError(f"{path}: not a Relax config ({type(e).__name__}: {reason})") from None
+    if not isinstance(keys["train.num_steps_per_rollout"], (int, type(None))):
+        raise ReplayError(f"{path}: train.num_steps_per_rollout is not an integer")
+    return keys
+
+
+def train_rows(path: Path) -> list[dict]:
+    """The per-sample rows of a train-data file (debug.save_train_data), checked."""
+    data = safe_load(path)
+    rows = data.get("samples")
+    keys = ("index", "log_probs", "ref_log_probs", "rollout_log_probs")
+    if not isinstance(rows, list) or not all(
+            isinstance(r, dict) and isinstance(r.get("index"), int)
+            and all(isinstance(r.get(k), list) for k in keys[1:]) for r in rows):
+        raise ReplayError(f"{path}: not Relax train data (a list of samples with {', '.join(keys)})")
+    return rows
+
+
+def load_run(path: Path) -> RunData:
     path = Path(path)
     rollouts, steps = read_metrics(path)
     run = RunData(path=path, rollouts=rollouts, steps=steps)
@@ -50,28 +81,30 @@ def load_run(path: Path) -> RunData:
     if not config.is_file():
         config = path / "config.yaml"  # a dump dir
     if config.is_file():
-        cfg = OmegaConf.load(config)
-        run.num_steps_per_rollout = cfg.train.num_steps_per_rollout
-        run.backend = cfg.train._target_
+        cfg = read_config(config)
+        run.num_steps_per_rollout, run.backend = cfg["train.num_steps_per_rollout"], cfg["train._target_"]
     if (path / SAMPLES_FILE).is_file():
-        run.samples = {s["rollout_id"]: s for s in read_jsonl(path / SAMPLES_FILE)}
+        samples = read_jsonl(path / SAMPLES_FILE)
+        if not all(isinstance(s.get("rollout_id"), int) for s in samples):
+            raise ReplayError(f"{path / SAMPLES_FILE}: a record without an integer rollout_id")
+        run.samples = {s["rollout_id"]: s for s in samples}
     else:
         run.samples_missing = f"no {SAMPLES_FILE} in {path} (runs before Relax wrote it lack it)"
-    built = json.loads((path / "built.json").read_text()) if (path / "built.json").is_file() else {}
+    built = read_json(path / "built.json") if (path / "built.json").is_file() else {}
     dump = Path(built["dump_dir"]) if built.get("dump_dir") else path
     first_id = rollouts[0]["rollout_id"] if rollouts else 0
     rollout_file = dump / "rollout_data" / f"{first_id}.pt"
     if rollout_file.is_file():
-        run.prompts = [s["prompt"] for s in safe_load(rollout_file)["samples"]]
+        run.prompts = [s.prompt for s in read_rollout(rollout_file)[1]]
     elif first_id in run.samples:
-        run.prompts = [run.samples[first_id]["prompt"]]
+        run.prompts = [run.samples[first_id].get("prompt", "")]
     for train_file in sorted((dump / "train_data").glob(f"{first_id}_*.pt")):
-        run.first_train_data += safe_load(train_file)["samples"]
+        run.first_train_data += train_rows(train_file)
     tokenizer_dir = dump / "tokenizer" if (dump / "tokenizer").is_dir() else built.get("model_path")
     if tokenizer_dir and Path(tokenizer_dir).is_dir():
         from relax.model import load_tokenizer
 
         run.chat_template_parts = chat_template_parts(load_tokenizer(Path(tokenizer_dir)))
     if (path / "weight_check.json").is_file():
-        run.weight_check = json.loads((path / "weight_check.json").read_text())
+        run.weight_check = read_json(path / "weight_check.json")
     return run

@@ -9,7 +9,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from relax.errors import ReplayError
+from relax.files import read_jsonl
+
 METRICS_FILE = "metrics.jsonl"
+ROLLOUT_KEYS = ("rollout/raw_reward",)  # in every rollout record: what readers rely on
+STEP_KEYS = ("train/loss", "train/grad_norm")  # in every train-step record
 
 
 class MetricsLogger:
@@ -40,10 +45,16 @@ class MetricsLogger:
 
 
 def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
-    """(rollout records, train-step records) of a run."""
+    """(rollout records, train-step records) of a run; a ReplayError naming metrics.jsonl if it
+    is not one."""
     path = Path(run_dir) / METRICS_FILE
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] \
-        if path.is_file() else []
+    records = read_jsonl(path) if path.is_file() else []
+    for r in records:
+        needed = STEP_KEYS if "step" in r else ROLLOUT_KEYS
+        numbers = all(isinstance(r.get(k), (int, float)) for k in needed)
+        if not isinstance(r.get("rollout_id"), int) or not numbers:
+            raise ReplayError(f"{path}: not a metrics record (an integer rollout_id, numbers for "
+                              f"{', '.join(needed)}): {r!r:.200}")
     return [r for r in records if "step" not in r], [r for r in records if "step" in r]
 
 

@@ -24,6 +24,10 @@ FAMILY_KEYS = ("num_local_experts", "rope_scaling", "qkv_bias", "attention_bias"
                "decoder_sparse_step", "mlp_only_layers")
 
 
+# config.json keys every start-up check and engine reads
+REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+
+
 def resolve_model_path(model_cfg) -> Path:
     """The HF directory this run uses; validates it before anything expensive starts."""
     if model_cfg.path is None:
@@ -32,17 +36,46 @@ def resolve_model_path(model_cfg) -> Path:
                 f"model.path is not set for model={model_cfg.name}: pass model.path=/path/to/hf_dir")
         from relax.model.tiny import ensure_tiny_model
 
-        return ensure_tiny_model(model_cfg)
+        return check_model_dir(ensure_tiny_model(model_cfg))
     path = Path(model_cfg.path).expanduser().resolve()
     if not (path / "config.json").is_file():
         raise ConfigError(f"model.path={model_cfg.path!r}: no config.json there; expected a "
                           f"Hugging Face model directory")
     families.check(read_hf_config(path), f"model.path={model_cfg.path!r} (config.json)")
-    return path
+    return check_model_dir(path)
 
 
 def read_hf_config(path: Path) -> dict:
-    return json.loads((Path(path) / "config.json").read_text())
+    """config.json, or a ConfigError naming it (missing, not JSON, lacking a REQUIRED_KEYS key)."""
+    file = Path(path) / "config.json"
+    try:
+        hf = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{file}: no such file; expected a Hugging Face model directory") from None
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ConfigError(f"{file}: not valid JSON, corrupt or truncated ({e})") from None
+    missing = [k for k in REQUIRED_KEYS if not isinstance(hf, dict) or not isinstance(hf.get(k), int)]
+    if missing:
+        raise ConfigError(f"{file}: no integer {', '.join(missing)}: not a transformer's config.json")
+    return hf
+
+
+def check_model_dir(path: Path) -> Path:
+    """Every *.safetensors file is whole (its header parses and covers the file exactly): a
+    truncated copy or a garbage file is named here, not deep inside an engine or a rank."""
+    from safetensors import SafetensorError, safe_open
+
+    read_hf_config(path)
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"{path}: no *.safetensors weights (Relax loads safetensors only)")
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as weights:
+                weights.keys()
+        except (SafetensorError, OSError) as e:
+            raise ConfigError(f"{f}: corrupt or truncated safetensors file ({e})") from None
+    return Path(path)
 
 
 def model_config(model_cfg) -> dict:
@@ -70,9 +103,18 @@ def load_tokenizer(path: Path):
     """
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    if (Path(path) / "tokenizer.json").is_file():
-        return PreTrainedTokenizerFast.from_pretrained(str(path))
-    return AutoTokenizer.from_pretrained(str(path))
+    try:
+        if (Path(path) / "tokenizer.json").is_file():
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path))
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # missing, corrupt or unknown tokenizer files (tokenizers raises plain Exception)
+        raise ConfigError(f"{path}: cannot load its tokenizer ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    if not tokenizer("Hello 123", add_special_tokens=False)["input_ids"]:  # transformers builds an empty one
+        raise ConfigError(f"{path}: cannot load its tokenizer (no tokenizer.json, or vocab.json and "
+                          f"merges.txt, there: it encodes text into no tokens)")
+    return tokenizer
 
 
 def tokenizer_fingerprint(tokenizer) -> dict:

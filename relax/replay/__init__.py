@@ -17,11 +17,13 @@ import re
 from pathlib import Path
 
 from omegaconf import OmegaConf
+from tqdm.auto import tqdm
 
 import relax
 from relax.errors import ReplayError
 from relax.files import atomic_save, fill, safe_load
-from relax.sample import Sample
+from relax.sample import Sample, group_size_of
+from relax.task import check_rewards
 
 FORMAT_VERSION = 1
 
@@ -85,26 +87,57 @@ def save_rollout(path: Path, rollout_id: int, samples: list[Sample], manifest: d
                  "manifest": manifest, "samples": [s.to_dict() for s in samples]}, path)
 
 
-def load_rollout(path: Path, manifest: dict | None = None, allow_mismatch: bool = False,
-                 subsample: float | None = None, seed: int = 0) -> tuple[int, list[Sample]]:
+def read_rollout(path: Path) -> tuple[dict, list[Sample]]:
+    """A rollout file's data and its samples, checked (plain data, Relax's format, well-formed
+    samples in whole GRPO groups), or a ReplayError naming the file."""
     data = safe_load(path)
     if data.get("format_version") != FORMAT_VERSION or "samples" not in data:
         raise ReplayError(f"{path}: not Relax rollout data (format_version "
                           f"{data.get('format_version')!r}, expected {FORMAT_VERSION})")
+    if not isinstance(data["samples"], list) or not data["samples"]:
+        raise ReplayError(f"{path}: no samples (expected a non-empty list)")
+    try:
+        samples = [Sample.from_dict(d) for d in data["samples"]]
+        group_size_of(samples)
+        data["rollout_id"] = int(data["rollout_id"])
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ReplayError(f"{path}: malformed rollout data: {e}") from None
+    if not isinstance(data.get("manifest", {}), dict):
+        raise ReplayError(f"{path}: malformed rollout data: the manifest is not a mapping")
+    return data, samples
+
+
+def load_rollout(path: Path, manifest: dict | None = None, allow_mismatch: bool = False,
+                 subsample: float | None = None, seed: int = 0) -> tuple[int, list[Sample]]:
+    data, samples = read_rollout(path)
     if manifest is not None and not allow_mismatch:
-        diffs = manifest_mismatches(data.get("manifest", {}), manifest)
+        try:
+            diffs = manifest_mismatches(data.get("manifest", {}), manifest)
+        except (AttributeError, TypeError):  # nested entries that are not mappings
+            raise ReplayError(f"{path}: malformed rollout data: unreadable manifest") from None
         if diffs:
             raise ReplayError(f"{path}: rollout data does not match this run:\n  - "
                               + "\n  - ".join(diffs)
                               + "\nSet debug.allow_manifest_mismatch=true to replay it anyway.")
-    try:
-        samples = [Sample.from_dict(d) for d in data["samples"]]
-    except (KeyError, TypeError) as e:
-        raise ReplayError(f"{path}: malformed sample: {e}") from None
-    rollout_id = int(data["rollout_id"])
     if subsample is not None:
-        samples = subsample_groups(samples, subsample, seed + rollout_id)
-    return rollout_id, samples
+        samples = subsample_groups(samples, subsample, seed + data["rollout_id"])
+    return data["rollout_id"], samples
+
+
+def check_replay_files(files: dict[int, Path], manifest: dict, allow_mismatch: bool,
+                       subsample: float | None, seed: int) -> dict[int, int]:
+    """Start-up: every file a replay will read loads as it will then (plain data, this run's
+    manifest, whole GRPO groups, finite rewards) and holds the rollout its name says. Returns
+    the number of samples each gives."""
+    counts = {}
+    for rollout_id, path in tqdm(files.items(), desc="checking replay files", unit="file",
+                                 disable=len(files) < 20):
+        saved_id, samples = load_rollout(path, manifest, allow_mismatch, subsample, seed)
+        if saved_id != rollout_id:
+            raise ReplayError(f"{path}: holds rollout {saved_id}, but its name says rollout {rollout_id}")
+        check_rewards(samples, f"the replay file {path}")
+        counts[rollout_id] = len(samples)
+    return counts
 
 
 def subsample_groups(samples: list[Sample], fraction: float, seed: int) -> list[Sample]:

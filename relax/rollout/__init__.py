@@ -19,6 +19,7 @@ and, optionally, what some settings need (refused at start-up where the engine l
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +52,18 @@ def torch_cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def check_rollout(r) -> None:
+    """rollout.* values no run can use, refused whether or not an engine is built (a replay
+    still takes num_rollout, and its trainer the temperature)."""
+    for key in ("num_rollout", "rollout_batch_size", "n_samples_per_prompt", "max_new_tokens"):
+        if r[key] < 1:  # (max_new_tokens: an empty response has nothing to train on)
+            raise ConfigError(f"rollout.{key}={r[key]}: expected a positive integer")
+    if not math.isfinite(r.temperature) or r.temperature < 0:
+        raise ConfigError(f"rollout.temperature={r.temperature}: expected a number >= 0 (0: greedy)")
+    if not 0 < r.top_p <= 1:
+        raise ConfigError(f"rollout.top_p={r.top_p}: expected a probability in (0, 1]")
+
+
 def engine_dtype(cfg) -> str:
     """The engine's dtype: rollout.dtype, or the model's (a bf16 engine against an fp32
     trainer is the classic rollout/train mismatch that algo.tis corrects)."""
@@ -61,9 +74,6 @@ def check_engine(cfg) -> None:
     """Start-up refusals: the engine class imports and supports what the config asks of it."""
     engine = load_target(cfg, "rollout")
     r = cfg.rollout
-    if r.max_new_tokens < 1:
-        raise ConfigError(f"rollout.max_new_tokens={r.max_new_tokens}: a rollout needs at least one "
-                          f"generated token (an empty response has nothing to train on)")
     if r.weight_update_mode not in ("tensor", "disk", "distributed"):
         raise ConfigError(f"rollout.weight_update_mode={r.weight_update_mode!r}: expected tensor, "
                           f"disk or distributed")

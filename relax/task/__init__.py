@@ -42,23 +42,45 @@ def load_reward_fn(dotted: str) -> RewardFn:
         ) from None
 
 
-def load_jsonl(path: str | None) -> list[tuple[str, str]]:
+def jsonl_record(row, where: str) -> tuple[str, str]:
+    """One dataset record: {"prompt": non-empty text, "label": text or number}."""
+    if not isinstance(row, dict):
+        raise ConfigError(f"{where}: expected a JSON object with 'prompt' and 'label', found "
+                          f"{type(row).__name__}")
+    prompt, label = row.get("prompt"), row.get("label")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ConfigError(f"{where}: 'prompt' must be a non-empty string, found {prompt!r}")
+    if "label" not in row:
+        raise ConfigError(f"{where}: no 'label' (the reference answer task.reward_fn compares each "
+                          f"response with); write \"label\": \"\" if your reward needs none")
+    if isinstance(label, bool) or not isinstance(label, (str, int, float)):
+        raise ConfigError(f"{where}: 'label' must be a string or a number, found {label!r}")
+    return prompt, str(label)
+
+
+def load_jsonl(path: str | None) -> list[tuple[str, str, str]]:
+    """(prompt, label, file:line) of every record."""
     if path is None:
         raise ConfigError("task=jsonl needs task.data_path=/path/to/prompts.jsonl")
     p = Path(path).expanduser()
     if not p.is_file():
         raise ConfigError(f"task.data_path={path!r}: no such file")
+    raw = p.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise ConfigError(f"{p}:{line}: not UTF-8 text (byte {e.start}: {e.reason}); save the "
+                          f"dataset as UTF-8") from None
     rows = []
-    for line_no, line in enumerate(p.read_text().splitlines(), 1):
+    for line_no, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
-            rows.append((str(row["prompt"]), str(row.get("label", ""))))
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ConfigError(
-                f"{p}:{line_no}: expected a JSON object with 'prompt' (and 'label'): {e}"
-            ) from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{p}:{line_no}: not a JSON line ({e})") from None
+        rows.append((*jsonl_record(row, f"{p}:{line_no}"), f"{p}:{line_no}"))
     if not rows:
         raise ConfigError(f"task.data_path={path!r}: the dataset is empty")
     return rows
@@ -69,7 +91,8 @@ class Task:
 
     def __init__(self, seed: int, reward_fn: str, apply_chat_template: bool, answer_format: str | None):
         self.seed, self.apply_chat_template = seed, apply_chat_template
-        self.reward_fn = load_reward_fn(reward_fn)
+        self.reward_fn_name, self.reward_fn = reward_fn, load_reward_fn(reward_fn)
+        self.max_prompt_tokens: int | None = None  # set by check_prompts at start-up
         # What a well-formed response matches; the health metrics read it from the config,
         # since a replaying run builds no task.
         self.answer_format = answer_format
@@ -77,6 +100,32 @@ class Task:
     def questions(self, rng: random.Random, n: int) -> list[tuple[str, str]]:
         """`n` (question, label) pairs drawn with `rng`."""
         raise NotImplementedError
+
+    def dataset(self) -> list[tuple[str, str, str]] | None:
+        """Every (question, label, where) the task can draw, if it holds a fixed set (checked at
+        start-up); None for generated questions (checked as they are made)."""
+        return None
+
+    def check_prompts(self, tokenizer, max_positions: int | None, max_new_tokens: int) -> None:
+        """Start-up: each prompt plus rollout.max_new_tokens must fit the model's positions
+        (config.json max_position_embeddings); beyond them engines fail or crawl."""
+        if not max_positions:
+            return
+        self.max_prompt_tokens = max_positions - max_new_tokens
+        if self.max_prompt_tokens < 1:
+            raise ConfigError(f"rollout.max_new_tokens={max_new_tokens} leaves no room for a prompt "
+                              f"within the model's max_position_embeddings={max_positions}")
+        rows = self.dataset() or []
+        lengths = tokenizer([self.format(q, tokenizer) for q, _, _ in rows],
+                            add_special_tokens=False)["input_ids"] if rows else []
+        for (question, _, where), ids in zip(rows, lengths, strict=True):
+            self.check_length(len(ids), where)
+
+    def check_length(self, num_tokens: int, where: str) -> None:
+        if self.max_prompt_tokens is not None and num_tokens > self.max_prompt_tokens:
+            raise ConfigError(f"{where}: the prompt has {num_tokens} tokens, more than the "
+                              f"{self.max_prompt_tokens} the model's max_position_embeddings leaves "
+                              f"after rollout.max_new_tokens: shorten it or lower max_new_tokens")
 
     def format(self, question: str, tokenizer) -> str:
         if not self.apply_chat_template:
@@ -90,11 +139,19 @@ class Task:
         for question, label in self.questions(random.Random(f"{self.seed}-{rollout_id}"), batch_size):
             text = self.format(question, tokenizer)
             tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
+            self.check_length(len(tokens), f"rollout {rollout_id}, question {question[:80]!r}")
             out.append(Prompt(text, tokens, label))
         return out
 
     def reward(self, response: str, label: str) -> float:
-        return float(self.reward_fn(response, label))
+        value = self.reward_fn(response, label)
+        if hasattr(value, "__float__"):  # int, float, bool, numpy and torch scalars; not str or None
+            try:
+                return float(value)
+            except (TypeError, ValueError):  # a tensor of several numbers
+                pass
+        raise ConfigError(f"task.reward_fn={self.reward_fn_name} returned {value!r} ({type(value).__name__}) "
+                          f"for response={response!r}, label={label!r}: expected a number")
 
 
 class ArithmeticTask(Task):
@@ -116,7 +173,10 @@ class JsonlTask(Task):
         self.rows = load_jsonl(data_path)
 
     def questions(self, rng, n):
-        return [self.rows[rng.randrange(len(self.rows))] for _ in range(n)]
+        return [self.rows[rng.randrange(len(self.rows))][:2] for _ in range(n)]
+
+    def dataset(self):
+        return self.rows
 
 
 def build_task(cfg) -> Task:

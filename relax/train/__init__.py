@@ -19,6 +19,8 @@ processes; or Ray actors), and the driver cannot tell the difference.
 
 from __future__ import annotations
 
+import math
+
 from omegaconf import DictConfig, OmegaConf
 
 from relax.config import load_target
@@ -33,10 +35,32 @@ def make_trainer(cfg, *args, **kwargs):
     return load_target(cfg, "train")(cfg, *args, **kwargs)
 
 
+def check_train_keys(t) -> None:
+    """train.* values no trainer can use."""
+    for key in ("micro_batch_size", "num_steps_per_rollout", "num_threads"):
+        if t[key] < 1:
+            raise ConfigError(f"train.{key}={t[key]}: expected a positive integer")
+    for key in ("lr", "weight_decay", "clip_grad"):
+        if not math.isfinite(t[key]) or t[key] < 0:
+            raise ConfigError(f"train.{key}={t[key]}: expected a finite number >= 0")
+
+
+def check_batch_split(cfg, num_samples: int, source: str) -> None:
+    """A rollout's samples split into train.num_steps_per_rollout mini-batches, each over
+    parallel.dp ranks (a rank's last micro-batch may be smaller than train.micro_batch_size: the
+    loss is a token mean over the whole step)."""
+    parts = cfg.train.num_steps_per_rollout * cfg.parallel.dp
+    if num_samples % parts:
+        raise ConfigError(f"{source} gives {num_samples} samples per rollout, which do not split into "
+                          f"train.num_steps_per_rollout={cfg.train.num_steps_per_rollout} x parallel.dp="
+                          f"{cfg.parallel.dp} equal parts: make their product divide {num_samples}")
+
+
 def check_trainer(cfg, hf_config: dict) -> None:
-    """Start-up refusals: the trainer class imports, the algo and non-finite settings hold
-    (every trainer trains with relax.algo), and its own checks pass for this model
+    """Start-up refusals: the train keys hold, the trainer class imports, the algo and non-finite
+    settings hold (every trainer trains with relax.algo), and its own checks pass for this model
     (`hf_config`: its config.json, see relax.model.model_config)."""
+    check_train_keys(cfg.train)
     trainer = load_target(cfg, "train")
     if cfg.train.on_nonfinite not in ("error", "skip"):
         raise ConfigError(f"train.on_nonfinite={cfg.train.on_nonfinite!r}: expected error or skip")

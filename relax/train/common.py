@@ -19,7 +19,7 @@ from relax import faults
 from relax.algo import (compute_advantages, gspo_loss, kl_estimate, masked_sum, mismatch_kl, mismatch_ratio,
                         policy_loss, rollout_is_weights, sequence_loss_scales)
 from relax.files import atomic_save, fill
-from relax.sample import Sample
+from relax.sample import Sample, group_size_of
 
 FIRST_STEP_SAMPLES = 16  # per-token log-probs of these sample indices go to layout comparisons
 STEP_KEYS = ("train/loss", "train/pg_loss", "train/pg_clipfrac", "train/pg_clipfrac_lower", "train/ppo_kl",
@@ -53,16 +53,6 @@ def nudge_ulps(params, ulps: int, seed: int) -> None:
             target = torch.where(torch.rand(p.shape, generator=generator) < 0.5, -torch.inf, torch.inf)
             for _ in range(ulps):
                 p.copy_(torch.nextafter(p, target.to(p.dtype)))
-
-
-def group_size_of(samples: list[Sample]) -> int:
-    groups = [s.group_index for s in samples]
-    size = groups.count(groups[0])
-    if len(samples) % size or groups != sorted(groups):
-        raise ValueError("samples must come in equal, contiguous GRPO groups")
-    if [s.index for s in samples] != list(range(len(samples))):
-        raise ValueError("sample indices must be 0..N-1 in order")
-    return size
 
 
 def advantages_of(samples: list[Sample], algo) -> torch.Tensor:

@@ -1,0 +1,197 @@
+"""The driver process of a run: its status.json, how it stops, and its log.
+
+status.json  `{"status": running | completed | failed | interrupted, "pid", "host", "started",
+             "pid_start", ...}`, written atomically. A run killed with SIGKILL (or by the
+             out-of-memory killer, or a power loss) leaves `running` behind; the pid, host and
+             the process's start time (Linux /proc/<pid>/stat, so a reused pid is not taken for
+             the run) let every reader tell a live run from a dead one: `describe()`.
+Stop         SIGINT (Ctrl-C) and SIGTERM ask the loop to stop after the current rollout, whose
+             checkpoint is then written when checkpointing is on; a second one aborts at once.
+Log          A library that configures logging for itself (SGLang's engine calls
+             `logging.basicConfig(force=True)` and sets the root level to its own) would take
+             away the handlers Hydra set up: `LogGuard` puts them back.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+from relax.errors import ConfigError, Interrupted
+from relax.files import atomic_write_text
+
+log = logging.getLogger("relax")
+STATUS_FILE = "status.json"
+HOST = socket.gethostname()
+
+
+def _start_ticks(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot), or None if there is no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rpartition(")")[2].split()[19])  # field 22; fields after "(comm)" start at 3
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+class StatusFile:
+    """This process's status.json in `run_dir`: every write carries who is writing it. Nothing
+    is written before `claim()` has checked that no other live run writes that dir."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir, self.claimed = Path(run_dir), False
+        self.identity = {"pid": os.getpid(), "host": HOST, "pid_start": _start_ticks(os.getpid()),
+                         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+    def claim(self) -> None:
+        previous = read_status(self.run_dir)
+        if live_elsewhere(previous):
+            raise ConfigError(f"{self.run_dir} is being written by a live run ({describe(previous)}): "
+                              f"stop it first (kill -INT {previous['pid']}), or run in another directory")
+        if previous and previous["status"] == "running":
+            log.warning("%s: the previous run in this directory %s", self.run_dir, describe(previous))
+        self.claimed = True
+        self.write("running")
+
+    def write(self, status: str, **extra) -> None:
+        if self.claimed:
+            atomic_write_text(self.run_dir / STATUS_FILE,
+                              json.dumps({"status": status, **extra, **self.identity}, indent=2))
+
+
+def read_status(run_dir: Path) -> dict | None:
+    """A run dir's status.json, None if it has none, `{"status": "unreadable", ...}` if garbage."""
+    path = Path(run_dir) / STATUS_FILE
+    if not path.is_file():
+        return None
+    try:
+        status = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        return {"status": "unreadable", "error": f"{path}: {type(e).__name__}: {e}"}
+    if not isinstance(status, dict) or not isinstance(status.get("status"), str):
+        return {"status": "unreadable", "error": f"{path}: not a Relax status record"}
+    return status
+
+
+def is_alive(status: dict) -> bool | None:
+    """For a `running` status: True (its process runs), False (it died), or None (it ran on
+    another host, or was written before Relax recorded pids: cannot tell)."""
+    pid = status.get("pid")
+    if not isinstance(pid, int) or status.get("host") != HOST:
+        return None
+    if not _exists(pid):
+        return False
+    ticks = _start_ticks(pid)
+    return ticks is None or status.get("pid_start") in (None, ticks)
+
+
+def live_elsewhere(status: dict | None) -> bool:
+    """A `running` status written by another process that is still alive."""
+    return bool(status) and status["status"] == "running" and is_alive(status) is True and \
+        (status.get("pid"), status.get("host")) != (os.getpid(), HOST)
+
+
+def describe(status: dict | None) -> str:
+    """One line on a run's state, for doctor, inspect, compare and resume."""
+    if status is None:
+        return "no status.json"
+    state = status["status"]
+    if state == "unreadable":
+        return f"status.json unreadable ({status['error']})"
+    if state != "running":
+        error = status.get("error")
+        return state + (f": {error}" if error else "")
+    where = f"pid {status.get('pid')} on {status.get('host')}"
+    alive = is_alive(status)
+    if alive:
+        return f"running ({where}, alive)"
+    if alive is None:
+        why = "no pid recorded" if "pid" not in status else f"this is {HOST}"
+        return f"running according to status.json ({where}; {why}: cannot check whether it is alive)"
+    return (f"died: status.json says running but its process ({where}) is gone (killed with "
+            f"SIGKILL, out of memory, or the machine restarted); resume=<run dir> continues from "
+            f"its newest complete checkpoint")
+
+
+class Stop:
+    """SIGINT and SIGTERM, while installed: the first asks for a stop after the current
+    rollout (`requested`, `check`), the second aborts at once (KeyboardInterrupt)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> "Stop":
+        self._previous = {s: signal.getsignal(s) for s in self.SIGNALS}
+        self.install()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+    def install(self) -> None:
+        """(Again, after a library that sets its own handlers.)"""
+        if self._previous:
+            for s in self.SIGNALS:
+                signal.signal(s, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.signum is not None:
+            log.error("%s again: aborting now", name)
+            raise KeyboardInterrupt
+        self.signum = signum
+        log.warning("%s: stopping after the current rollout (and writing its checkpoint when "
+                    "checkpointing is on); %s again aborts at once", name, name)
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def check(self, where: str) -> None:
+        if self.signum is not None:
+            raise Interrupted(self.signum, f"stopped by {signal.Signals(self.signum).name} {where}")
+
+
+class LogGuard:
+    """What Hydra's logging set up (root handlers and level, which loggers are enabled),
+    put back by `restore()` after a library reconfigured it."""
+
+    def __init__(self):
+        root = logging.getLogger()
+        self.handlers, self.level = list(root.handlers), root.level
+        self.enabled = {lg for lg in logging.root.manager.loggerDict.values()
+                        if isinstance(lg, logging.Logger) and not lg.disabled}
+
+    def restore(self) -> None:
+        root = logging.getLogger()
+        if root.handlers != self.handlers or root.level != self.level:
+            log.debug("logging was reconfigured by a library: restoring Relax's handlers")
+        root.handlers[:] = self.handlers
+        root.setLevel(self.level)
+        for handler in self.handlers:
+            if isinstance(handler, logging.FileHandler) and handler.stream is None:  # closed by it
+                handler.mode = "a"  # reopen without truncating the log
+                handler.stream = handler._open()
+        for name, logger in logging.root.manager.loggerDict.items():
+            ours = logger in self.enabled or name.split(".")[0] == "relax"
+            if isinstance(logger, logging.Logger) and ours:
+                logger.disabled = False

@@ -1,0 +1,170 @@
+"""The driver process (relax/process.py): SIGTERM and Ctrl-C stop a run cleanly (the rollout
+finished, its checkpoint written, status `interrupted`, no traceback; a second Ctrl-C aborts
+at once), status.json says who runs it, a live run's dir is never taken over, a run resumed
+in its own dir keeps its record, and an engine that reconfigures logging keeps relax.log."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from relax.checkpoint import scan
+from relax.rollout.torch_engine import TorchEngine
+from relax.logger import read_metrics
+from relax.process import HOST, describe, read_status
+
+LONG = ["rollout.num_rollout=1000", "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=2",
+        "checkpoint.save_interval=100", "hydra.run.dir=outputs/run"]
+
+
+def wait_for(path: Path, text: str, timeout: float = 120) -> None:
+    end = time.time() + timeout
+    while time.time() < end:
+        if path.is_file() and text in path.read_text():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no {text!r} in {path} after {timeout} s")
+
+
+def stopped_cleanly(cwd: Path, signum: int, exitcode: int) -> tuple[dict, int]:
+    """The run ended as a clean stop: (its status, the last rollout it finished)."""
+    run = cwd / "outputs" / "run"
+    status = read_status(run)
+    assert exitcode == 128 + signum, (cwd / "out.log").read_text()[-3000:]
+    assert status["status"] == "interrupted" and status["host"] == HOST and isinstance(status["pid"], int)
+    name = signal.Signals(signum).name
+    assert f"stopped by {name} after rollout" in status["error"]
+    last = int(status["error"].split("after rollout ")[1].split(";")[0])
+    rollouts, _ = read_metrics(run)
+    assert [r["rollout_id"] for r in rollouts] == list(range(last + 1))  # the rollout was finished
+    assert [c.name for c in scan(run)[0]] == [f"rollout_{last:06d}"]  # ... and its checkpoint written
+    assert f"continue with resume={run}" in status["error"]
+    assert "Traceback" not in (cwd / "out.log").read_text()
+    return status, last
+
+
+def test_sigterm_stops_after_the_rollout_with_a_checkpoint_then_resume_continues(tmp_path, fork_cli):
+    proc = fork_cli(tmp_path, *LONG)
+    wait_for(tmp_path / "outputs/run/relax.log", "Finish rollout 1")
+    assert describe(read_status(tmp_path / "outputs/run")) == f"running (pid {proc.pid} on {HOST}, alive)"
+    os.kill(proc.pid, signal.SIGTERM)
+    proc.join(120)
+    _, last = stopped_cleanly(tmp_path, signal.SIGTERM, proc.exitcode)
+    # resume=<run dir> into the same dir: the stopped run continues where it stopped
+    proc = fork_cli(tmp_path, *LONG, f"rollout.num_rollout={last + 3}", "resume=outputs/run")
+    proc.join(120)
+    assert proc.exitcode == 0, (tmp_path / "out.log").read_text()[-3000:]
+    rollouts, steps = read_metrics(tmp_path / "outputs/run")
+    assert [r["rollout_id"] for r in rollouts] == list(range(last + 3))
+    assert [s["rollout_id"] for s in steps] == list(range(last + 3))
+
+
+def test_ctrl_c_stops_cleanly_and_twice_aborts_at_once(tmp_path, fork_cli):
+    once, twice = tmp_path / "once", tmp_path / "twice"
+    for cwd in (once, twice):
+        cwd.mkdir()
+    proc = fork_cli(once, *LONG)
+    wait_for(once / "outputs/run/relax.log", "Finish rollout 1")
+    os.kill(proc.pid, signal.SIGINT)
+    proc.join(120)
+    stopped_cleanly(once, signal.SIGINT, proc.exitcode)
+    assert "SIGINT again aborts at once" in (once / "outputs/run/relax.log").read_text()
+
+    # rollouts of 256 samples: the second Ctrl-C comes while one is being generated or trained
+    proc = fork_cli(twice, *LONG, "rollout.rollout_batch_size=32", "rollout.n_samples_per_prompt=8")
+    wait_for(twice / "outputs/run/relax.log", "Finish rollout 0")
+    os.kill(proc.pid, signal.SIGINT)
+    wait_for(twice / "outputs/run/relax.log", "SIGINT: stopping after the current rollout")
+    os.kill(proc.pid, signal.SIGINT)
+    proc.join(120)
+    status = read_status(twice / "outputs/run")
+    assert proc.exitcode == 130 and status["status"] == "interrupted"
+    assert status["error"].startswith("aborted: the rollout in progress is lost; no checkpoint was written")
+    assert "Traceback" not in (twice / "out.log").read_text()
+
+
+def test_a_live_runs_dir_is_refused_and_its_status_left_alone(tmp_path, fork_cli):
+    proc = fork_cli(tmp_path, *LONG)
+    wait_for(tmp_path / "outputs/run/relax.log", "Finish rollout 0")
+    before = (tmp_path / "outputs/run/status.json").read_text()
+    (tmp_path / "second").mkdir()
+    second = fork_cli(tmp_path / "second", *LONG, f"hydra.run.dir={tmp_path}/outputs/run",
+                      f"resume={tmp_path}/outputs/run")
+    second.join(120)
+    assert second.exitcode == 2
+    assert f"is being written by a live run (running (pid {proc.pid} on {HOST}, alive))" in \
+        (tmp_path / "second" / "out.log").read_text()
+    assert (tmp_path / "outputs/run/status.json").read_text() == before
+    os.kill(proc.pid, signal.SIGTERM)
+    proc.join(120)
+    assert proc.exitcode == 128 + signal.SIGTERM
+
+
+def test_ctrl_c_to_the_whole_process_group_reaches_ranks_that_leave_the_stop_to_the_driver(tmp_path):
+    """A terminal's Ctrl-C signals every process of the job; dp2 trainer ranks ignore it, so
+    the driver still finishes the rollout and writes its checkpoint (ranks take part)."""
+    proc = subprocess.Popen([sys.executable, "-m", "relax", *LONG, "parallel=dp2"], cwd=tmp_path,
+                            stdout=open(tmp_path / "out.log", "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        wait_for(tmp_path / "outputs/run/relax.log", "Finish rollout 1", timeout=300)
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    stopped_cleanly(tmp_path, signal.SIGINT, proc.returncode)
+    built = json.loads((tmp_path / "outputs/run/built.json").read_text())
+    assert built["world_size"] == 2
+
+
+def test_a_run_resumed_in_its_own_dir_keeps_its_config_and_compares_equivalent(tmp_path, fork_cli):
+    """Killed after rollout 2's metrics, before its checkpoint, then resumed into the same dir:
+    .hydra/config.yaml is still the one the run started with (the resume's is beside it), and
+    `relax compare` calls the run equivalent to an uninterrupted one."""
+    args = ["rollout.num_rollout=4", "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=2",
+            "checkpoint.save_interval=1"]
+    for name, fault in (("whole", ""), ("resumed", "kill_at:metrics_written:3")):
+        proc = fork_cli(tmp_path, *args, f"hydra.run.dir=outputs/{name}", fault=fault)
+        proc.join(120)
+        assert proc.exitcode == (-signal.SIGKILL if fault else 0), (tmp_path / "out.log").read_text()[-3000:]
+    run = tmp_path / "outputs/resumed"
+    original = (run / ".hydra/config.yaml").read_text()
+    proc = fork_cli(tmp_path, *args, "hydra.run.dir=outputs/resumed", "resume=outputs/resumed")
+    proc.join(120)
+    assert proc.exitcode == 0, (tmp_path / "out.log").read_text()[-3000:]
+    assert (run / ".hydra/config.yaml").read_text() == original and "resume: false" in original
+    assert "resume: outputs/resumed" in (run / ".hydra/restart_1/config.yaml").read_text()
+    compare = subprocess.run([sys.executable, "-m", "relax", "compare", str(tmp_path / "outputs/whole"),
+                              str(run), "--json"], capture_output=True, text=True, timeout=300)
+    assert compare.returncode == 0, compare.stdout + compare.stderr
+    jobs = {j["name"]: j for j in json.loads(compare.stdout)["jobs"]}
+    assert jobs["resumed"]["verdict"] == "equivalent" and jobs["resumed"]["max_loss_diff"] == 0.0
+
+
+class SelfishEngine(TorchEngine):
+    """An engine that configures logging for itself, as SGLang's does (basicConfig(force=True)
+    at its own level), and on top disables every existing logger (dictConfig's default)."""
+
+    def __init__(self, *args, **kwargs):
+        import logging.config
+
+        logging.basicConfig(level=logging.ERROR, format="[engine] %(message)s", force=True)
+        logging.config.dictConfig({"version": 1, "root": {"level": "ERROR"}})
+        super().__init__(*args, **kwargs)
+
+
+def test_an_engine_that_reconfigures_logging_does_not_take_relax_log_away(tmp_path, fork_cli):
+    proc = fork_cli(tmp_path, "rollout._target_=tests.test_process.SelfishEngine", "rollout.num_rollout=2",
+                    "rollout.rollout_batch_size=2", "checkpoint.save_interval=null",
+                    "hydra.run.dir=outputs/run")
+    proc.join(120)
+    assert proc.exitcode == 0, (tmp_path / "out.log").read_text()[-3000:]
+    log = (tmp_path / "outputs/run/relax.log").read_text()
+    assert "Finish rollout 0" in log and "Finish rollout 1" in log
+    assert "Finish rollout 1" in (tmp_path / "out.log").read_text()  # the console handler, too
