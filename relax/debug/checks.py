@@ -138,6 +138,10 @@ def check_logprobs_vs_ref(run: RunData, th: Thresholds) -> Check:
     first = next((r for r in run.rollouts if "rollout/log_probs" in r), None)
     if first is None:
         return Check(3, name, SKIP, "no trainer metrics (rollout-only run?)")
+    if "rollout/ref_log_probs" not in first:  # runs since the reference pass became on-demand have it
+        return Check(3, name, SKIP, f"rollout {first['rollout_id']} has no ref_log_probs (the trainer runs "
+                     f"the reference at the run's first step, every train.ref_log_probs_interval rollouts "
+                     f"and with a KL loss; a resumed run's history starts at its checkpoint)")
     lp, ref = first["rollout/log_probs"], first["rollout/ref_log_probs"]
     evidence = {"rollout_id": first["rollout_id"], "log_probs": lp, "ref_log_probs": ref,
                 "abs_diff": abs(lp - ref)}
@@ -192,13 +196,17 @@ def check_first_step(run: RunData, th: Thresholds) -> Check:
         return Check(4, name, SKIP, f"num_steps_per_rollout={run.num_steps_per_rollout}: the guide's "
                      f"check needs 1 (later steps are off-policy by design)")
     step = run.steps[0]
-    evidence = {k: step[k] for k in ("train/ppo_kl", "train/kl_loss", "train/grad_norm")}
-    problems = [f"{k} = {step[k]:.3g}" for k in ("train/ppo_kl", "train/kl_loss")
-                if over(abs(step[k]), th.kl_tol)]
+    # with algo.use_rollout_log_probs the ratio's old policy is the engine's: ppo_kl is then the
+    # rollout/train mismatch (check 5), not a KL between two trainer forwards
+    kls = [k for k in ("train/ppo_kl", "train/kl_loss") if k in step
+           and not (k == "train/ppo_kl" and run.use_rollout_log_probs)]
+    evidence = {k: step[k] for k in ("train/ppo_kl", "train/kl_loss", "train/grad_norm") if k in step}
+    problems = [f"{k} = {step[k]:.3g}" for k in kls if over(abs(step[k]), th.kl_tol)]
     if over(step["train/grad_norm"], th.grad_norm_max):
         problems.append(f"grad_norm {step['train/grad_norm']:.3g} > {th.grad_norm_max:g}")
     if not problems:
-        return Check(4, name, PASS, f"KL 0, grad_norm {step['train/grad_norm']:.3g}", evidence)
+        return Check(4, name, PASS, f"KL 0 ({', '.join(kls) or 'none recorded'}), grad_norm "
+                     f"{step['train/grad_norm']:.3g}", evidence)
     causes = ["a trainer backend bug (Megatron / Transformer Engine) or a non-deterministic forward"]
     if "megatron" in run.backend:
         causes.append("MoE on Megatron: set train.moe_permute_fusion=true")
@@ -283,6 +291,7 @@ def diagnose(run: RunData, th: Thresholds | None = None) -> list[Check]:
 def strict_first_step(record: dict, steps: list[dict], cfg, prompts: list[str], tokenizer) -> None:
     run = RunData(path=Path("."), rollouts=[record], steps=steps, prompts=prompts,
                   num_steps_per_rollout=cfg.train.num_steps_per_rollout, backend=cfg.train._target_,
+                  use_rollout_log_probs=cfg.algo.use_rollout_log_probs,
                   chat_template_parts=chat_template_parts(tokenizer))
     failed = [c for c in (check_logprobs_vs_ref(run, Thresholds()), check_first_step(run, Thresholds()),
                           check_train_rollout_diff(run, Thresholds()), check_finite(run, Thresholds()))

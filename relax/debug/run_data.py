@@ -28,6 +28,7 @@ class RunData:
     first_train_data: list[dict] = field(default_factory=list)   # per-sample rows, first rollout
     weight_check: dict | None = None
     backend: str = ""  # train._target_: the trainer class
+    use_rollout_log_probs: bool = False  # algo.use_rollout_log_probs: the engine's were PPO's old policy
 
 
 def chat_template_parts(tokenizer) -> tuple[str, str] | None:
@@ -53,6 +54,7 @@ def load_run(path: Path) -> RunData:
         cfg = OmegaConf.load(config)
         run.num_steps_per_rollout = cfg.train.num_steps_per_rollout
         run.backend = cfg.train._target_
+        run.use_rollout_log_probs = cfg.algo.get("use_rollout_log_probs", False)
     if (path / SAMPLES_FILE).is_file():
         run.samples = {s["rollout_id"]: s for s in read_jsonl(path / SAMPLES_FILE)}
     else:
