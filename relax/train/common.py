@@ -77,14 +77,16 @@ def make_micro_batch(samples: list[Sample], advantages: torch.Tensor, pad_id: in
     """Right-pad to `length` tokens and `rows` rows (fixed shapes for pipeline schedules)."""
     T = length or max(len(s.tokens) for s in samples)
     B = rows or len(samples)
-    tokens = torch.full((B, T + 1), pad_id, dtype=torch.long)
-    mask = torch.zeros(B, T)
-    rollout_lp = torch.zeros(B, T)
-    for b, s in enumerate(samples):
-        tokens[b, :len(s.tokens)] = torch.tensor(s.tokens)
-        start = s.prompt_length - 1  # position t predicts token t + 1
-        mask[b, start:start + s.response_length] = torch.tensor(s.loss_mask, dtype=torch.float)
-        rollout_lp[b, start:start + s.response_length] = torch.tensor(s.rollout_log_probs)
+
+    def row(s: Sample, values: list) -> list:  # a response's values at its positions: t predicts t + 1
+        start = s.prompt_length - 1
+        return [0] * start + values + [0] * (T - start - len(values))
+
+    padding = [[0] * T] * (B - len(samples))  # (one tensor per field: per-sample tensors cost more)
+    tokens = torch.tensor([s.tokens + [pad_id] * (T + 1 - len(s.tokens)) for s in samples]
+                          + [[pad_id] * (T + 1)] * (B - len(samples)), dtype=torch.long)
+    mask = torch.tensor([row(s, s.loss_mask) for s in samples] + padding, dtype=torch.float)
+    rollout_lp = torch.tensor([row(s, s.rollout_log_probs) for s in samples] + padding, dtype=torch.float)
     adv, scale = torch.zeros(B), torch.zeros(B)
     adv[:len(samples)] = advantages[[s.index for s in samples]]
     scale[:len(samples)] = torch.tensor([(scales or {}).get(s.index, 1.0) for s in samples])
