@@ -20,7 +20,7 @@ import traceback
 
 import torch.multiprocessing as mp
 
-from relax.cluster.ranks import RankError, _die_with_parent, on_this_host
+from relax.cluster.ranks import RankError, _die_with_parent, on_this_host, stop_processes
 
 
 def _engine_main(conn, index: int, factory, args, kwargs, log_file: str | None, num_threads: int) -> None:
@@ -101,14 +101,5 @@ class EngineProcesses:
                 for i, (proc, device) in enumerate(zip(self.procs, self.devices, strict=True))]
 
     def kill(self) -> None:
-        for proc in self.procs:
-            if proc.is_alive():
-                proc.terminate()
-        for proc in self.procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-        for conn in self.conns:
-            conn.close()
+        stop_processes(self.procs, self.conns)
         self.conns = []
