@@ -77,7 +77,6 @@ class SGLangRolloutGroup(RolloutConfig):  # rollout=sglang
     sglang_server_args: dict[str, Any] = field(default_factory=dict)  # other ServerArgs, passed through
 
 
-@dataclass
 class TrainConfig:
     _target_: str = MISSING  # trainer class, built once per rank (see relax/train/__init__.py)
     lr: float = 3e-4  # Adam(W) learning rate
@@ -90,6 +89,16 @@ class TrainConfig:
     clip_grad: float = 1.0  # max global grad norm (0: no clipping)
     on_nonfinite: str = "error"  # non-finite loss/grad_norm: error (stop) or skip (the step); both dump it
     num_threads: int = 1  # torch threads per process (1 is fastest for tiny models on 2 cores)
+    ref_log_probs_interval: Optional[int] = None  # also run the reference every N rollouts (null: 1st step)
+
+
+# `train.async` (slime's --async) is a Python keyword, which no class body can declare: the field
+# is added before @dataclass runs, kept out of the generated __init__/__repr__/__eq__ (whose code
+# would name it). Read it as cfg.train["async"].
+TrainConfig.__annotations__["async"] = "bool"
+setattr(TrainConfig, "async", field(  # generate rollout k+1 while training on k (one-step off-policy)
+    default=False, init=False, repr=False, compare=False))
+TrainConfig = dataclass(TrainConfig)
 
 
 @dataclass
@@ -134,6 +143,7 @@ class AlgoConfig:
     mis: Optional[str] = None  # masked IS: null, token or sequence (weight 0 where the ratio is off bounds)
     mis_low: float = 0.5  # masked IS: lowest ratio kept
     mis_high: float = 2.0  # masked IS: highest ratio kept
+    use_rollout_log_probs: bool = False  # the engine's log-probs are PPO's old policy (verl's bypass mode)
 
 
 @dataclass

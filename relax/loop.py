@@ -8,6 +8,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -33,6 +34,7 @@ from relax.model import load_tokenizer, read_hf_config, resolve_model_path
 from relax.files import append_jsonl, atomic_save, fill
 from relax.process import LogGuard, StatusFile, Stop
 from relax.replay import build_manifest, check_replay_files, keep_groups, load_rollout, save_rollout
+from relax.rollout.prefetch import Rollouts
 from relax.sample import Sample
 from relax.task import Task, build_task, check_rewards
 from relax.train import check_batch_split, checkpoint_layout
@@ -144,21 +146,34 @@ def build(run: Run, cluster):
     return engine, trainer, weight_check
 
 
-def rollout(run: Run, engine, rollout_id: int) -> tuple[list[Sample], dict]:
-    """Generate and score (or replay) one rollout; save it if asked; log `Finish rollout`."""
-    cfg, t0 = run.cfg, time.perf_counter()
+def make_rollout(run: Run, engine, rollout_id: int, policy_version: int) -> list[Sample]:
+    """Generate and score (or replay) one rollout (with train.async, in a background thread).
+    `policy_version`: how many rollouts the engine's weights have been trained on."""
+    cfg = run.cfg
     if run.plan.replays:
         source = run.plan.replay_files[rollout_id]
         _, samples = load_rollout(source, run.manifest, cfg.debug.allow_manifest_mismatch,
                                   cfg.debug.load_rollout_data_subsample, cfg.seed)
         check_rewards(samples, f"the replay file {source}")
-    else:
-        from relax.rollout import generate_rollout
+        return samples
+    from relax.rollout import generate_rollout
 
-        samples = generate_rollout(engine, run.task, run.tokenizer, cfg.rollout, rollout_id, cfg.seed)
-        check_rewards(samples, f"task.reward_fn={cfg.task.reward_fn} at rollout {rollout_id}")
-    record = {"rollout_id": rollout_id, **rollout_stats(
-        samples, time.perf_counter() - t0, run.tokenizer, cfg.task.answer_format)}
+    samples = generate_rollout(engine, run.task, run.tokenizer, cfg.rollout, rollout_id, cfg.seed)
+    check_rewards(samples, f"task.reward_fn={cfg.task.reward_fn} at rollout {rollout_id}")
+    for s in samples:
+        s.metadata["policy_version"] = policy_version
+    return samples
+
+
+def rollout(run: Run, rollouts: Rollouts, rollout_id: int) -> tuple[list[Sample], dict]:
+    """One rollout's samples (made now, prefetched or replayed); save them if asked; log
+    `Finish rollout`. rollout/staleness: how many rollouts the trainer is ahead of the policy
+    that generated them (train.async: 1, the first one 0)."""
+    samples, seconds, policy_version = rollouts.get(rollout_id)
+    record = {"rollout_id": rollout_id, **rollout_stats(samples, seconds, run.tokenizer,
+                                                        run.cfg.task.answer_format)}
+    if not run.plan.replays:
+        record["rollout/staleness"] = rollout_id - policy_version
     if run.plan.save_rollout_data:
         save_rollout(fill(run.plan.save_rollout_data, rollout_id), rollout_id, samples, run.manifest)
     log_finish_rollout(run, rollout_id, samples)
@@ -228,20 +243,22 @@ def rl_loop(cfg, run_dir: Path, stop: Stop | None = None) -> None:
     stop, log_setup = stop or Stop(), LogGuard()
     run = prepare(cfg, run_dir)
     cluster = open_cluster(cfg, run_dir)
-    engine = trainer = metrics = None
+    engine = trainer = metrics = rollouts = None
     try:
         engine, trainer, weight_check = build(run, cluster)
         metrics = instantiate(cfg, "logger", run_dir=run_dir, resume_from=run.start)
         log_setup.restore()  # an engine or library that reconfigured logging keeps relax.log
         stop.install()  # ... and Relax's signal handlers
+        rollouts = Rollouts(partial(make_rollout, run, engine), run.plan.rollout_ids, cfg.train["async"])
         bar = tqdm(run.plan.rollout_ids, desc="rollouts", unit="rollout")
         for rollout_id in bar:
             stop.check(f"before rollout {rollout_id}")
-            samples, record = rollout(run, engine, rollout_id)
+            samples, record = rollout(run, rollouts, rollout_id)
             if trainer:
                 t0 = time.perf_counter()
                 out = train(run, trainer, engine, rollout_id, samples)
                 if engine:
+                    rollouts.wait()  # train.async: the next rollout is generated on the weights it began with
                     sync_weights(run, trainer, engine, weight_check, rollout_id)
                 record.update(out["rollout"], **{"perf/train_time": time.perf_counter() - t0})
                 first_step(run, rollout_id, samples, record, out)
@@ -255,8 +272,8 @@ def rl_loop(cfg, run_dir: Path, stop: Stop | None = None) -> None:
             bar.set_postfix(reward=f"{record['rollout/raw_reward']:.3f}")
             stop.check(f"after rollout {rollout_id}")
     finally:
-        for part, close in ((metrics, "close"), (trainer, "shutdown"), (engine, "shutdown"),
-                            (cluster, "close")):
+        for part, close in ((rollouts, "close"), (metrics, "close"), (trainer, "shutdown"),
+                            (engine, "shutdown"), (cluster, "close")):
             if part:
                 getattr(part, close)()
     plot_run(run_dir)

@@ -33,7 +33,9 @@ ADDED = {"logger._target_": "relax.logger.MetricsLogger",
          "algo.tis": None, "algo.tis_cap": 2.0, "algo.mis": None, "algo.mis_low": 0.5, "algo.mis_high": 2.0,
          "train.on_nonfinite": "error", "rollout.dtype": None, "parallel.noise_ulp": 0,
          # issue 11 (Ray): the cluster group and the engine count
-         "cluster._target_": "relax.cluster.LocalCluster", "rollout.num_engines": None}
+         "cluster._target_": "relax.cluster.LocalCluster", "rollout.num_engines": None,
+         # issue 15 (throughput)
+         "train.ref_log_probs_interval": None, "train.async": False, "algo.use_rollout_log_probs": False}
 RAY = {"cluster._target_": "relax.cluster.ray_cluster.RayCluster", "cluster.address": None,
        "cluster.num_cpus_per_rank": 1.0, "cluster.num_gpus_per_rank": 0.0, "cluster.num_cpus_per_engine": 1.0,
        "cluster.num_gpus_per_engine": 0.0, "cluster.resources_per_rank": {},

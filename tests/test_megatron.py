@@ -103,7 +103,7 @@ def test_megatron_and_torch_backends_agree(tmp_path, deep_replay, model):
 
 def test_rl_loop_with_megatron_first_step_kl_is_zero(tmp_path, tiny_path):
     rollouts, steps = run_loop(tmp_path, *TRAIN, "rollout.num_rollout=2", "rollout.rollout_batch_size=4",
-                               "debug.check_weight_update_equal=true")
+                               "debug.check_weight_update_equal=true", "train.ref_log_probs_interval=1")
     assert len(rollouts) == 2 and len(steps) == 2
     assert rollouts[0]["rollout/log_probs"] == rollouts[0]["rollout/ref_log_probs"]
     assert steps[0]["train/ppo_kl"] == 0.0 and steps[0]["train/kl_loss"] == 0.0

@@ -65,7 +65,7 @@ def test_weight_sync_makes_engine_match_trainer(tiny_path, tokenizer):
 def test_checkpoint_resume_equals_uninterrupted_run(tmp_path):
     """Rollout 2 starts from the saved weights; rollout 3 also needs the saved Adam state."""
     common = ["rollout.num_rollout=4", "rollout.rollout_batch_size=8", "checkpoint.save_interval=2",
-              "checkpoint.keep_last=3"]
+              "checkpoint.keep_last=3", "train.ref_log_probs_interval=2"]
     full_rollouts, full_steps = run_loop(tmp_path / "full", *common)
     checkpoints = sorted((tmp_path / "full" / "checkpoints").iterdir())
     assert [c.name for c in checkpoints] == ["rollout_000001", "rollout_000003"]
@@ -79,8 +79,11 @@ def test_checkpoint_resume_equals_uninterrupted_run(tmp_path):
         for key in ("train/loss", "train/grad_norm", "train/pg_clipfrac", "train/ppo_kl"):
             assert resumed[key] == full[key], key
     for resumed, full in zip(resumed_rollouts, full_rollouts, strict=True):
-        for key in ("rollout/raw_reward", "rollout/log_probs", "rollout/ref_log_probs"):
+        assert resumed.keys() == full.keys()  # ref_log_probs at the same rollouts (0 and the interval's)
+        for key in ("rollout/raw_reward", "rollout/log_probs", "rollout/entropy"):
             assert resumed[key] == full[key], key
+    assert [("rollout/ref_log_probs" in r) for r in resumed_rollouts] == [True, False, True, False]
+    assert resumed_rollouts[2]["rollout/ref_log_probs"] == full_rollouts[2]["rollout/ref_log_probs"]
 
 
 def test_resume_true_without_checkpoint_is_a_clear_error(tmp_path):

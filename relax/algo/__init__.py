@@ -57,6 +57,11 @@ def check_algo(algo, rollout) -> None:
     if not 0 <= algo.mis_low < 1 < algo.mis_high:
         raise ConfigError(f"algo.mis_low={algo.mis_low}, algo.mis_high={algo.mis_high}: masked IS "
                           f"keeps ratios in [mis_low, mis_high], which must hold 1")
+    if algo.use_rollout_log_probs and algo.tis is not None:
+        raise ConfigError(f"algo.use_rollout_log_probs=true with algo.tis={algo.tis}: the PPO ratio is then "
+                          f"pi_new / pi_rollout, already the importance ratio that TIS would apply a second "
+                          f"time (its clip bounds it). Drop algo.tis, or keep it with recomputed old "
+                          f"log-probs (use_rollout_log_probs=false); algo.mis works with both")
     if algo.loss_agg_mode == "seq-mean-token-sum-norm" and rollout.max_new_tokens < 1:
         raise ConfigError("algo.loss_agg_mode=seq-mean-token-sum-norm divides by the generation "
                           f"budget rollout.max_new_tokens (got {rollout.max_new_tokens}): set it > 0")

@@ -5,7 +5,8 @@ checks (`check_config`); it starts nothing yet. Then
   cluster.build(engine_spec, trainer_spec) -> (EngineGroup | None, trainer | None)
   cluster.placement() -> where every rank and engine runs (for built.json)
   cluster.close()     -> after the trainer and engines are shut down, also on errors
-cluster=local (LocalCluster): engines in the driver, trainer ranks as local processes
+cluster=local (LocalCluster): engines in the driver (with train.async, each in a local
+process of its own: relax/cluster/engine_processes.py), trainer ranks as local processes
 (relax/cluster/ranks.py), a single-rank torch trainer in the driver itself; Ray is never
 imported. cluster=ray (relax/cluster/ray_cluster.py): every rank and engine is a Ray actor.
 The loop cannot tell which it got: both give the same trainer and engine interfaces.
@@ -18,6 +19,7 @@ import os
 from omegaconf import OmegaConf
 
 from relax.config import load_target
+from relax.errors import ConfigError
 
 
 def open_cluster(cfg, run_dir):
@@ -28,6 +30,15 @@ def open_cluster(cfg, run_dir):
 
 
 class LocalCluster:
+    @staticmethod
+    def check_config(cfg) -> None:
+        from relax.rollout import uses_gpus
+
+        if cfg.train["async"] and uses_gpus(cfg):
+            raise ConfigError("train.async=true on cluster=local with GPUs: the engines start at cuda:0, "
+                              "where trainer rank 0 runs, so generation and training would share a device; "
+                              "use cluster=ray, whose placement group gives engines GPUs of their own")
+
     def __init__(self, cfg, log_dir):
         self.cfg, self.log_dir = cfg, str(log_dir) if log_dir else None
         self.engines = self.trainer = None
@@ -48,6 +59,13 @@ class LocalCluster:
         cfg, engines = self.cfg, []
         tp = cfg.rollout.rollout_num_gpus_per_engine
         devices = [f"cuda:{i * tp}" if uses_gpus(cfg) else "cpu" for i in range(num_engines(cfg))]
+        if cfg.train["async"]:  # generation overlaps training: each engine in a process of its own
+            from relax.cluster.engine_processes import EngineProcesses
+
+            return EngineGroup(EngineProcesses(make_engine, (OmegaConf.to_container(cfg, resolve=True),
+                                                             model_path, tokenizer), devices,
+                                               [i * tp for i in range(len(devices))], self.log_dir,
+                                               cfg.train.num_threads), cfg.rollout)
         try:
             for i in range(len(devices)):
                 engines.append(make_engine(cfg, model_path, tokenizer, base_gpu_id=i * tp))
@@ -82,4 +100,6 @@ class LocalCluster:
                 "engines": self.engines.placement() if self.engines else []}
 
     def close(self) -> None:
+        if self.engines is not None:  # engine processes that a failed build left behind
+            self.engines.hosts.kill()
         self.engines = self.trainer = None

@@ -87,6 +87,20 @@ def run_method(trainer, rank: int, method: str, args, kwargs):
     return getattr(trainer, method)(*args, **kwargs)
 
 
+def stop_processes(procs: list, conns: list) -> None:
+    """SIGTERM, then SIGKILL what is still alive 10 s later; close the pipes."""
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in procs:
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    for conn in conns:
+        conn.close()
+
+
 def _die_with_parent() -> None:
     try:  # Linux: SIGTERM this rank when the driver process dies, however it dies
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
@@ -209,16 +223,7 @@ class LocalRanks(RankGroup):
         self.kill()
 
     def kill(self):
-        for proc in self.procs:
-            if proc.is_alive():
-                proc.terminate()
-        for proc in self.procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-        for conn in self.conns:
-            conn.close()
+        stop_processes(self.procs, self.conns)
         self.conns, self.procs, self.store = [], [p for p in self.procs if p.is_alive()], None
         if self.procs:
             print(f"relax: could not stop {len(self.procs)} trainer ranks", file=sys.stderr)

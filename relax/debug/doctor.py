@@ -39,13 +39,15 @@ def write_plots(run: RunData, out_dir: Path) -> list[str]:
     written = []
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
     x = [r["rollout_id"] for r in run.rollouts]
+    with_kl = [r for r in run.rollouts if "rollout/kl" in r]  # rollouts that ran the reference pass
     series = [(axes[0][0], x, [r["rollout/raw_reward"] for r in run.rollouts], "rollout/raw_reward"),
-              (axes[0][1], x, [r.get("rollout/kl", float("nan")) for r in run.rollouts], "rollout/kl"),
+              (axes[0][1], [r["rollout_id"] for r in with_kl], [r["rollout/kl"] for r in with_kl],
+               "rollout/kl"),
               (axes[1][0], None, [s["train/grad_norm"] for s in run.steps], "train/grad_norm"),
               (axes[1][1], None, [s.get("train/train_rollout_logprob_abs_diff", float("nan"))
                                   for s in run.steps], "train/train_rollout_logprob_abs_diff")]
     for ax, xs, ys, title in series:
-        ax.plot(xs if xs is not None else range(len(ys)), ys)
+        ax.plot(xs if xs is not None else range(len(ys)), ys, marker="." if len(ys) < len(x) else None)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("rollout_id" if xs is not None else "step")
     fig.tight_layout()

@@ -116,6 +116,10 @@ def resolve(cfg, start_rollout_id: int = 0, hf_config: dict | None = None) -> Pl
     if train_only and load is None:
         raise ConfigError("debug.train_only needs debug.load_rollout_data=<path template>: "
                           "a train-only run replays saved rollouts")
+    if cfg.train["async"]:
+        from relax.rollout.prefetch import check_async
+
+        check_async(cfg, builds_rollout=not train_only, builds_train=not d.rollout_only)
     if r.rollout_num_gpus < 1 or r.rollout_num_gpus_per_engine < 1 or \
             r.rollout_num_gpus % r.rollout_num_gpus_per_engine:
         raise ConfigError(f"rollout.rollout_num_gpus={r.rollout_num_gpus} must be a positive "

@@ -29,6 +29,7 @@ class RunData:
     first_train_data: list[dict] = field(default_factory=list)   # per-sample rows, first rollout
     weight_check: dict | None = None
     backend: str = ""  # train._target_: the trainer class
+    use_rollout_log_probs: bool = False  # algo.use_rollout_log_probs: the engine's were PPO's old policy
 
 
 def chat_template_parts(tokenizer) -> tuple[str, str] | None:
@@ -48,11 +49,12 @@ def read_config(path: Path) -> dict:
 
     try:
         cfg = OmegaConf.to_container(OmegaConf.load(path))
-        train, parallel = cfg.get("train", {}), cfg.get("parallel", {})
+        train, parallel, algo = cfg.get("train", {}), cfg.get("parallel", {}), cfg.get("algo", {})
         keys = {"train._target_": train.get("_target_", train.get("backend", "?")),  # (backend: older runs)
                 "parallel.name": parallel.get("name", "?"),
                 "parallel.noise_ulp": parallel.get("noise_ulp", 0),
-                "train.num_steps_per_rollout": train.get("num_steps_per_rollout")}
+                "train.num_steps_per_rollout": train.get("num_steps_per_rollout"),
+                "algo.use_rollout_log_probs": algo.get("use_rollout_log_probs", False)}
     except Exception as e:  # YAML errors, a list or scalar where a mapping belongs
         reason = str(e).splitlines()[0] if str(e) else ""
         raise ReplayError(f"{path}: not a Relax config ({type(e).__name__}: {reason})") from None
@@ -83,6 +85,7 @@ def load_run(path: Path) -> RunData:
     if config.is_file():
         cfg = read_config(config)
         run.num_steps_per_rollout, run.backend = cfg["train.num_steps_per_rollout"], cfg["train._target_"]
+        run.use_rollout_log_probs = cfg["algo.use_rollout_log_probs"]
     if (path / SAMPLES_FILE).is_file():
         samples = read_jsonl(path / SAMPLES_FILE)
         if not all(isinstance(s.get("rollout_id"), int) for s in samples):

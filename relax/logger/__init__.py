@@ -73,10 +73,11 @@ def plot_run(run_dir: Path) -> Path | None:
     ax.plot(x, [r["rollout/raw_reward"] for r in rollouts], color="tab:blue", label="raw reward")
     ax.set_xlabel("rollout_id")
     ax.set_ylabel("mean raw reward", color="tab:blue")
-    if "rollout/kl" in rollouts[0]:
+    with_kl = [r for r in rollouts if "rollout/kl" in r]  # rollouts that ran the reference pass
+    if with_kl:
         ax2 = ax.twinx()
-        ax2.plot(x, [r.get("rollout/kl", float("nan")) for r in rollouts], color="tab:red",
-                 label="KL(actor || ref)", alpha=0.7)
+        ax2.plot([r["rollout_id"] for r in with_kl], [r["rollout/kl"] for r in with_kl], color="tab:red",
+                 marker="." if len(with_kl) < len(rollouts) else None, label="KL(actor || ref)", alpha=0.7)
         ax2.set_ylabel("rollout/kl", color="tab:red")
     ax.set_title(f"{Path(run_dir).name}: reward and KL per rollout")
     fig.tight_layout()

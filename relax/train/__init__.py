@@ -4,7 +4,9 @@ A trainer is constructed once per rank as
   Trainer(cfg, model_path, ref_model_path=, pad_token_id=, save_train_data=, rank=, world_size=)
 (the whole config: trainers read model.*, algo.*, parallel.* and rollout.temperature) and
 implements, for the driver:
-  train(rollout_id, samples) -> {"rollout": {...}, "steps": [{...}], ...}
+  train(rollout_id, samples) -> {"rollout": {...}, "steps": [{...}], "nonfinite": [...]}
+        # + "first_step_log_probs" at the policy's first step (before any train or
+        # load_checkpoint); which no-grad passes a rollout runs: common.forward_passes
   named_weights() -> {hf_name: tensor}       # what weight sync pushes into the engine
   save_checkpoint(path) / load_checkpoint(path)
   shutdown()
@@ -64,6 +66,9 @@ def check_trainer(cfg, hf_config: dict) -> None:
     trainer = load_target(cfg, "train")
     if cfg.train.on_nonfinite not in ("error", "skip"):
         raise ConfigError(f"train.on_nonfinite={cfg.train.on_nonfinite!r}: expected error or skip")
+    if cfg.train.ref_log_probs_interval is not None and cfg.train.ref_log_probs_interval < 1:
+        raise ConfigError(f"train.ref_log_probs_interval={cfg.train.ref_log_probs_interval}: expected a "
+                          f"positive number of rollouts, or null (the reference runs at the first step only)")
     from relax.algo import check_algo
 
     check_algo(cfg.algo, cfg.rollout)

@@ -37,7 +37,7 @@ class MicroBatch:
     advantages: torch.Tensor         # [b]
     rollout_log_probs: torch.Tensor  # [b, T] the engine's, at the same positions
     loss_weights: torch.Tensor       # [b, T] mask x the sample's algo.loss_agg_mode factor
-    old_log_probs: torch.Tensor | None = None
+    old_log_probs: torch.Tensor | None = None  # the trainer's, before the update (None: this forward's)
     ref_log_probs: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
     is_weights: torch.Tensor | None = None  # [b, T] rollout correction (algo.tis / algo.mis)
@@ -67,14 +67,16 @@ def make_micro_batch(samples: list[Sample], advantages: torch.Tensor, pad_id: in
     """Right-pad to `length` tokens and `rows` rows (fixed shapes for pipeline schedules)."""
     T = length or max(len(s.tokens) for s in samples)
     B = rows or len(samples)
-    tokens = torch.full((B, T + 1), pad_id, dtype=torch.long)
-    mask = torch.zeros(B, T)
-    rollout_lp = torch.zeros(B, T)
-    for b, s in enumerate(samples):
-        tokens[b, :len(s.tokens)] = torch.tensor(s.tokens)
-        start = s.prompt_length - 1  # position t predicts token t + 1
-        mask[b, start:start + s.response_length] = torch.tensor(s.loss_mask, dtype=torch.float)
-        rollout_lp[b, start:start + s.response_length] = torch.tensor(s.rollout_log_probs)
+
+    def row(s: Sample, values: list) -> list:  # a response's values at its positions: t predicts t + 1
+        start = s.prompt_length - 1
+        return [0] * start + values + [0] * (T - start - len(values))
+
+    padding = [[0] * T] * (B - len(samples))  # (one tensor per field: per-sample tensors cost more)
+    tokens = torch.tensor([s.tokens + [pad_id] * (T + 1 - len(s.tokens)) for s in samples]
+                          + [[pad_id] * (T + 1)] * (B - len(samples)), dtype=torch.long)
+    mask = torch.tensor([row(s, s.loss_mask) for s in samples] + padding, dtype=torch.float)
+    rollout_lp = torch.tensor([row(s, s.rollout_log_probs) for s in samples] + padding, dtype=torch.float)
     adv, scale = torch.zeros(B), torch.zeros(B)
     adv[:len(samples)] = advantages[[s.index for s in samples]]
     scale[:len(samples)] = torch.tensor([(scales or {}).get(s.index, 1.0) for s in samples])
@@ -109,10 +111,25 @@ def shard_steps(samples: list[Sample], advantages: torch.Tensor, steps: int, dp:
     return out
 
 
-def attach_is_weights(micro_batches: list[MicroBatch], algo) -> None:
+def forward_passes(cfg, rollout_id: int, first_step: bool, save_train_data: str | None) -> tuple[bool, bool]:
+    """Which no-grad passes a rollout needs: (reference, old log-probs). The reference only
+    where something reads ref_log_probs: a KL loss, the run's first step (the guide's
+    log_probs == ref_log_probs check), every train.ref_log_probs_interval rollouts, dumps.
+    A separate old-log-prob pass only where the training forward cannot give them: several
+    optimizer steps per rollout (later steps start from updated weights), unless the
+    engine's log-probs are the old policy; and at the first step, so that its ppo_kl
+    compares two forwards (a non-deterministic one shows) rather than one with itself."""
+    interval = cfg.train.ref_log_probs_interval
+    ref = (cfg.algo.use_kl_loss or first_step or save_train_data is not None
+           or bool(interval and rollout_id % interval == 0))
+    old = first_step or (cfg.train.num_steps_per_rollout > 1 and not cfg.algo.use_rollout_log_probs)
+    return ref, old
+
+
+def attach_is_weights(micro_batches: list[MicroBatch], algo, seq_sum=None) -> None:
     """Rollout-correction weights from the old (pre-update) log-probs, once per rollout."""
     for mb in micro_batches:
-        out = rollout_is_weights(mb.old_log_probs, mb.rollout_log_probs, mb.mask, algo)
+        out = rollout_is_weights(mb.old_log_probs, mb.rollout_log_probs, mb.mask, algo, seq_sum)
         if out is not None:
             mb.is_weights, mb.is_flags = out[0], out[1:]
 
@@ -122,22 +139,30 @@ def objective(log_probs: torch.Tensor, entropy: torch.Tensor, mb: MicroBatch, al
     and the sums of every STEP_KEYS metric: train/loss weighted like the loss, so that
     dividing by the step's token count gives the algo.loss_agg_mode aggregate; the others
     plain token sums (token means once divided). `seq_sum` sums a [b, t] tensor over each
-    whole sequence (an all-reduce when a sequence is split over context-parallel ranks)."""
+    whole sequence (an all-reduce when a sequence is split over context-parallel ranks).
+    Without a separate old-log-prob pass (`forward_passes`), the pre-update log-probs are
+    this forward's (bit-identical to a no-grad pass: same weights, same kernels). The PPO
+    ratio's old policy is the engine's with algo.use_rollout_log_probs, else the trainer's."""
+    if mb.old_log_probs is None:
+        mb.old_log_probs, mb.entropy = log_probs.detach(), entropy.detach()
+        attach_is_weights([mb], algo, seq_sum)
     if faults.active("nan_log_probs") and 3 in mb.indices:  # one sample's forward turns NaN
         log_probs = log_probs * torch.tensor([[float("nan") if i == 3 else 1.0] for i in mb.indices])
+    old = mb.rollout_log_probs if algo.use_rollout_log_probs else mb.old_log_probs
     eps_high = algo.eps_clip_high if algo.eps_clip_high is not None else algo.eps_clip
     adv = mb.advantages[:, None].expand_as(log_probs)
     if algo.policy_loss == "gspo":
-        pg, clipfrac, clipfrac_lower, ppo_kl = gspo_loss(log_probs, mb.old_log_probs, adv, mb.mask,
+        pg, clipfrac, clipfrac_lower, ppo_kl = gspo_loss(log_probs, old, adv, mb.mask,
                                                          algo.eps_clip, eps_high, seq_sum)
     else:
-        pg, clipfrac, clipfrac_lower, ppo_kl = policy_loss(log_probs, mb.old_log_probs, adv, algo.eps_clip,
+        pg, clipfrac, clipfrac_lower, ppo_kl = policy_loss(log_probs, old, adv, algo.eps_clip,
                                                            eps_high, algo.eps_clip_c)
     is_weights = mb.is_weights if mb.is_weights is not None else mb.mask
     truncated, dropped = mb.is_flags or (torch.zeros_like(mb.mask),) * 2
     if mb.is_weights is not None:
         pg = pg * mb.is_weights
-    kl = kl_estimate(log_probs, mb.ref_log_probs, algo.kl_loss_type)
+    kl = kl_estimate(log_probs, mb.ref_log_probs, algo.kl_loss_type) if mb.ref_log_probs is not None \
+        else torch.zeros_like(log_probs)  # no reference pass: no KL term (see forward_passes)
     loss = pg - algo.entropy_coef * entropy
     if algo.use_kl_loss:
         loss = loss + algo.kl_loss_coef * kl
@@ -155,8 +180,10 @@ def objective(log_probs: torch.Tensor, entropy: torch.Tensor, mb: MicroBatch, al
 
 
 def step_record(sums: torch.Tensor, num_tokens, grad_norm: float, lr: float, seconds: float,
-                peak_memory_mb: float, skipped_steps: int = 0) -> dict:
-    record = {k: (v / num_tokens).item() for k, v in zip(STEP_KEYS, sums, strict=True)}
+                peak_memory_mb: float, skipped_steps: int, with_ref: bool) -> dict:
+    """One step's metrics; train/kl_loss only where the rollout had a reference pass."""
+    record = {k: (v / num_tokens).item() for k, v in zip(STEP_KEYS, sums, strict=True)
+              if with_ref or k != "train/kl_loss"}
     return {**record, "train/grad_norm": float(grad_norm), "train/lr": lr,
             "train/skipped_steps": skipped_steps, "perf/step_time": seconds,
             "perf/peak_memory_mb": peak_memory_mb}
@@ -176,18 +203,23 @@ def nonfinite_indices(step_mbs: list[MicroBatch], mb_losses: list[torch.Tensor])
 
 
 def rollout_sums(micro_batches: list[MicroBatch]) -> torch.Tensor:
+    """Token sums of log_probs, entropy, ref_log_probs and kl (0 without a reference pass), and the count."""
     sums = torch.zeros(5)
     for mb in micro_batches:
+        ref = mb.ref_log_probs if mb.ref_log_probs is not None else torch.zeros_like(mb.mask)
         sums += torch.stack([masked_sum(x, mb.mask) for x in (
-            mb.old_log_probs, mb.ref_log_probs, mb.old_log_probs - mb.ref_log_probs, mb.entropy,
-            torch.ones_like(mb.mask))])
+            mb.old_log_probs, mb.entropy, ref, mb.old_log_probs - ref, torch.ones_like(mb.mask))])
     return sums
 
 
-def rollout_record(sums: torch.Tensor) -> dict:
+def rollout_record(sums: torch.Tensor, with_ref: bool) -> dict:
+    """rollout/log_probs and rollout/entropy; rollout/ref_log_probs and rollout/kl only for a
+    rollout that ran the reference pass (forward_passes)."""
     mean = sums[:4] / sums[4]
-    return {"rollout/log_probs": mean[0].item(), "rollout/ref_log_probs": mean[1].item(),
-            "rollout/kl": mean[2].item(), "rollout/entropy": mean[3].item()}
+    record = {"rollout/log_probs": mean[0].item(), "rollout/entropy": mean[1].item()}
+    if with_ref:
+        record |= {"rollout/ref_log_probs": mean[2].item(), "rollout/kl": mean[3].item()}
+    return record
 
 
 def per_sample(values: torch.Tensor, mb: MicroBatch) -> dict[int, list[float]]:
@@ -196,6 +228,7 @@ def per_sample(values: torch.Tensor, mb: MicroBatch) -> dict[int, list[float]]:
 
 
 def first_step_log_probs(micro_batches: list[MicroBatch]) -> dict[int, list[float]]:
+    """Per-token log_probs of the first FIRST_STEP_SAMPLES samples (the run's first step only)."""
     return {i: lp for mb in micro_batches for i, lp in per_sample(mb.old_log_probs, mb).items()
             if i < FIRST_STEP_SAMPLES}
 

@@ -74,6 +74,7 @@ class TorchTrainer(DistributedWeightSync):
             self.model.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
             eps=t.adam_eps, weight_decay=t.weight_decay)
         self.skipped_steps = 0
+        self.first_step = True  # nothing trained or loaded yet: the guide's first-step checks apply
 
     def _grad_sync(self):
         """DDP all-reduces gradients in backward; the `no_allreduce` fault skips that."""
@@ -94,13 +95,15 @@ class TorchTrainer(DistributedWeightSync):
                                    horizon=self.cfg.rollout.max_new_tokens)
         micro_batches = [mb for step in steps for mb in step]
 
-        with torch.no_grad():  # the policy that sampled (old) and the reference
+        ref, old = common.forward_passes(self.cfg, rollout_id, self.first_step, self.save_train_data)
+        with torch.no_grad():  # the reference, and the policy that sampled (old), where needed
             for mb in micro_batches:
-                mb.ref_log_probs, _ = self._log_probs(self.ref, mb)
-                mb.old_log_probs, mb.entropy = self._log_probs(self.actor, mb)
-        common.attach_is_weights(micro_batches, self.cfg.algo)
-        rollout_metrics = common.rollout_record(
-            dp_all_reduce(common.rollout_sums(micro_batches), self.layout))
+                if ref:
+                    mb.ref_log_probs, _ = self._log_probs(self.ref, mb)
+                if old:
+                    mb.old_log_probs, mb.entropy = self._log_probs(self.actor, mb)
+        if old:  # (without this pass, each training forward attaches its own)
+            common.attach_is_weights(micro_batches, self.cfg.algo)
 
         step_metrics, nonfinite = [], []
         for step, step_mbs in enumerate(steps):
@@ -131,16 +134,20 @@ class TorchTrainer(DistributedWeightSync):
                                                         [i for part in bad for i in part]))
             step_metrics.append(common.step_record(
                 sums, num_tokens, grad_norm, self.optimizer.param_groups[0]["lr"],
-                time.perf_counter() - t0, peak_memory_mb(), self.skipped_steps))
+                time.perf_counter() - t0, peak_memory_mb(), self.skipped_steps, ref))
             if not finite and t.on_nonfinite == "error":
                 break
+        trained = [mb for mb in micro_batches if mb.old_log_probs is not None]  # (all, unless a step stopped)
+        rollout_metrics = common.rollout_record(dp_all_reduce(common.rollout_sums(trained), self.layout), ref)
         if self.save_train_data and self.layout.writes_data:
             common.save_train_data(self.save_train_data, rollout_id, self.layout.dp_rank, self.layout.rank,
-                                   samples, micro_batches, advantages, self.cfg.algo.kl_loss_type,
-                                   step_metrics)
-        first = dp_all_gather(common.first_step_log_probs(micro_batches), self.layout)
-        return {"rollout": rollout_metrics, "steps": step_metrics, "nonfinite": nonfinite,
-                "first_step_log_probs": {i: lp for part in first for i, lp in part.items()}}
+                                   samples, trained, advantages, self.cfg.algo.kl_loss_type, step_metrics)
+        out = {"rollout": rollout_metrics, "steps": step_metrics, "nonfinite": nonfinite}
+        if self.first_step:
+            first = dp_all_gather(common.first_step_log_probs(trained), self.layout)
+            out["first_step_log_probs"] = {i: lp for part in first for i, lp in part.items()}
+        self.first_step = False
+        return out
 
     # -- weights and checkpoints -------------------------------------------------------------
     def named_weights(self) -> dict[str, torch.Tensor]:
@@ -173,6 +180,7 @@ class TorchTrainer(DistributedWeightSync):
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"],
                                  options=StateDictOptions(full_state_dict=True))
         torch.set_rng_state(state["torch_rng"])
+        self.first_step = False
 
     def shutdown(self) -> None:
         pass

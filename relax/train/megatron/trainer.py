@@ -71,6 +71,7 @@ class MegatronTrainer(DistributedWeightSync):
                           cfg.seed)
         self.actor, self.optimizer = wrap_for_training(actor, self.config, cfg.train, cfg.model.dtype)
         self.skipped_steps = 0
+        self.first_step = True  # nothing trained or loaded yet: the guide's first-step checks apply
 
     def _build(self) -> list:
         return build_chunks(self.config, self.hf_config, self.layout)
@@ -87,13 +88,17 @@ class MegatronTrainer(DistributedWeightSync):
         micro_batches = [mb for step in steps for mb in step]
         last = layout.is_last_stage  # computes the logits, hence every result
 
-        ref = self._forward_log_probs(self.ref, micro_batches)
-        old = self._forward_log_probs(self.actor, micro_batches)
+        ref, old = common.forward_passes(self.cfg, rollout_id, self.first_step, self.save_train_data)
+        ref_out = self._forward_log_probs(self.ref, micro_batches) if ref else None
+        old_out = self._forward_log_probs(self.actor, micro_batches) if old else None
         if last:
-            for mb, (ref_lp, _), (old_lp, entropy) in zip(micro_batches, ref, old):
-                mb.ref_log_probs, mb.old_log_probs, mb.entropy = ref_lp, old_lp, entropy
-            common.attach_is_weights(micro_batches, self.cfg.algo)
-            rollout_metrics = common.rollout_record(dp_all_reduce(common.rollout_sums(micro_batches), layout))
+            for k, mb in enumerate(micro_batches):
+                if ref:
+                    mb.ref_log_probs = ref_out[k][0]
+                if old:
+                    mb.old_log_probs, mb.entropy = old_out[k]
+            if old:  # (without this pass, each training forward attaches its own)
+                common.attach_is_weights(micro_batches, self.cfg.algo)
         step_metrics, nonfinite = [], []
         for step, step_mbs in enumerate(steps):
             t0 = time.perf_counter()
@@ -115,18 +120,23 @@ class MegatronTrainer(DistributedWeightSync):
                                                             [i for part in bad for i in part]))
                 step_metrics.append(common.step_record(
                     sums, num_tokens, grad_norm, self.optimizer.param_groups[0]["lr"],
-                    time.perf_counter() - t0, peak, self.skipped_steps))
+                    time.perf_counter() - t0, peak, self.skipped_steps, ref))
             if not stepped and t.on_nonfinite == "error":
                 break
         result = None
         if last:
+            trained = [mb for mb in micro_batches if mb.old_log_probs is not None]  # (all, unless stopped)
+            sums = dp_all_reduce(common.rollout_sums(trained), layout)
+            result = {"rollout": common.rollout_record(sums, ref), "steps": step_metrics,
+                      "nonfinite": nonfinite}
             if self.save_train_data and layout.writes_data:
                 common.save_train_data(self.save_train_data, rollout_id, layout.dp_rank, layout.rank,
-                                       samples, micro_batches, advantages, self.cfg.algo.kl_loss_type,
+                                       samples, trained, advantages, self.cfg.algo.kl_loss_type,
                                        step_metrics)
-            first = dp_all_gather(common.first_step_log_probs(micro_batches), layout)
-            result = {"rollout": rollout_metrics, "steps": step_metrics, "nonfinite": nonfinite,
-                      "first_step_log_probs": {i: lp for part in first for i, lp in part.items()}}
+            if self.first_step:
+                first = dp_all_gather(common.first_step_log_probs(trained), layout)
+                result["first_step_log_probs"] = {i: lp for part in first for i, lp in part.items()}
+        self.first_step = False
         return self._from_last_stage(result)
 
     def _optimizer_step(self, loss_finite: bool) -> tuple[bool, float]:
@@ -155,9 +165,13 @@ class MegatronTrainer(DistributedWeightSync):
             dist.all_reduce(total, group=self.layout.cp_group)
         return total
 
-    def _loss(self, mb: MicroBatch, logits: torch.Tensor):
+    def _loss(self, mb: MicroBatch, whole: MicroBatch, logits: torch.Tensor):
+        """`mb`: this CP rank's part of the micro-batch `whole` (the same object without CP)."""
         log_probs, entropy = token_log_probs(logits, mb.targets, self.temperature)
         loss, sums = common.objective(log_probs, entropy, mb, self.cfg.algo, self._seq_sum)
+        if whole.old_log_probs is None:  # this forward's log-probs were the old ones: whole sequences
+            whole.old_log_probs, whole.entropy = cp_full(mb.old_log_probs, self.layout), cp_full(
+                mb.entropy, self.layout)
         # Megatron divides by the step's token count (all-reduced over DP): with the loss
         # weights, the algo.loss_agg_mode aggregate.
         return masked_sum(loss, mb.loss_weights), mb.mask.sum().int(), sums
@@ -167,9 +181,10 @@ class MegatronTrainer(DistributedWeightSync):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator, model):
-            mb, positions = cp_local(next(data_iterator), self.layout)
+            whole = next(data_iterator)
+            mb, positions = cp_local(whole, self.layout)
             output = model(input_ids=mb.tokens, position_ids=positions, attention_mask=None)
-            return output, partial(loss_func, mb)
+            return output, partial(loss_func, mb, whole)
 
         vpp = len(chunks)
         data = [iter(micro_batches) for _ in range(vpp)] if vpp > 1 else iter(micro_batches)
@@ -182,7 +197,7 @@ class MegatronTrainer(DistributedWeightSync):
 
     def _forward_log_probs(self, chunks, micro_batches: list[MicroBatch]):
         """Per-position log-probs and entropy of every micro-batch (last pipeline stage only)."""
-        def collect(mb, logits, non_loss_data=False):
+        def collect(mb, whole, logits, non_loss_data=False):
             return token_log_probs(logits, mb.targets, self.temperature)
 
         for chunk in chunks:
@@ -215,6 +230,7 @@ class MegatronTrainer(DistributedWeightSync):
     def load_checkpoint(self, path: str) -> None:
         """Restore optimizer and RNG state (the weights were loaded from <path>/hf)."""
         load_optimizer_state(self.optimizer, path, self.layout.rank)
+        self.first_step = False
 
     def shutdown(self) -> None:
         from megatron.core import parallel_state

@@ -1,0 +1,105 @@
+"""Rollout engines in local processes of their own (cluster=local with train.async=true).
+
+With the engine in the driver, generating the next rollout would share the driver's
+interpreter and thread with training; in a process of its own it runs on another core
+while the driver trains. `EngineProcesses` is what EngineGroup (relax/cluster/engines.py)
+drives, like InDriver and Ray's RayHosts: `map` runs one method on several engines and
+returns their results in order. The processes start at once and build their engine while
+the driver builds the trainer; the first call waits for them. An engine's error or death is
+raised in the driver as RankError, naming the engine, its pid and its log,
+<run dir>/engine<i>.log. Engines die with the driver (PR_SET_PDEATHSIG) and on kill().
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import signal
+import traceback
+
+import torch.multiprocessing as mp
+
+from relax.cluster.ranks import RankError, _die_with_parent, on_this_host, stop_processes
+
+
+def _engine_main(conn, index: int, factory, args, kwargs, log_file: str | None, num_threads: int) -> None:
+    _die_with_parent()
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints a hung engine's stacks
+    logging.basicConfig(level=logging.INFO, format=f"[%(asctime)s][engine{index}][%(name)s] %(message)s",
+                        handlers=[logging.FileHandler(log_file)] if log_file else None, force=True)
+    import torch
+
+    torch.set_num_threads(num_threads)
+    try:
+        engine = factory(*args, **kwargs)
+        conn.send(("ok", None))
+        while True:
+            method, a = conn.recv()
+            conn.send(("ok", getattr(engine, method)(*a)))
+            if method == "shutdown":
+                break
+    except EOFError:  # the driver went away
+        pass
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+
+
+class EngineProcesses:
+    """One spawned process per engine; `factory(*args, base_gpu_id=...)` builds each."""
+
+    def __init__(self, factory, args: tuple, devices: list[str], base_gpu_ids: list[int],
+                 log_dir: str | None, num_threads: int):
+        ctx = mp.get_context("spawn")  # (not a daemon: an engine may start processes of its own, as SGLang)
+        self.devices, self.conns, self.procs, self.ready = devices, [], [], []
+        self.logs = [os.path.join(log_dir, f"engine{i}.log") if log_dir and os.path.isdir(log_dir) else None
+                     for i in range(len(devices))]
+        for i, gpu in enumerate(base_gpu_ids):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_engine_main, name=f"relax-engine{i}", args=(
+                child, i, factory, args, {"base_gpu_id": gpu}, self.logs[i], num_threads))
+            proc.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(proc)
+            self.ready.append(False)
+
+    def __len__(self) -> int:
+        return len(self.procs)
+
+    def _reply(self, i: int):
+        try:
+            status, payload = self.conns[i].recv()
+        except (EOFError, OSError):
+            self.procs[i].join(timeout=5)
+            code = self.procs[i].exitcode
+            self.kill()
+            raise RankError(f"rollout engine {i} (pid {self.procs[i].pid}) died (exit code {code}); see "
+                            f"{self.logs[i] or 'its output'}") from None
+        if status == "error":
+            self.kill()
+            raise RankError(f"rollout engine {i} (pid {self.procs[i].pid}) failed:\n{payload}")
+        return payload
+
+    def map(self, method: str, args: list[tuple], engines: list[int] | None = None) -> list:
+        """`method(*args[k])` on engine engines[k] (default: engine k), results in that order."""
+        engines = list(engines or range(len(args)))
+        if not self.conns:
+            raise RankError("the rollout engines were stopped (an engine failed earlier)")
+        for i, a in zip(engines, args, strict=True):
+            if not self.ready[i]:  # its build's answer
+                self._reply(i)
+                self.ready[i] = True
+            self.conns[i].send((method, a))
+        return [self._reply(i) for i in engines]
+
+    def share(self, obj):
+        return obj
+
+    def placement(self) -> list[dict]:
+        return [{"engine": i, **on_this_host(proc.pid, device)}
+                for i, (proc, device) in enumerate(zip(self.procs, self.devices, strict=True))]
+
+    def kill(self) -> None:
+        stop_processes(self.procs, self.conns)
+        self.conns = []

@@ -1,0 +1,80 @@
+"""The loop's rollouts, in order: made on demand, or (train.async=true) one ahead.
+
+`Rollouts.get(rollout_id)` returns that rollout's samples. Synchronous (the default), it
+makes them then and there. With `prefetch`, it also starts making the next one in a
+background thread, so that rollout k+1 is generated (by the engine in its own process or
+Ray actor) while the driver trains on rollout k: slime's train_async.py. The loop calls
+`wait()` before each weight sync, so a generation always ends on the weights it began
+with, and the weights it gets next are the ones trained on the rollout before: rollout
+k+1 comes from the policy trained through k-1, one step behind the trainer (one-step
+off-policy). Every sample records that policy as `metadata["policy_version"]`: the number
+of rollouts trained into the weights that generated it (= the rollout_id of the
+iteration that started it; the loop trains every rollout once).
+
+A resumed run starts by generating its first rollout from the checkpoint's weights (its
+staleness is 0, where the uninterrupted run's was 1); no rollout is trained twice or
+skipped, since nothing about a prefetched rollout is written before the loop takes it.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
+from typing import Callable
+
+from relax.errors import ConfigError
+from relax.sample import Sample
+
+
+def check_async(cfg, builds_rollout: bool, builds_train: bool) -> None:
+    """train.async=true refusals, before anything is built: where nothing can overlap."""
+    if not builds_train:
+        raise ConfigError("train.async=true overlaps generating the next rollout with training, but "
+                          "debug.rollout_only builds no trainer: drop train.async for a rollout-only run")
+    if not builds_rollout:
+        raise ConfigError("train.async=true overlaps generating the next rollout with training, but a "
+                          "train-only run (debug.train_only / debug.load_rollout_data) replays saved "
+                          "rollouts and generates none: drop train.async to replay")
+    if cfg.rollout.colocate:
+        raise ConfigError("train.async=true with rollout.colocate=true: a colocated engine gives up its "
+                          "memory while the trainer runs, so it cannot generate meanwhile; run the engine "
+                          "on devices of its own (rollout.colocate=false) or drop train.async")
+
+
+class Rollouts:
+    """`make(rollout_id, policy_version) -> samples`, called for each rollout_id in order."""
+
+    def __init__(self, make: Callable[[int, int], list[Sample]], rollout_ids: list[int], prefetch: bool):
+        self.make, self.next_id = make, dict(zip(rollout_ids, rollout_ids[1:]))
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="relax-prefetch") if prefetch else None
+        self.pending: tuple[int, Future] | None = None
+
+    def _timed(self, rollout_id: int, policy_version: int) -> tuple[list[Sample], float, int]:
+        t0 = time.perf_counter()
+        samples = self.make(rollout_id, policy_version)
+        return samples, time.perf_counter() - t0, policy_version
+
+    def get(self, rollout_id: int) -> tuple[list[Sample], float, int]:
+        """The rollout's samples, the seconds their making took (prefetched: in the background)
+        and the policy version that made them."""
+        if self.pending and self.pending[0] == rollout_id:
+            made = self.pending[1].result()
+        else:
+            made = self._timed(rollout_id, rollout_id)
+        self.pending = None
+        if self.pool and rollout_id in self.next_id:  # the engine's weights: trained through rollout_id - 1
+            self.pending = (self.next_id[rollout_id], self.pool.submit(self._timed, self.next_id[rollout_id],
+                                                                       rollout_id))
+        return made
+
+    def wait(self) -> None:
+        """Before a weight sync: the generation in flight ends on the weights it began with."""
+        if self.pending:
+            wait_for([self.pending[1]])
+
+    def close(self) -> None:
+        """Let a generation in flight finish (its engine is shut down next); its result is dropped."""
+        if self.pool:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+        self.pending = None

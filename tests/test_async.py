@@ -1,0 +1,99 @@
+"""train.async=true: rollout k+1 is generated (the engine in a process of its own) while the
+driver trains on rollout k, one policy step behind; resume trains every rollout once; dumps
+replay exactly; the settings where nothing can overlap are refused before anything starts."""
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from relax.errors import ConfigError
+from relax.files import safe_load
+from relax.train.torch_trainer import TorchTrainer
+
+from .conftest import make_cfg, only_run_dir, relax_cli, run_loop
+
+ASYNC = ["train.async=true", "rollout.rollout_batch_size=16"]
+
+
+def cpu_ns(pid: int) -> int:
+    """CPU time of a process's main thread, in nanoseconds (the scheduler's own count)."""
+    return int(Path(f"/proc/{pid}/schedstat").read_text().split()[0])
+
+
+def test_generation_runs_in_the_engine_process_while_the_driver_trains(tmp_path, monkeypatch):
+    """The engine process's CPU time grows inside trainer.train (0.3 s longer here, so that the
+    whole of the next rollout's generation fits in it): the engine works while the driver trains."""
+    during, train = [], TorchTrainer.train
+
+    def timed_train(self, rollout_id, samples):
+        pid = json.loads((tmp_path / "built.json").read_text())["placement"]["engines"][0]["pid"]
+        before = cpu_ns(pid)
+        out = train(self, rollout_id, samples)
+        time.sleep(0.3)
+        during.append((pid, cpu_ns(pid) - before))
+        return out
+    monkeypatch.setattr(TorchTrainer, "train", timed_train)
+    rollouts, steps = run_loop(tmp_path, *ASYNC, "rollout.num_rollout=4", "checkpoint.save_interval=null")
+    assert all(pid != os.getpid() for pid, _ in during)
+    # rollouts 1..3 were generated during the training of 0..2 (a generation of 128 samples takes
+    # ~10 ms of CPU); nothing is left to make during the last
+    assert all(ns > 2e6 for _, ns in during[:-1]) and during[-1][1] < min(ns for _, ns in during[:-1]), during
+    assert [r["rollout/staleness"] for r in rollouts] == [0, 1, 1, 1]
+    assert [s["rollout_id"] for s in steps] == [0, 1, 2, 3]
+
+
+def test_resumed_async_run_trains_every_rollout_once(tmp_path):
+    common = [*ASYNC, "rollout.num_rollout=6", "checkpoint.save_interval=3", "checkpoint.keep_last=null"]
+    full_rollouts, full_steps = run_loop(tmp_path / "full", *common)
+    checkpoint = tmp_path / "full" / "checkpoints" / "rollout_000002"
+    rollouts, steps = run_loop(tmp_path / "resumed", *common, f"resume={checkpoint}")
+    assert [r["rollout_id"] for r in rollouts] == [s["rollout_id"] for s in steps] == list(range(6))
+    samples = [json.loads(line)["rollout_id"] for line in (tmp_path / "resumed" / "samples.jsonl").open()]
+    assert samples == list(range(6))
+    # the history up to the checkpoint is the first run's; rollout 3 came from the checkpoint's weights
+    assert rollouts[:3] == full_rollouts[:3] and steps[:3] == full_steps[:3]
+    assert [r["rollout/staleness"] for r in rollouts] == [0, 1, 1, 0, 1, 1]
+    # Adam counted one step per rollout, in both runs: none trained twice, none skipped
+    for run in ("full", "resumed"):
+        state = safe_load(tmp_path / run / "checkpoints" / "rollout_000005" / "trainer_state.pt")
+        assert {float(s["step"]) for s in state["optimizer"]["state"].values()} == {6.0}
+
+
+def test_async_dumps_replay_exactly_and_the_doctor_passes(tmp_path):
+    from relax.debug.checks import FAIL, diagnose
+    from relax.debug.run_data import load_run
+
+    dump = tmp_path / "dump"
+    _, steps = run_loop(tmp_path / "run", *ASYNC, "rollout.num_rollout=3", "checkpoint.save_interval=null",
+                        f"debug.dump_details={dump}")
+    saved = safe_load(dump / "rollout_data" / "2.pt")["samples"]
+    assert {s["metadata"]["policy_version"] for s in saved} == {1}
+    _, replayed = run_loop(tmp_path / "replay", "rollout.rollout_batch_size=16", "rollout.num_rollout=3",
+                           "checkpoint.save_interval=null", f"debug.load_rollout_data={dump}/rollout_data/"
+                           "{rollout_id}.pt")
+    for a, b in zip(steps, replayed, strict=True):
+        assert (a["train/loss"], a["train/grad_norm"]) == (b["train/loss"], b["train/grad_norm"])
+    checks = diagnose(load_run(tmp_path / "run"))
+    assert not [c for c in checks if c.verdict == FAIL]
+    assert "2 stale rollouts of train.async left out" in checks[4].summary
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["debug=rollout_only"], "debug.rollout_only builds no trainer"),
+    (["debug.load_rollout_data=/nowhere/{rollout_id}.pt"], "replays saved rollouts and generates none"),
+    (["rollout.colocate=true"], "a colocated engine gives up its memory while the trainer runs"),
+], ids=["rollout_only", "train_only", "colocate"])
+def test_async_is_refused_where_nothing_can_overlap(overrides, message):
+    from relax.debug.plan import resolve
+
+    with pytest.raises(ConfigError, match=message):
+        resolve(make_cfg("train.async=true", *overrides))
+
+
+def test_async_refusal_stops_the_cli_before_anything_starts(tmp_path):
+    proc = relax_cli("train.async=true", "debug=rollout_only", cwd=tmp_path)
+    assert proc.returncode == 2 and "debug.rollout_only builds no trainer" in proc.stdout + proc.stderr
+    assert not (only_run_dir(tmp_path) / "built.json").exists()
