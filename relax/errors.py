@@ -20,3 +20,9 @@ class NonFiniteError(RuntimeError):
 
 class DiskFull(OSError):
     """No space left for a file Relax must write (names the path and the space needed)."""
+
+
+class RolloutError(RuntimeError):
+    """A user's rollout function failed (rollout.generate_fn, task.reward_fn, a remote reward,
+    rollout.dynamic_sampling_filter) or returned what cannot be trained on; the message names
+    the function, the sample and, for a raise, its traceback. Nothing was trained on that rollout."""

@@ -23,9 +23,10 @@ from relax.debug import checks
 from relax.debug.health import SAMPLES_FILE, response_health, sample_record
 from relax.debug.plan import Plan, resolve
 from relax.debug.weights import WeightCheck
-from relax.errors import CheckFailed, ConfigError, DiskFull, NonFiniteError, ReplayError
+from relax.eval import Evaluator, build_evaluator
+from relax.errors import CheckFailed, ConfigError, DiskFull, NonFiniteError, ReplayError, RolloutError
 from relax.config import instantiate, load_target
-from relax.logger import plot_run
+from relax.logger import check_backends, plot_run
 from relax.model import load_tokenizer, read_hf_config, resolve_model_path
 from relax.files import append_jsonl, atomic_save, fill
 from relax.replay import build_manifest, keep_groups, load_rollout, save_rollout
@@ -38,12 +39,13 @@ log = logging.getLogger("relax")
 
 def rollout_stats(samples: list[Sample], seconds: float, tokenizer, answer_format) -> dict:
     n_tokens = sum(s.response_length for s in samples)
+    model_lp = [lp for s in samples for lp, m in zip(s.rollout_log_probs, s.loss_mask) if m]  # not a tool's
     return {
         **response_health(samples, tokenizer, answer_format),
         "rollout/raw_reward": sum(s.reward for s in samples) / len(samples),
         "rollout/response_len": n_tokens / len(samples),
         "rollout/truncated_ratio": sum(s.status == "truncated" for s in samples) / len(samples),
-        "rollout/rollout_log_probs": sum(sum(s.rollout_log_probs) for s in samples) / max(n_tokens, 1),
+        "rollout/rollout_log_probs": sum(model_lp) / max(len(model_lp), 1),
         "perf/rollout_time": seconds,
         "perf/tokens_per_s": n_tokens / max(seconds, 1e-9),
     }
@@ -75,6 +77,7 @@ class Run:
     tokenizer: object
     manifest: dict              # what replay data records about this run
     task: Task | None
+    evaluator: Evaluator | None  # the eval section (relax/eval/)
 
 
 def prepare(cfg, run_dir: Path) -> Run:
@@ -88,8 +91,10 @@ def prepare(cfg, run_dir: Path) -> Run:
         check_layout(checkpoint, saved, checkpoint_layout(cfg))
     task = build_task(cfg) if plan.builds_rollout else None
     load_target(cfg, "logger")  # a logger._target_ that does not import stops the run here
+    check_backends(cfg.logger.backends)
     model_path = Path(saved["ref_model_path"]) if saved else resolve_model_path(cfg.model)
     tokenizer = load_tokenizer(model_path)
+    evaluator = build_evaluator(cfg, task, tokenizer, plan)
     if plan.dump_dir:  # with the rollout/train data, enough to reproduce the run
         tokenizer.save_pretrained(plan.dump_dir / "tokenizer")
         (plan.dump_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
@@ -97,7 +102,7 @@ def prepare(cfg, run_dir: Path) -> Run:
         restore_history(checkpoint, run_dir)  # a run refused above leaves the run dir untouched)
     return Run(cfg, run_dir, plan, start, checkpoint, model_path,
                checkpoint / "hf" if checkpoint else model_path, tokenizer,
-               build_manifest(cfg, model_path, tokenizer), task)
+               build_manifest(cfg, model_path, tokenizer), task, evaluator)
 
 
 def build(run: Run, cluster):
@@ -125,20 +130,23 @@ def build(run: Run, cluster):
 
 
 def rollout(run: Run, engine, rollout_id: int) -> tuple[list[Sample], dict]:
-    """Generate and score (or replay) one rollout; save it if asked; log `Finish rollout`."""
+    """Evaluate if due; generate and score (or replay) one rollout; save it if asked; log
+    `Finish rollout`."""
+    due = run.evaluator and run.evaluator.due(rollout_id)
+    evals = run.evaluator.evaluate(engine, rollout_id) if due else {}
     cfg, t0 = run.cfg, time.perf_counter()
     if run.plan.replays:
         source = run.plan.replay_files[rollout_id]
         _, samples = load_rollout(source, run.manifest, cfg.debug.allow_manifest_mismatch,
                                   cfg.debug.load_rollout_data_subsample, cfg.seed)
         check_rewards(samples, f"the replay file {source}")
+        stats = {}
     else:
-        from relax.rollout import generate_rollout
+        from relax.rollout.generate import generate_rollout
 
-        samples = generate_rollout(engine, run.task, run.tokenizer, cfg.rollout, rollout_id, cfg.seed)
-        check_rewards(samples, f"task.reward_fn={cfg.task.reward_fn} at rollout {rollout_id}")
+        samples, stats = generate_rollout(engine, run.task, run.tokenizer, cfg.rollout, rollout_id, cfg.seed)
     record = {"rollout_id": rollout_id, **rollout_stats(
-        samples, time.perf_counter() - t0, run.tokenizer, cfg.task.answer_format)}
+        samples, time.perf_counter() - t0, run.tokenizer, cfg.task.answer_format), **stats, **evals}
     if run.plan.save_rollout_data:
         save_rollout(fill(run.plan.save_rollout_data, rollout_id), rollout_id, samples, run.manifest)
     log_finish_rollout(run, rollout_id, samples)
@@ -209,7 +217,8 @@ def rl_loop(cfg, run_dir: Path) -> None:
     engine = trainer = metrics = None
     try:
         engine, trainer, weight_check = build(run, cluster)
-        metrics = instantiate(cfg, "logger", run_dir=run_dir, resume_from=run.start)
+        metrics = instantiate(cfg, "logger", run_dir=run_dir, resume_from=run.start,
+                              run_config=OmegaConf.to_container(cfg, resolve=True))
         bar = tqdm(run.plan.rollout_ids, desc="rollouts", unit="rollout")
         for rollout_id in bar:
             samples, record = rollout(run, engine, rollout_id)
@@ -245,7 +254,7 @@ def run_job(cfg) -> None:
     try:
         with logging_redirect_tqdm():
             rl_loop(cfg, run_dir)
-    except (ConfigError, ReplayError, CheckFailed, DiskFull, NonFiniteError) as e:
+    except (ConfigError, ReplayError, CheckFailed, DiskFull, NonFiniteError, RolloutError) as e:
         write_json(status, {"status": "failed", "error": str(e)})
         if hydra_cfg.mode == RunMode.MULTIRUN:
             raise  # Hydra records the failed job and the sweep goes on

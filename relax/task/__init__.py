@@ -1,9 +1,10 @@
-"""Prompt sources and reward functions (conf/task/): the class `task._target_` names.
+"""Prompt sources and rewards (conf/task/): the class `task._target_` names.
 
 A task turns `rollout_id` into a deterministic batch of prompts, so a resumed run and an
-uninterrupted one see the same prompts, and scores responses with `task.reward_fn`. The
-class is called with the task group's keys and `seed=` (Hydra's instantiate); a new prompt
-source subclasses `Task` and implements `questions`.
+uninterrupted one see the same prompts, and scores samples (relax/task/rewards.py:
+task.reward_fn, task.group_reward_fn or task.reward_url). The class is called with the task
+group's keys and `seed=` (Hydra's instantiate); a new prompt source subclasses `Task` and
+implements `questions`.
 """
 
 from __future__ import annotations
@@ -11,38 +12,27 @@ from __future__ import annotations
 import json
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from relax.config import instantiate
 from relax.errors import ConfigError, NonFiniteError
 from relax.task.arithmetic import make_problem
-
-RewardFn = Callable[[str, str], float]
+from relax.task.rewards import Rewards
 
 
 @dataclass
 class Prompt:
+    """One prompt record, as a rollout.generate_fn receives it."""
     text: str          # the prompt as sent, chat template applied
     tokens: list[int]  # its token ids (engines generate from ids, never from text)
     label: str         # what the reward function compares against
+    metadata: dict = field(default_factory=dict)  # anything else the dataset row carries
+    index: int = 0        # the sample this record is for (its position in the rollout)
+    group_index: int = 0  # its GRPO group (the prompt's position)
 
 
-def load_reward_fn(dotted: str) -> RewardFn:
-    from hydra.utils import get_method
-
-    try:
-        return get_method(dotted)
-    except (ImportError, ValueError) as e:
-        raise ConfigError(
-            f"task.reward_fn={dotted!r} does not import: {e.__cause__ or e}. Expected a dotted path "
-            f"to a function reward(response: str, label: str) -> float, e.g. "
-            f"relax.task.arithmetic.exact_match"
-        ) from None
-
-
-def load_jsonl(path: str | None) -> list[tuple[str, str]]:
+def load_jsonl(path: str | None) -> list[tuple[str, str, dict]]:
     if path is None:
         raise ConfigError("task=jsonl needs task.data_path=/path/to/prompts.jsonl")
     p = Path(path).expanduser()
@@ -54,10 +44,10 @@ def load_jsonl(path: str | None) -> list[tuple[str, str]]:
             continue
         try:
             row = json.loads(line)
-            rows.append((str(row["prompt"]), str(row.get("label", ""))))
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            rows.append((str(row["prompt"]), str(row.get("label", "")), dict(row.get("metadata") or {})))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise ConfigError(
-                f"{p}:{line_no}: expected a JSON object with 'prompt' (and 'label'): {e}"
+                f"{p}:{line_no}: expected a JSON object with 'prompt' (and 'label', 'metadata'): {e}"
             ) from None
     if not rows:
         raise ConfigError(f"task.data_path={path!r}: the dataset is empty")
@@ -65,17 +55,22 @@ def load_jsonl(path: str | None) -> list[tuple[str, str]]:
 
 
 class Task:
-    """Prompts for each rollout, and the reward."""
+    """Prompts for each rollout, and the rewards."""
 
-    def __init__(self, seed: int, reward_fn: str, apply_chat_template: bool, answer_format: str | None):
+    def __init__(self, seed: int, reward_fn: str, apply_chat_template: bool, answer_format: str | None,
+                 **reward_keys):
         self.seed, self.apply_chat_template = seed, apply_chat_template
-        self.reward_fn = load_reward_fn(reward_fn)
+        self.rewards = Rewards(reward_fn, **reward_keys)  # task.reward_fn, group_reward_fn, reward_url...
         # What a well-formed response matches; the health metrics read it from the config,
         # since a replaying run builds no task.
         self.answer_format = answer_format
 
-    def questions(self, rng: random.Random, n: int) -> list[tuple[str, str]]:
-        """`n` (question, label) pairs drawn with `rng`."""
+    def score(self, samples, group_size: int) -> None:
+        """Set every sample's reward (a rollout's samples, in GRPO groups of `group_size`)."""
+        self.rewards.score(samples, group_size)
+
+    def questions(self, rng: random.Random, n: int) -> list[tuple]:
+        """`n` (question, label) or (question, label, metadata) tuples drawn with `rng`."""
         raise NotImplementedError
 
     def format(self, question: str, tokenizer) -> str:
@@ -85,16 +80,18 @@ class Task:
             [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
         )
 
-    def prompts(self, rollout_id: int, batch_size: int, tokenizer) -> list[Prompt]:
+    def to_prompts(self, questions: list[tuple], tokenizer) -> list[Prompt]:
         out = []
-        for question, label in self.questions(random.Random(f"{self.seed}-{rollout_id}"), batch_size):
+        for question, label, *metadata in questions:
             text = self.format(question, tokenizer)
-            tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
-            out.append(Prompt(text, tokens, label))
+            out.append(Prompt(text, tokenizer(text, add_special_tokens=False)["input_ids"], label,
+                              dict(metadata[0]) if metadata else {}))
         return out
 
-    def reward(self, response: str, label: str) -> float:
-        return float(self.reward_fn(response, label))
+    def prompts(self, rollout_id: int, batch_size: int, tokenizer, round: int = 0) -> list[Prompt]:
+        """The prompts of a rollout's generation round (rounds after the first: dynamic sampling)."""
+        rng = random.Random(f"{self.seed}-{rollout_id}" + (f"-{round}" if round else ""))
+        return self.to_prompts(self.questions(rng, batch_size), tokenizer)
 
 
 class ArithmeticTask(Task):
