@@ -138,6 +138,7 @@ def main() -> None:
     from trl import GRPOTrainer
 
     from relax.model import load_causal_lm, load_tokenizer, resolve_model_path
+    from relax.sample import Sample
     from relax.task import build_task
 
     torch.set_num_threads(cfg.train.num_threads)
@@ -152,7 +153,10 @@ def main() -> None:
 
     def exact_match(prompts, completions, label, **kwargs):
         """Relax's task reward on TRL's decoded completions; records each batch's mean."""
-        scores = [task.reward(c, lab) for c, lab in zip(completions, label, strict=True)]
+        samples = [Sample(i, i, p, [], 0, response=c, label=lab)
+                   for i, (p, c, lab) in enumerate(zip(prompts, completions, label, strict=True))]
+        task.score(samples, 1)
+        scores = [s.reward for s in samples]
         rewards.append(sum(scores) / len(scores))
         return scores
 

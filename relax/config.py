@@ -68,6 +68,10 @@ class RolloutConfig:
     weight_update_mode: str = "tensor"  # tensor: by name; disk: via a temp HF dir; distributed: NCCL (GPU)
     weight_update_bucket_mb: int = 512  # bucket size for tensor weight updates (SGLang; Ray's object store)
     colocate: bool = False  # release engine memory while the trainer runs (same GPUs)
+    generate_fn: str = "relax.rollout.generate.single_turn"  # fn(client, prompt, sampling_params) -> Sample
+    dynamic_sampling_filter: Optional[str] = None  # fn(group samples) -> keep? (DAPO; null: keep every group)
+    over_sampling_batch_size: Optional[int] = None  # prompts per round with a filter (null: batch size)
+    max_generation_rounds: int = 8  # with a filter: rounds before a rollout short of passing groups fails
 
 
 @dataclass
@@ -149,7 +153,12 @@ class AlgoConfig:
 @dataclass
 class TaskConfig:
     _target_: str = MISSING  # task class, called with this group's other keys and seed=
-    reward_fn: str = "relax.task.arithmetic.exact_match"  # dotted path to reward(response, label) -> float
+    reward_fn: str = "relax.task.arithmetic.exact_match"  # reward(response, label) or reward(sample) -> float
+    group_reward_fn: Optional[str] = None  # rewards(a prompt's samples) -> floats, instead of reward_fn
+    reward_url: Optional[str] = None  # POST samples as JSON to this reward service, instead of reward_fn
+    reward_batch_size: int = 64  # samples per reward_url request
+    reward_timeout_s: float = 30.0  # per reward_url request
+    reward_retries: int = 3  # reward_url retries after a failure (backoff 0.5 s, doubling)
     answer_format: Optional[str] = None  # regex a well-formed response matches (null: not checked)
     apply_chat_template: bool = True  # wrap prompts in the tokenizer's chat template
 
@@ -182,8 +191,19 @@ class DebugConfig:  # what each key means: docs/debugging.md; interpreted in rel
 
 @dataclass
 class LoggerConfig:
-    _target_: str = MISSING  # metrics logger class, called with tensorboard=, run_dir=, resume_from=
-    tensorboard: bool = False  # also write TensorBoard event files
+    _target_: str = MISSING  # metrics logger class: this group's keys, run_dir=, resume_from=, run_config=
+    backends: list[str] = field(default_factory=list)  # besides metrics.jsonl: any of tensorboard, wandb
+    wandb_project: str = "relax"  # W&B project (the run is named after the run dir)
+    wandb_entity: Optional[str] = None  # W&B team or user (null: your default)
+
+
+@dataclass
+class EvalConfig:  # evaluation during training: relax/eval/
+    interval: Optional[int] = None  # evaluate every N rollouts, and at the last one (null: never)
+    datasets: list[str] = field(default_factory=lambda: ["arithmetic"])  # arithmetic, or JSONL paths
+    num_prompts: int = 64  # prompts per dataset (a JSONL file: its first N rows)
+    n_samples_per_prompt: int = 1  # responses per prompt
+    temperature: float = 0.0  # 0: greedy
 
 
 @dataclass
@@ -223,6 +243,7 @@ class RelaxConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
@@ -252,6 +273,18 @@ def load_target(cfg, group: str):
                           f"{group}._target_=my_package.module.MyClass") from None
 
 
+def load_function(path: str, key: str, expected: str):
+    """The function the dotted `path` (the value of config key `key`, e.g. task.reward_fn)
+    names, imported: a ConfigError naming the key and the `expected` signature when it does not."""
+    from hydra.utils import get_method
+
+    try:
+        return get_method(path)
+    except (ImportError, ValueError) as e:
+        raise ConfigError(f"{key}={path!r} does not import: {e.__cause__ or e}. Expected a dotted path "
+                          f"to a function {expected}") from None
+
+
 def instantiate(cfg, group: str, **kwargs):
     """Hydra's instantiate for a group whose class needs only its own keys (task, logger):
     `_target_` called with the group's other keys as keyword arguments, plus `kwargs`."""
@@ -260,7 +293,7 @@ def instantiate(cfg, group: str, **kwargs):
 
     load_target(cfg, group)
     try:
-        return hydra_instantiate(cfg[group], **kwargs)
+        return hydra_instantiate(cfg[group], _recursive_=False, _convert_="all", **kwargs)
     except InstantiationException as e:
         if isinstance(e.__cause__, ConfigError):  # the class refused its input: say so plainly
             raise e.__cause__ from None

@@ -28,3 +28,9 @@ class Interrupted(Exception):
     def __init__(self, signum: int, message: str):
         super().__init__(message)
         self.signum = signum
+
+
+class RolloutError(RuntimeError):
+    """A user's rollout function failed (rollout.generate_fn, task.reward_fn, a remote reward,
+    rollout.dynamic_sampling_filter) or returned what cannot be trained on; the message names
+    the function, the sample and, for a raise, its traceback. Nothing was trained on that rollout."""

@@ -27,9 +27,11 @@ from relax.debug import checks
 from relax.debug.health import SAMPLES_FILE, response_health, sample_record
 from relax.debug.plan import Plan, check_dump_dir, resolve
 from relax.debug.weights import WeightCheck
-from relax.errors import CheckFailed, ConfigError, DiskFull, Interrupted, NonFiniteError, ReplayError
+from relax.eval import Evaluator, build_evaluator
+from relax.errors import (CheckFailed, ConfigError, DiskFull, Interrupted, NonFiniteError, ReplayError,
+                          RolloutError)
 from relax.config import instantiate, load_target
-from relax.logger import plot_run
+from relax.logger import check_backends, plot_run
 from relax.model import load_tokenizer, read_hf_config, resolve_model_path
 from relax.files import append_jsonl, atomic_save, fill
 from relax.process import LogGuard, StatusFile, Stop
@@ -44,12 +46,13 @@ log = logging.getLogger("relax")
 
 def rollout_stats(samples: list[Sample], seconds: float, tokenizer, answer_format) -> dict:
     n_tokens = sum(s.response_length for s in samples)
+    model_lp = [lp for s in samples for lp, m in zip(s.rollout_log_probs, s.loss_mask) if m]  # not a tool's
     return {
         **response_health(samples, tokenizer, answer_format),
         "rollout/raw_reward": sum(s.reward for s in samples) / len(samples),
         "rollout/response_len": n_tokens / len(samples),
         "rollout/truncated_ratio": sum(s.status == "truncated" for s in samples) / len(samples),
-        "rollout/rollout_log_probs": sum(sum(s.rollout_log_probs) for s in samples) / max(n_tokens, 1),
+        "rollout/rollout_log_probs": sum(model_lp) / max(len(model_lp), 1),
         "perf/rollout_time": seconds,
         "perf/tokens_per_s": n_tokens / max(seconds, 1e-9),
     }
@@ -81,6 +84,7 @@ class Run:
     tokenizer: object
     manifest: dict              # what replay data records about this run
     task: Task | None
+    evaluator: Evaluator | None  # the eval section (relax/eval/)
 
 
 def prepare(cfg, run_dir: Path) -> Run:
@@ -99,6 +103,7 @@ def prepare(cfg, run_dir: Path) -> Run:
     check_dump_dir(plan.dump_dir, source)
     task = build_task(cfg) if plan.builds_rollout else None
     load_target(cfg, "logger")  # a logger._target_ that does not import stops the run here
+    check_backends(cfg.logger.backends)
     model_path = ref_model or resolve_model_path(cfg.model)
     tokenizer = load_tokenizer(model_path)
     manifest = build_manifest(cfg, model_path, tokenizer)
@@ -110,6 +115,7 @@ def prepare(cfg, run_dir: Path) -> Run:
                                     cfg.debug.load_rollout_data_subsample, cfg.seed)
         for rollout_id, n in counts.items():
             check_batch_split(cfg, n, f"the replay file {plan.replay_files[rollout_id]}")
+    evaluator = build_evaluator(cfg, task, tokenizer, plan)
     if plan.dump_dir:  # with the rollout/train data, enough to reproduce the run
         tokenizer.save_pretrained(plan.dump_dir / "tokenizer")
         (plan.dump_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
@@ -119,7 +125,7 @@ def prepare(cfg, run_dir: Path) -> Run:
             log.warning("resume: %s is at the run's last rollout (rollout.num_rollout=%d): nothing "
                         "left to run", checkpoint, cfg.rollout.num_rollout)
     return Run(cfg, run_dir, plan, start, checkpoint, model_path,
-               checkpoint / "hf" if checkpoint else model_path, tokenizer, manifest, task)
+               checkpoint / "hf" if checkpoint else model_path, tokenizer, manifest, task, evaluator)
 
 
 def build(run: Run, cluster):
@@ -146,32 +152,38 @@ def build(run: Run, cluster):
     return engine, trainer, weight_check
 
 
-def make_rollout(run: Run, engine, rollout_id: int, policy_version: int) -> list[Sample]:
-    """Generate and score (or replay) one rollout (with train.async, in a background thread).
-    `policy_version`: how many rollouts the engine's weights have been trained on."""
+def make_rollout(run: Run, engine, rollout_id: int, policy_version: int) -> tuple[list[Sample], dict]:
+    """Evaluate if due, then generate and score (or replay) one rollout (with train.async, in a
+    background thread: evaluation then sees the weights that generate). `policy_version`: how
+    many rollouts the engine's weights have been trained on. Returns the samples and the
+    rollout's metrics beyond rollout_stats (generation rounds, eval/*, perf/eval_time)."""
     cfg = run.cfg
     if run.plan.replays:
         source = run.plan.replay_files[rollout_id]
         _, samples = load_rollout(source, run.manifest, cfg.debug.allow_manifest_mismatch,
                                   cfg.debug.load_rollout_data_subsample, cfg.seed)
         check_rewards(samples, f"the replay file {source}")
-        return samples
-    from relax.rollout import generate_rollout
+        return samples, {}
+    from relax.rollout.generate import generate_rollout
 
-    samples = generate_rollout(engine, run.task, run.tokenizer, cfg.rollout, rollout_id, cfg.seed)
+    t0, evals = time.perf_counter(), {}
+    if run.evaluator and run.evaluator.due(rollout_id):
+        evals = {**run.evaluator.evaluate(engine, rollout_id), "perf/eval_time": time.perf_counter() - t0}
+    samples, stats = generate_rollout(engine, run.task, run.tokenizer, cfg.rollout, rollout_id, cfg.seed)
     check_rewards(samples, f"task.reward_fn={cfg.task.reward_fn} at rollout {rollout_id}")
     for s in samples:
         s.metadata["policy_version"] = policy_version
-    return samples
+    return samples, {**stats, **evals}
 
 
 def rollout(run: Run, rollouts: Rollouts, rollout_id: int) -> tuple[list[Sample], dict]:
     """One rollout's samples (made now, prefetched or replayed); save them if asked; log
     `Finish rollout`. rollout/staleness: how many rollouts the trainer is ahead of the policy
     that generated them (train.async: 1, the first one 0)."""
-    samples, seconds, policy_version = rollouts.get(rollout_id)
+    (samples, stats), seconds, policy_version = rollouts.get(rollout_id)
+    seconds -= stats.get("perf/eval_time", 0.0)
     record = {"rollout_id": rollout_id, **rollout_stats(samples, seconds, run.tokenizer,
-                                                        run.cfg.task.answer_format)}
+                                                        run.cfg.task.answer_format), **stats}
     if not run.plan.replays:
         record["rollout/staleness"] = rollout_id - policy_version
     if run.plan.save_rollout_data:
@@ -246,7 +258,8 @@ def rl_loop(cfg, run_dir: Path, stop: Stop | None = None) -> None:
     engine = trainer = metrics = rollouts = None
     try:
         engine, trainer, weight_check = build(run, cluster)
-        metrics = instantiate(cfg, "logger", run_dir=run_dir, resume_from=run.start)
+        metrics = instantiate(cfg, "logger", run_dir=run_dir, resume_from=run.start,
+                              run_config=OmegaConf.to_container(cfg, resolve=True))
         log_setup.restore()  # an engine or library that reconfigured logging keeps relax.log
         stop.install()  # ... and Relax's signal handlers
         rollouts = Rollouts(partial(make_rollout, run, engine), run.plan.rollout_ids, cfg.train["async"])
@@ -304,7 +317,7 @@ def run_job(cfg) -> None:
         status.write("interrupted", error=message)
         log.warning("%s", message)
         sys.exit(128 + signum)
-    except (ConfigError, ReplayError, CheckFailed, DiskFull, NonFiniteError) as e:
+    except (ConfigError, ReplayError, CheckFailed, DiskFull, NonFiniteError, RolloutError) as e:
         status.write("failed", error=str(e))
         if hydra_cfg.mode == RunMode.MULTIRUN:
             raise  # Hydra records the failed job and the sweep goes on

@@ -16,7 +16,7 @@ LAYERS = [
     {"model"},
     {"replay", "checkpoint"},
     {"rollout", "train"},
-    {"debug"},
+    {"debug", "eval"},
     {"cluster"},
     {"loop"},
     {"cli"},

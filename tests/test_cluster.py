@@ -102,7 +102,7 @@ def test_samples_do_not_depend_on_the_engine_count(tiny_path, tokenizer):
     a uniform falls within that difference (~1e-7) of a CDF boundary; the seeds are fixed, so
     this test is deterministic, not flaky."""
     from relax.cluster.engines import EngineGroup, InDriver
-    from relax.rollout import generate_rollout
+    from relax.rollout.generate import generate_rollout
     from relax.rollout.torch_engine import TorchEngine
     from relax.task import build_task
 
@@ -113,7 +113,7 @@ def test_samples_do_not_depend_on_the_engine_count(tiny_path, tokenizer):
         engines = [TorchEngine(cfg, tiny_path, [tokenizer.eos_token_id], tokenizer.pad_token_id)
                    for _ in range(n)]
         group = EngineGroup(InDriver(engines, ["cpu"] * n), cfg.rollout)
-        return generate_rollout(group, task, tokenizer, cfg.rollout, 1, cfg.seed)
+        return generate_rollout(group, task, tokenizer, cfg.rollout, 1, cfg.seed)[0]
 
     one, two, three = rollout(1), rollout(2), rollout(3)
     assert len(one) == 24 and len({tuple(s.tokens) for s in one}) > 8  # sampled, not all alike

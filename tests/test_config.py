@@ -26,6 +26,8 @@ RENAMED = {
     "rollout.engine": ("rollout._target_", {"torch": ENGINE, "sglang": SGLANG}),
     "train.backend": ("train._target_", {"torch": TRAINER, "megatron": MEGATRON}),
     "task.name": ("task._target_", {"arithmetic": ARITHMETIC, "jsonl": JSONL}),
+    # issue 14: several sinks at once
+    "logger.tensorboard": ("logger.backends", {False: [], True: ["tensorboard"]}),
 }
 ADDED = {"logger._target_": "relax.logger.MetricsLogger",
          # issue 12 (numerics): new keys at their defaults
@@ -35,14 +37,23 @@ ADDED = {"logger._target_": "relax.logger.MetricsLogger",
          # issue 11 (Ray): the cluster group and the engine count
          "cluster._target_": "relax.cluster.LocalCluster", "rollout.num_engines": None,
          # issue 15 (throughput)
-         "train.ref_log_probs_interval": None, "train.async": False, "algo.use_rollout_log_probs": False}
+         "train.ref_log_probs_interval": None, "train.async": False, "algo.use_rollout_log_probs": False,
+         # issue 14 (what RL users build on): rollout functions, rewards, eval, W&B
+         "rollout.generate_fn": "relax.rollout.generate.single_turn", "rollout.dynamic_sampling_filter": None,
+         "rollout.over_sampling_batch_size": None, "rollout.max_generation_rounds": 8,
+         "task.group_reward_fn": None, "task.reward_url": None, "task.reward_batch_size": 64,
+         "task.reward_timeout_s": 30.0, "task.reward_retries": 3,
+         "logger.wandb_project": "relax", "logger.wandb_entity": None,
+         "eval.interval": None, "eval.datasets": ["arithmetic"], "eval.num_prompts": 64,
+         "eval.n_samples_per_prompt": 1, "eval.temperature": 0.0}
 RAY = {"cluster._target_": "relax.cluster.ray_cluster.RayCluster", "cluster.address": None,
        "cluster.num_cpus_per_rank": 1.0, "cluster.num_gpus_per_rank": 0.0, "cluster.num_cpus_per_engine": 1.0,
        "cluster.num_gpus_per_engine": 0.0, "cluster.resources_per_rank": {},
        "cluster.resources_per_engine": {}, "cluster.placement_strategy": "PACK",
        "cluster.placement_timeout_s": 300.0, "cluster.runtime_env": {}}
 # Options added after the recording: (the recorded option they compose like, what they change).
-NEW_OPTIONS = {"cluster=local": ("algo=grpo", {}), "cluster=ray": ("algo=grpo", RAY)}
+NEW_OPTIONS = {"cluster=local": ("algo=grpo", {}), "cluster=ray": ("algo=grpo", RAY),
+               "logger=wandb": ("algo=grpo", {"logger.backends": ["wandb"]})}
 # Keys (or key prefixes) now carried only by the option that uses them: -> (key, value) of that option.
 OPTION_ONLY = {
     **{f"train.{k}": ("train._target_", MEGATRON)
@@ -185,8 +196,9 @@ class StopAtOnceEngine:
 
 
 class QuarterRewardTask(ArithmeticTask):
-    def reward(self, response, label):
-        return 0.25
+    def score(self, samples, group_size):
+        for s in samples:
+            s.reward = 0.25
 
 
 class ProcessNamingTrainer(TorchTrainer):

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from relax.errors import ConfigError
-from relax.rollout import build_engine, generate_rollout
+from relax.rollout import build_engine
+from relax.rollout.generate import generate_rollout
 from relax.task import build_task
 from relax.train import make_trainer
 
@@ -23,7 +24,8 @@ def rollouts(tiny_path, tokenizer):
     """Three rollouts of fixed data (the engine is never synced: each trainer sees the same)."""
     cfg = make_cfg(*BATCH)
     engine = build_engine(cfg, tiny_path, tokenizer)
-    return [generate_rollout(engine, build_task(cfg), tokenizer, cfg.rollout, i, cfg.seed) for i in range(3)]
+    task = build_task(cfg)
+    return [generate_rollout(engine, task, tokenizer, cfg.rollout, i, cfg.seed)[0] for i in range(3)]
 
 
 def as_first_step(trainer) -> None:
@@ -109,8 +111,8 @@ def test_rollout_log_probs_are_the_old_policy(tiny_path, tokenizer):
     ppo_kl is the engine/trainer mismatch (a bf16 engine: clearly not 0), and algo.mis still
     masks on pi_train / pi_rollout."""
     cfg = make_cfg(*BATCH, "rollout.dtype=bfloat16")
-    samples = generate_rollout(build_engine(cfg, tiny_path, tokenizer), build_task(cfg), tokenizer,
-                               cfg.rollout, 0, cfg.seed)
+    samples, _ = generate_rollout(build_engine(cfg, tiny_path, tokenizer), build_task(cfg), tokenizer,
+                                  cfg.rollout, 0, cfg.seed)
     steps = {}
     for name, overrides in (("recomputed", []), ("engine", ["algo.use_rollout_log_probs=true"]),
                             ("engine+mis", ["algo.use_rollout_log_probs=true", "algo.mis=token",

@@ -15,7 +15,8 @@ pytest.importorskip("sglang", reason="needs the SGLang environment (scripts/setu
 from relax.cluster.engines import EngineGroup, InDriver  # noqa: E402
 from relax.debug.weights import WeightCheck  # noqa: E402
 from relax.model import load_safetensors_dir  # noqa: E402
-from relax.rollout import SamplingParams, generate_rollout  # noqa: E402
+from relax.rollout import SamplingParams  # noqa: E402
+from relax.rollout.generate import generate_rollout  # noqa: E402
 from relax.rollout.sglang_engine import SGLangEngine  # noqa: E402
 from relax.rollout.torch_engine import TorchEngine  # noqa: E402
 from relax.task import build_task  # noqa: E402
@@ -114,7 +115,7 @@ def test_after_a_train_step_and_sync_sglang_generates_the_trainers_policy(
                            pad_token_id=tokenizer.pad_token_id)
     task = build_task(cfg)
     for rollout_id in range(3):
-        samples = generate_rollout(sglang_engine, task, tokenizer, cfg.rollout, rollout_id, cfg.seed)
+        samples, _ = generate_rollout(sglang_engine, task, tokenizer, cfg.rollout, rollout_id, cfg.seed)
         trainer.train(rollout_id, samples)
     prompts = chat_prompts(tokenizer, 8)
     before = [g.tokens for g in sglang_engine.generate(prompts, GREEDY, 0)]

@@ -7,7 +7,8 @@ removes it up to its cap."""
 import pytest
 
 from relax.model import load_tokenizer
-from relax.rollout import build_engine, generate_rollout
+from relax.rollout import build_engine
+from relax.rollout.generate import generate_rollout
 from relax.task import build_task
 from relax.train import make_trainer
 
@@ -24,7 +25,7 @@ def rollouts(tiny_path):
     for dtype in ("float32", "bfloat16"):
         cfg = make_cfg(*BATCH, f"rollout.dtype={dtype}")
         engine = build_engine(cfg, tiny_path, tokenizer)
-        out[dtype] = generate_rollout(engine, build_task(cfg), tokenizer, cfg.rollout, 0, cfg.seed)
+        out[dtype] = generate_rollout(engine, build_task(cfg), tokenizer, cfg.rollout, 0, cfg.seed)[0]
     return out
 
 

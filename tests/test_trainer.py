@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from relax.rollout import SamplingParams, generate_rollout
+from relax.rollout import SamplingParams
+from relax.rollout.generate import generate_rollout
 from relax.rollout.torch_engine import TorchEngine
 from relax.sample import Sample
 from relax.task import build_task
@@ -14,7 +15,7 @@ from .conftest import make_cfg, run_loop
 
 def rollout(cfg, engine, tokenizer, rollout_id=0):
     return generate_rollout(engine, build_task(cfg), tokenizer, cfg.rollout, rollout_id,
-                            cfg.seed)
+                            cfg.seed)[0]
 
 
 def test_first_step_log_probs_equal_ref_and_kl_zero(tiny_path, tokenizer):

@@ -81,11 +81,13 @@ class EngineGroup:
     def _all(self, method: str, *args) -> list:
         return self.hosts.map(method, [args] * self.num_engines)
 
-    def generate(self, prompts: list[list[int]], sp, seed: int) -> list:
+    def generate(self, prompts: list[list[int]], sp, seed: int | list[int]) -> list:
+        """`seed`: the rollout's (prompt i is sample i), or one per prompt (relax.rollout.client)."""
         n, total = self.num_engines, len(prompts)
         bounds = [total * i // n for i in range(n + 1)]  # contiguous: a GRPO group stays together
         # the first share starts at sample 0: an engine that runs alone needs no first_index
-        shares = [(prompts[a:b], sp, seed, a) if a else (prompts[a:b], sp, seed)
+        shares = [(prompts[a:b], sp, seed[a:b]) if isinstance(seed, list) else
+                  (prompts[a:b], sp, seed, a) if a else (prompts[a:b], sp, seed)
                   for a, b in zip(bounds, bounds[1:]) if b > a]
         return [g for part in self.hosts.map("generate", shares) for g in part]
 

@@ -1,8 +1,9 @@
 """Measurable signals of coherent vs garbage responses, logged for every rollout.
 
 The guide's first check is "are the responses normal, coherent replies?". These numbers
-answer it without reading text: tokens the tokenizer cannot decode or special tokens in
-the middle of a response, one token repeated over most of a response, few distinct
+answer it without reading text, from the model's own tokens (a tool's are masked out of the
+loss and left out here): tokens the tokenizer cannot decode or special tokens in the middle
+of a turn, one token repeated over most of a response, few distinct
 bigrams, and (when the task declares one) responses that miss the expected format.
 """
 
@@ -14,6 +15,18 @@ from collections import Counter
 from relax.sample import Sample
 
 
+def model_turns(response: list[int], loss_mask: list[int]) -> list[list[int]]:
+    """The runs of model tokens (loss_mask 1) in a response: one per turn of a multi-turn sample."""
+    turns, current = [], []
+    for token, m in zip(response, loss_mask, strict=True):
+        if m:
+            current.append(token)
+        elif current:
+            turns.append(current)
+            current = []
+    return turns + ([current] if current else [])
+
+
 def response_health(samples: list[Sample], tokenizer, answer_format: str | None) -> dict:
     vocab_size = len(tokenizer.get_vocab())
     special = set(tokenizer.all_special_ids)
@@ -21,10 +34,11 @@ def response_health(samples: list[Sample], tokenizer, answer_format: str | None)
     invalid = total = repetitive = 0
     bigrams: list[tuple[int, int]] = []
     for s in samples:
-        response = s.tokens[s.prompt_length:]
-        body = response[:-1] if response and response[-1] == eos else response
+        response, body = s.tokens[s.prompt_length:], []
+        for turn in model_turns(response, s.loss_mask):  # tool and environment tokens are not the model's
+            body += turn[:-1] if turn[-1] == eos else turn
+            total += len(turn)
         invalid += sum(t >= vocab_size or t in special for t in body)
-        total += len(response)
         if len(body) >= 4 and Counter(body).most_common(1)[0][1] > len(body) / 2:
             repetitive += 1
         bigrams += list(zip(body, body[1:]))

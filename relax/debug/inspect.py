@@ -1,6 +1,7 @@
 """`relax inspect <dump dir | replay dir | run dir>`: read saved rollout (and train) data.
 
-Shows a per-rollout summary, one sample in full with its per-token log-probs, and, where
+Shows a per-rollout summary, one sample in full with its per-token log-probs (tool tokens,
+loss_mask 0, shown as masked), and, where
 train data exists, rollout and train data joined sample by sample: which rank trained it,
 its advantage, and the trainer's log_probs against the engine's rollout_log_probs.
 """
@@ -45,14 +46,16 @@ def find_train_files(root: Path, rollout_id: int) -> list[Path]:
 
 
 def summarize(rollout_id: int, samples: list[dict]) -> dict:
-    n_tokens = sum(s["response_length"] for s in samples) or 1
+    n_tokens = sum(sum(s["loss_mask"]) for s in samples) or 1  # the model's (a tool's are masked)
     return {
         "rollout_id": rollout_id, "samples": len(samples),
         "mean_reward": sum(s["reward"] for s in samples) / len(samples),
         "mean_response_len": sum(s["response_length"] for s in samples) / len(samples),
         "max_response_len": max(s["response_length"] for s in samples),
         "truncation_rate": sum(s["status"] == "truncated" for s in samples) / len(samples),
-        "mean_rollout_log_prob": sum(sum(s["rollout_log_probs"]) for s in samples) / n_tokens,
+        "mean_rollout_log_prob": sum(lp for s in samples for lp, m in zip(s["rollout_log_probs"],
+                                                                          s["loss_mask"]) if m) / n_tokens,
+        "masked_tokens": sum(s["response_length"] - sum(s["loss_mask"]) for s in samples),
     }
 
 
@@ -116,13 +119,14 @@ def render(report: dict, console: Console) -> None:
     if report["run_status"]:  # a run dir: is it running, finished, or dead?
         console.print(f"run: {report['run_status']}", highlight=False)
     table = Table("rollout", "samples", "mean reward", "resp len (mean/max)", "truncated",
-                  "mean rollout log-prob", title="Rollouts")
+                  "mean rollout log-prob", "masked tokens", title="Rollouts")
     rows = report["rollouts"]
     shown = rows if len(rows) <= MAX_ROWS else rows[:MAX_ROWS // 2] + rows[-MAX_ROWS // 2:]
     for r in shown:
         table.add_row(str(r["rollout_id"]), str(r["samples"]), f"{r['mean_reward']:.3f}",
                       f"{r['mean_response_len']:.1f} / {r['max_response_len']}",
-                      f"{r['truncation_rate']:.1%}", f"{r['mean_rollout_log_prob']:.4f}")
+                      f"{r['truncation_rate']:.1%}", f"{r['mean_rollout_log_prob']:.4f}",
+                      str(r["masked_tokens"]))
     console.print(table)
     if len(rows) > len(shown):
         console.print(f"({len(rows) - len(shown)} rollouts not shown; --json has all)")
@@ -131,14 +135,20 @@ def render(report: dict, console: Console) -> None:
     console.print(f"\n[bold]Rollout {s['rollout_id']}, sample {s['index']}[/] (group "
                   f"{s['group_index']}): reward {s['reward']}, label {s['label']!r}, {s['status']}")
     console.print(f"prompt:   {s['prompt']!r}\nresponse: {s['response']!r}")
-    columns = ["token", "rollout_log_prob"] + (["log_prob", "ref_log_prob"] if train else [])
+    columns = ["token", "loss_mask", "rollout_log_prob"] + (["log_prob", "ref_log_prob"] if train else [])
     tokens = Table(*columns)
     response = s["tokens"][len(s["tokens"]) - s["response_length"]:]
     texts = s.get("response_token_texts") or [""] * len(response)
+    trained = 0  # train data holds the model's tokens only, in order
     for t, (tok, text) in enumerate(zip(response, texts)):
-        row = [f"{tok} {text!r}" if text else str(tok), f"{s['rollout_log_probs'][t]:.6f}"]
+        token = f"{tok} {text!r}" if text else str(tok)
+        if not s["loss_mask"][t]:  # a tool's or the environment's token: not trained on
+            tokens.add_row(token, "0 masked", "-", *(["-", "-"] if train else []), style="dim")
+            continue
+        row = [token, "1", f"{s['rollout_log_probs'][t]:.6f}"]
         if train:
-            row += [f"{train['log_probs'][t]:.6f}", f"{train['ref_log_probs'][t]:.6f}"]
+            row += [f"{train['log_probs'][trained]:.6f}", f"{train['ref_log_probs'][trained]:.6f}"]
+            trained += 1
         tokens.add_row(*row)
     console.print(tokens)
 

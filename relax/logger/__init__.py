@@ -1,47 +1,91 @@
-"""Metrics sinks (conf/logger/): metrics.jsonl always, TensorBoard on request, and plots.
+"""Metrics sinks (conf/logger/): metrics.jsonl always, plus logger.backends, and plots.
 
 metrics.jsonl has one JSON object per line: a rollout record (`rollout_id`, `rollout/*`,
-`perf/*`) or a train-step record (`rollout_id`, `step`, `train/*`).
+`perf/*`, `eval/*`) or a train-step record (`rollout_id`, `step`, `train/*`). Each backend
+gets the same numbers, at step `rollout_id`: `tensorboard` (event files in <run dir>/tensorboard)
+and `wandb` (a Weights & Biases run named after the run dir, with the composed config as its
+config, under <run dir>/wandb; WANDB_MODE=offline writes it there only). Any of them, together:
+logger.backends=[tensorboard,wandb].
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
-from relax.errors import ReplayError
+from relax.errors import ConfigError, ReplayError
 from relax.files import read_jsonl
 
 METRICS_FILE = "metrics.jsonl"
 ROLLOUT_KEYS = ("rollout/raw_reward",)  # in every rollout record: what readers rely on
 STEP_KEYS = ("train/loss", "train/grad_norm")  # in every train-step record
+BACKENDS = {"tensorboard": "tensorboard", "wandb": "wandb"}  # backend -> the module it needs
+
+
+def check_backends(backends) -> None:
+    """Start-up refusal: an unknown backend, or one whose library is not installed."""
+    for name in backends:
+        if name not in BACKENDS:
+            raise ConfigError(f"logger.backends has {name!r}: expected any of {', '.join(BACKENDS)}")
+        if importlib.util.find_spec(BACKENDS[name]) is None:
+            raise ConfigError(f"logger.backends has {name!r}, but {BACKENDS[name]} is not installed: "
+                              f"pip install -e '.[{name}]'")
+
+
+class TensorBoard:
+    def __init__(self, run_dir: Path, resume_from: int):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_from or None)
+
+    def log(self, scalars: dict, step: int) -> None:
+        for k, v in scalars.items():
+            self.writer.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class Wandb:
+    def __init__(self, run_dir: Path, config: dict | None, project: str, entity: str | None):
+        import wandb
+
+        self.run = wandb.init(project=project, entity=entity, name=run_dir.name, dir=str(run_dir),
+                              config=config)
+
+    def log(self, scalars: dict, step: int) -> None:
+        self.run.log(scalars, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
 
 
 class MetricsLogger:
-    """logger._target_'s default; called with the logger group's keys, run_dir= and resume_from=
-    (Hydra's instantiate). A custom logger implements log(record, x_key) and close()."""
+    """logger._target_'s default; called with the logger group's keys, run_dir=, resume_from=
+    and run_config= (the composed config, resolved; Hydra's instantiate). A custom logger takes
+    the same arguments and implements log(record, x_key) and close()."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool, resume_from: int = 0):
-        self.path = Path(run_dir) / METRICS_FILE
+    def __init__(self, run_dir: Path, backends=(), resume_from: int = 0, run_config: dict | None = None,
+                 wandb_project: str = "relax", wandb_entity: str | None = None):
+        check_backends(backends)
+        run_dir = Path(run_dir)
+        self.path = run_dir / METRICS_FILE
         self.file = self.path.open("a")
-        self.tb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=resume_from or None)
+        self.sinks = [TensorBoard(run_dir, resume_from) if name == "tensorboard" else
+                      Wandb(run_dir, run_config, wandb_project, wandb_entity) for name in backends]
 
     def log(self, record: dict, x_key: str) -> None:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
-        if self.tb:
-            for k, v in record.items():
-                if "/" in k and isinstance(v, (int, float)):
-                    self.tb.add_scalar(k, v, record[x_key])
+        scalars = {k: v for k, v in record.items() if "/" in k and isinstance(v, (int, float))}
+        for sink in self.sinks:
+            sink.log(scalars, record[x_key])
 
     def close(self) -> None:
         self.file.close()
-        if self.tb:
-            self.tb.close()
+        for sink in self.sinks:
+            sink.close()
 
 
 def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:

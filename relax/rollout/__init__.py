@@ -1,12 +1,15 @@
-"""Rollout (conf/rollout/): build the engine `rollout._target_` names, and turn prompts into Samples.
+"""Rollout (conf/rollout/): build the engine `rollout._target_` names; prompts become Samples in
+relax/rollout/generate.py (rollout.generate_fn, rewards, dynamic sampling).
 
 An engine is constructed as `Engine(cfg, model_path, eos_token_ids, pad_token_id)` (the
 whole config: engines read model.*, seed and rollout.*; a GPU engine also takes
 `base_gpu_id`, the first of the visible GPUs it uses). relax.cluster's EngineGroup runs
 rollout.num_engines of them (in the driver, or one Ray actor each) behind these calls:
   generate(prompt_token_lists, SamplingParams, seed[, first_index]) -> list[Generation]
-        # prompt i drawn with sample_seed(seed, first_index + i); first_index (default 0) is
-        # passed only to the 2nd.. of several engines, so an engine that runs alone may omit it
+        # prompt i drawn with its own seed, prompt_seeds(seed, n, first_index)[i]: `seed` is
+        # the rollout's seed (prompt i is sample first_index + i; first_index is passed only
+        # to the 2nd.. of several engines, so an engine that runs alone may omit it), or a
+        # list with one seed per prompt (what the rollout's EngineClient sends)
   update_weights({hf_name: tensor})          # weight sync from the trainer
   named_tensors() -> {hf_name: tensor}       # parameters and buffers, for weight checks
   shutdown()
@@ -25,10 +28,9 @@ from pathlib import Path
 
 from relax.config import load_target
 from relax.errors import ConfigError
-from relax.sample import Sample
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingParams:
     temperature: float         # 0: greedy (log-probs: relax.sample.log_prob_temperature)
     top_p: float
@@ -90,6 +92,9 @@ def check_engine(cfg) -> None:
         raise ConfigError(f"rollout.num_engines={r.num_engines}: expected at least 1 (or null)")
     if hasattr(engine, "check_config"):
         engine.check_config(cfg)
+    from relax.rollout.generate import check_functions
+
+    check_functions(r)
 
 
 def num_engines(cfg) -> int:
@@ -116,29 +121,22 @@ def build_engine(cfg, model_path: Path, tokenizer, base_gpu_id: int = 0):
                                        **gpus)
 
 
-def sample_seed(seed: int, index: int) -> int:
-    """The seed of one sample, from the rollout's seed and the sample's index in the rollout:
-    what a sample draws does not depend on how the rollout is split across engines."""
+def sample_seed(seed: int, index: int, call: int = 0) -> int:
+    """The seed of one engine call of a sample, from the rollout's seed, the sample's index
+    in the rollout and the call's number within the sample (a multi-turn rollout calls the
+    engine once per turn): what a sample draws does not depend on how the rollout is split
+    across engines or batched."""
     import numpy as np
 
-    return int(np.random.SeedSequence([seed % 2**64, index]).generate_state(1, np.uint64)[0] >> 2)  # < 2**62
+    entropy = [seed % 2**64, index] + ([call] if call else [])
+    return int(np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0] >> 2)  # < 2**62
 
 
-def generate_rollout(engine, task, tokenizer, rollout_cfg, rollout_id: int, seed: int) -> list[Sample]:
-    """Sample `n_samples_per_prompt` responses per prompt and score them."""
-    n = rollout_cfg.n_samples_per_prompt
-    prompts = task.prompts(rollout_id, rollout_cfg.rollout_batch_size, tokenizer)
-    repeated = [p for p in prompts for _ in range(n)]
-    generations = engine.generate([p.tokens for p in repeated], SamplingParams.of(rollout_cfg),
-                                  seed=seed * 1_000_003 + rollout_id)
-    samples = []
-    for i, (prompt, gen) in enumerate(zip(repeated, generations)):
-        response = tokenizer.decode(gen.tokens, skip_special_tokens=True)
-        samples.append(Sample(
-            index=i, group_index=i // n, prompt=prompt.text, tokens=prompt.tokens + gen.tokens,
-            response_length=len(gen.tokens), response=response, label=prompt.label,
-            reward=task.reward(response, prompt.label), loss_mask=[1] * len(gen.tokens),
-            rollout_log_probs=gen.log_probs, status=gen.status,
-            metadata={"rollout_id": rollout_id},
-        ))
-    return samples
+def prompt_seeds(seed: int | list[int], n: int, first_index: int = 0) -> list[int]:
+    """Each of an engine call's `n` prompts' seed: given (a list), or the samples first_index..
+    of the rollout whose seed is `seed`."""
+    if isinstance(seed, int):
+        return [sample_seed(seed, first_index + i) for i in range(n)]
+    if len(seed) != n:
+        raise ValueError(f"{len(seed)} seeds for {n} prompts")
+    return list(seed)

@@ -1,6 +1,7 @@
 """The loop's rollouts, in order: made on demand, or (train.async=true) one ahead.
 
-`Rollouts.get(rollout_id)` returns that rollout's samples. Synchronous (the default), it
+`Rollouts.get(rollout_id)` returns what making that rollout returned (the loop's
+make_rollout: its samples and metrics). Synchronous (the default), it
 makes them then and there. With `prefetch`, it also starts making the next one in a
 background thread, so that rollout k+1 is generated (by the engine in its own process or
 Ray actor) while the driver trains on rollout k: slime's train_async.py. The loop calls
@@ -43,20 +44,21 @@ def check_async(cfg, builds_rollout: bool, builds_train: bool) -> None:
 
 
 class Rollouts:
-    """`make(rollout_id, policy_version) -> samples`, called for each rollout_id in order."""
+    """`make(rollout_id, policy_version) -> (samples, metrics)`, called for each rollout_id in order."""
 
-    def __init__(self, make: Callable[[int, int], list[Sample]], rollout_ids: list[int], prefetch: bool):
+    def __init__(self, make: Callable[[int, int], tuple[list[Sample], dict]], rollout_ids: list[int],
+                 prefetch: bool):
         self.make, self.next_id = make, dict(zip(rollout_ids, rollout_ids[1:]))
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="relax-prefetch") if prefetch else None
         self.pending: tuple[int, Future] | None = None
 
-    def _timed(self, rollout_id: int, policy_version: int) -> tuple[list[Sample], float, int]:
+    def _timed(self, rollout_id: int, policy_version: int) -> tuple[tuple, float, int]:
         t0 = time.perf_counter()
-        samples = self.make(rollout_id, policy_version)
-        return samples, time.perf_counter() - t0, policy_version
+        made = self.make(rollout_id, policy_version)
+        return made, time.perf_counter() - t0, policy_version
 
-    def get(self, rollout_id: int) -> tuple[list[Sample], float, int]:
-        """The rollout's samples, the seconds their making took (prefetched: in the background)
+    def get(self, rollout_id: int) -> tuple[tuple, float, int]:
+        """What `make` returned, the seconds their making took (prefetched: in the background)
         and the policy version that made them."""
         if self.pending and self.pending[0] == rollout_id:
             made = self.pending[1].result()

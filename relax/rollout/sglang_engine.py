@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 from relax import faults
 from relax.errors import ConfigError
 from relax.model import read_hf_config
-from relax.rollout import Generation, SamplingParams, engine_dtype, num_engines, sample_seed
+from relax.rollout import Generation, SamplingParams, engine_dtype, num_engines, prompt_seeds
 
 log = logging.getLogger(__name__)
 GPU = torch.cuda.is_available()
@@ -88,18 +88,18 @@ def sglang_to_hf(name: str, tensor: torch.Tensor, hf_config: dict) -> dict[str, 
     return {name: tensor}
 
 
-def sglang_sampling_params(sp: SamplingParams, eos: list[int], seed: int, n: int,
+def sglang_sampling_params(sp: SamplingParams, eos: list[int], seed: int | list[int], n: int,
                            deterministic: bool, first_index: int = 0) -> dict | list[dict]:
     """SGLang sampling params: one dict for all prompts or, in SGLang's deterministic mode
     (`sglang_server_args.enable_deterministic_inference`, GPU attention backends only), one
-    per prompt with its own `sampling_seed` (from its index in the rollout: `sample_seed`), so a
+    per prompt with its own `sampling_seed` (`prompt_seeds`: per sample and engine call), so a
     rollout is reproducible from `seed` and the samples of a GRPO group still differ. Elsewhere
     SGLang cannot seed sampling, and samples differ run to run."""
     params = {"temperature": sp.temperature, "top_p": sp.top_p,
               "max_new_tokens": sp.max_new_tokens, "stop_token_ids": eos}
     if not deterministic:
         return params
-    return [{**params, "sampling_seed": sample_seed(seed, first_index + i)} for i in range(n)]
+    return [{**params, "sampling_seed": s} for s in prompt_seeds(seed, n, first_index)]
 
 
 class SGLangEngine:
@@ -132,7 +132,7 @@ class SGLangEngine:
         log.info("SGLang %s engine on %s", sglang.__version__,
                  f"GPUs {base_gpu_id}.." if GPU else "CPU")
 
-    def generate(self, prompts: list[list[int]], sp: SamplingParams, seed: int,
+    def generate(self, prompts: list[list[int]], sp: SamplingParams, seed: int | list[int],
                  first_index: int = 0) -> list[Generation]:
         params = sglang_sampling_params(sp, self.eos, seed, len(prompts), self.deterministic, first_index)
         results = self.engine.generate(input_ids=prompts, return_logprob=True, sampling_params=params)

@@ -22,8 +22,7 @@ from tqdm.auto import tqdm
 
 from relax import faults
 from relax.model import families, load_safetensors_dir, read_hf_config, torch_dtype
-from relax.rollout import engine_dtype
-from relax.rollout import Generation, SamplingParams, sample_seed
+from relax.rollout import Generation, SamplingParams, engine_dtype, prompt_seeds
 from relax.sample import log_prob_temperature
 
 log = logging.getLogger(__name__)
@@ -223,9 +222,9 @@ class TorchEngine:
         return token, logp.gather(-1, token[:, None])[:, 0]
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], sp: SamplingParams, seed: int,
+    def generate(self, prompts: list[list[int]], sp: SamplingParams, seed: int | list[int],
                  first_index: int = 0) -> list[Generation]:
-        """Sample `prompts[i]` with the seed of sample `first_index + i` (see sample_seed)."""
+        """Sample `prompts[i]` with its own seed (see prompt_seeds)."""
         B, P, N = len(prompts), max(map(len, prompts)), sp.max_new_tokens
         # Identical prompts (a GRPO group) are prefilled once and their KV cache shared.
         unique: dict[tuple, int] = {}
@@ -253,8 +252,8 @@ class TorchEngine:
             logits, valid, positions = logits[row_of], valid[row_of], positions[row_of]
             cache = [(k[row_of], v[row_of]) for k, v in cache]
 
-        uniforms = torch.stack([torch.rand(N, generator=torch.Generator().manual_seed(
-            sample_seed(seed, first_index + b))) for b in range(B)])
+        uniforms = torch.stack([torch.rand(N, generator=torch.Generator().manual_seed(s))
+                                for s in prompt_seeds(seed, B, first_index)])
         out_tokens = torch.full((B, N), self.pad_token_id, dtype=torch.long)
         out_logp = torch.zeros(B, N)
         response_lens = torch.zeros(B, dtype=torch.long)

@@ -1,9 +1,10 @@
-"""Prompt sources and reward functions (conf/task/): the class `task._target_` names.
+"""Prompt sources and rewards (conf/task/): the class `task._target_` names.
 
 A task turns `rollout_id` into a deterministic batch of prompts, so a resumed run and an
-uninterrupted one see the same prompts, and scores responses with `task.reward_fn`. The
-class is called with the task group's keys and `seed=` (Hydra's instantiate); a new prompt
-source subclasses `Task` and implements `questions`.
+uninterrupted one see the same prompts, and scores samples (relax/task/rewards.py:
+task.reward_fn, task.group_reward_fn or task.reward_url). The class is called with the task
+group's keys and `seed=` (Hydra's instantiate); a new prompt source subclasses `Task` and
+implements `questions`.
 """
 
 from __future__ import annotations
@@ -11,43 +12,33 @@ from __future__ import annotations
 import json
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from relax.config import instantiate
 from relax.errors import ConfigError, NonFiniteError
 from relax.task.arithmetic import make_problem
-
-RewardFn = Callable[[str, str], float]
+from relax.task.rewards import Rewards
 
 
 @dataclass
 class Prompt:
+    """One prompt record, as a rollout.generate_fn receives it."""
     text: str          # the prompt as sent, chat template applied
     tokens: list[int]  # its token ids (engines generate from ids, never from text)
     label: str         # what the reward function compares against
+    metadata: dict = field(default_factory=dict)  # anything else the dataset row carries
+    index: int = 0        # the sample this record is for (its position in the rollout)
+    group_index: int = 0  # its GRPO group (the prompt's position)
 
 
-def load_reward_fn(dotted: str) -> RewardFn:
-    from hydra.utils import get_method
-
-    try:
-        return get_method(dotted)
-    except (ImportError, ValueError) as e:
-        raise ConfigError(
-            f"task.reward_fn={dotted!r} does not import: {e.__cause__ or e}. Expected a dotted path "
-            f"to a function reward(response: str, label: str) -> float, e.g. "
-            f"relax.task.arithmetic.exact_match"
-        ) from None
-
-
-def jsonl_record(row, where: str) -> tuple[str, str]:
-    """One dataset record: {"prompt": non-empty text, "label": text or number}."""
+def jsonl_record(row, where: str) -> tuple[str, str, dict]:
+    """One dataset record: {"prompt": non-empty text, "label": text or number, "metadata": an
+    optional object handed to rollout and reward functions}."""
     if not isinstance(row, dict):
         raise ConfigError(f"{where}: expected a JSON object with 'prompt' and 'label', found "
                           f"{type(row).__name__}")
-    prompt, label = row.get("prompt"), row.get("label")
+    prompt, label, metadata = row.get("prompt"), row.get("label"), row.get("metadata")
     if not isinstance(prompt, str) or not prompt.strip():
         raise ConfigError(f"{where}: 'prompt' must be a non-empty string, found {prompt!r}")
     if "label" not in row:
@@ -55,11 +46,13 @@ def jsonl_record(row, where: str) -> tuple[str, str]:
                           f"response with); write \"label\": \"\" if your reward needs none")
     if isinstance(label, bool) or not isinstance(label, (str, int, float)):
         raise ConfigError(f"{where}: 'label' must be a string or a number, found {label!r}")
-    return prompt, str(label)
+    if metadata is not None and not isinstance(metadata, dict):
+        raise ConfigError(f"{where}: 'metadata' must be a JSON object, found {metadata!r}")
+    return prompt, str(label), dict(metadata or {})
 
 
-def load_jsonl(path: str | None) -> list[tuple[str, str, str]]:
-    """(prompt, label, file:line) of every record."""
+def load_jsonl(path: str | None) -> list[tuple[str, str, dict, str]]:
+    """(prompt, label, metadata, file:line) of every record."""
     if path is None:
         raise ConfigError("task=jsonl needs task.data_path=/path/to/prompts.jsonl")
     p = Path(path).expanduser()
@@ -87,22 +80,27 @@ def load_jsonl(path: str | None) -> list[tuple[str, str, str]]:
 
 
 class Task:
-    """Prompts for each rollout, and the reward."""
+    """Prompts for each rollout, and the rewards."""
 
-    def __init__(self, seed: int, reward_fn: str, apply_chat_template: bool, answer_format: str | None):
+    def __init__(self, seed: int, reward_fn: str, apply_chat_template: bool, answer_format: str | None,
+                 **reward_keys):
         self.seed, self.apply_chat_template = seed, apply_chat_template
-        self.reward_fn_name, self.reward_fn = reward_fn, load_reward_fn(reward_fn)
+        self.rewards = Rewards(reward_fn, **reward_keys)  # task.reward_fn, group_reward_fn, reward_url...
         self.max_prompt_tokens: int | None = None  # set by check_prompts at start-up
         # What a well-formed response matches; the health metrics read it from the config,
         # since a replaying run builds no task.
         self.answer_format = answer_format
 
-    def questions(self, rng: random.Random, n: int) -> list[tuple[str, str]]:
-        """`n` (question, label) pairs drawn with `rng`."""
+    def score(self, samples, group_size: int) -> None:
+        """Set every sample's reward (a rollout's samples, in GRPO groups of `group_size`)."""
+        self.rewards.score(samples, group_size)
+
+    def questions(self, rng: random.Random, n: int) -> list[tuple]:
+        """`n` (question, label) or (question, label, metadata) tuples drawn with `rng`."""
         raise NotImplementedError
 
-    def dataset(self) -> list[tuple[str, str, str]] | None:
-        """Every (question, label, where) the task can draw, if it holds a fixed set (checked at
+    def dataset(self) -> list[tuple[str, str, dict, str]] | None:
+        """Every (question, label, metadata, where) the task can draw, if it holds a fixed set (checked at
         start-up); None for generated questions (checked as they are made)."""
         return None
 
@@ -116,9 +114,9 @@ class Task:
             raise ConfigError(f"rollout.max_new_tokens={max_new_tokens} leaves no room for a prompt "
                               f"within the model's max_position_embeddings={max_positions}")
         rows = self.dataset() or []
-        lengths = tokenizer([self.format(q, tokenizer) for q, _, _ in rows],
+        lengths = tokenizer([self.format(row[0], tokenizer) for row in rows],
                             add_special_tokens=False)["input_ids"] if rows else []
-        for (question, _, where), ids in zip(rows, lengths, strict=True):
+        for (*_, where), ids in zip(rows, lengths, strict=True):
             self.check_length(len(ids), where)
 
     def check_length(self, num_tokens: int, where: str) -> None:
@@ -134,24 +132,19 @@ class Task:
             [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
         )
 
-    def prompts(self, rollout_id: int, batch_size: int, tokenizer) -> list[Prompt]:
+    def to_prompts(self, questions: list[tuple], tokenizer, where: str) -> list[Prompt]:
         out = []
-        for question, label in self.questions(random.Random(f"{self.seed}-{rollout_id}"), batch_size):
+        for question, label, *metadata in questions:
             text = self.format(question, tokenizer)
             tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
-            self.check_length(len(tokens), f"rollout {rollout_id}, question {question[:80]!r}")
-            out.append(Prompt(text, tokens, label))
+            self.check_length(len(tokens), f"{where}, question {question[:80]!r}")
+            out.append(Prompt(text, tokens, label, dict(metadata[0]) if metadata else {}))
         return out
 
-    def reward(self, response: str, label: str) -> float:
-        value = self.reward_fn(response, label)
-        if hasattr(value, "__float__"):  # int, float, bool, numpy and torch scalars; not str or None
-            try:
-                return float(value)
-            except (TypeError, ValueError):  # a tensor of several numbers
-                pass
-        raise ConfigError(f"task.reward_fn={self.reward_fn_name} returned {value!r} ({type(value).__name__}) "
-                          f"for response={response!r}, label={label!r}: expected a number")
+    def prompts(self, rollout_id: int, batch_size: int, tokenizer, round: int = 0) -> list[Prompt]:
+        """The prompts of a rollout's generation round (rounds after the first: dynamic sampling)."""
+        rng = random.Random(f"{self.seed}-{rollout_id}" + (f"-{round}" if round else ""))
+        return self.to_prompts(self.questions(rng, batch_size), tokenizer, f"rollout {rollout_id}")
 
 
 class ArithmeticTask(Task):
@@ -173,7 +166,7 @@ class JsonlTask(Task):
         self.rows = load_jsonl(data_path)
 
     def questions(self, rng, n):
-        return [self.rows[rng.randrange(len(self.rows))][:2] for _ in range(n)]
+        return [self.rows[rng.randrange(len(self.rows))][:3] for _ in range(n)]
 
     def dataset(self):
         return self.rows

@@ -1,0 +1,93 @@
+"""Evaluation during training: the `eval` config section.
+
+At every rollout whose rollout_id is a multiple of eval.interval, and at the run's last one,
+before the rollout is generated (so with the policy that samples it), each of eval.datasets
+is answered eval.n_samples_per_prompt times per prompt at eval.temperature (0: greedy),
+through the run's rollout.generate_fn, and scored with the task's rewards;
+`eval/<name>/reward` and `eval/<name>/response_len` join that rollout's metrics. A dataset is
+`arithmetic` (the built-in problems, in task=arithmetic's operand range when that is the
+task) or a JSONL file of {"prompt", "label"} rows, named after the file; each evaluation asks
+the same eval.num_prompts prompts (a JSONL file's first rows). A run that builds no engine
+(debug=train_only) evaluates nothing and says so once.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from pathlib import Path
+
+from relax.config import ArithmeticTaskGroup
+from relax.errors import ConfigError
+from relax.rollout import SamplingParams
+from relax.rollout.generate import generate_samples
+from relax.task import load_jsonl
+from relax.task.arithmetic import make_problem
+
+log = logging.getLogger(__name__)
+SEED_OFFSET = 500_000  # eval sampling seeds: past every training rollout's (seed * 1_000_003 + rollout_id)
+
+
+def dataset_name(entry: str) -> str:
+    return entry if entry == "arithmetic" else Path(entry).stem
+
+
+def questions(entry: str, cfg) -> list[tuple]:
+    e = cfg.eval
+    if entry == "arithmetic":
+        low = cfg.task.get("min_operand", ArithmeticTaskGroup.min_operand)
+        high = cfg.task.get("max_operand", ArithmeticTaskGroup.max_operand)
+        rng = random.Random(f"{cfg.seed}-eval-arithmetic")  # the same problems at every evaluation
+        return [make_problem(rng, low, high) for _ in range(e.num_prompts)]
+    try:
+        return load_jsonl(entry)[:e.num_prompts]
+    except ConfigError as error:
+        raise ConfigError(f"eval.datasets entry {entry!r}: {error} (expected arithmetic or a JSONL "
+                          f"file of {{\"prompt\", \"label\"}} rows)") from None
+
+
+class Evaluator:
+    """The run's evaluation: `due(rollout_id)`, then `evaluate(engine, rollout_id)` -> metrics."""
+
+    def __init__(self, cfg, task, tokenizer, last_rollout_id: int):
+        e = cfg.eval
+        if e.interval is not None and e.interval < 1 or e.num_prompts < 1 or e.n_samples_per_prompt < 1 \
+                or e.temperature < 0:
+            raise ConfigError(f"eval.interval={e.interval} (>= 1 or null), eval.num_prompts={e.num_prompts} "
+                              f"(>= 1), eval.n_samples_per_prompt={e.n_samples_per_prompt} (>= 1), "
+                              f"eval.temperature={e.temperature} (>= 0)")
+        names = [dataset_name(d) for d in e.datasets]
+        if len(set(names)) < len(names) or not names:
+            raise ConfigError(f"eval.datasets={list(e.datasets)}: expected one or more datasets with "
+                              f"distinct names (arithmetic, or JSONL files named after their stem)")
+        self.cfg, self.task, self.tokenizer, self.last = cfg, task, tokenizer, last_rollout_id
+        self.prompts = {name: task.to_prompts(questions(entry, cfg), tokenizer)
+                        for name, entry in zip(names, e.datasets, strict=True)}
+
+    def due(self, rollout_id: int) -> bool:
+        return rollout_id % self.cfg.eval.interval == 0 or rollout_id == self.last
+
+    def evaluate(self, engine, rollout_id: int) -> dict:
+        e, r, t0 = self.cfg.eval, self.cfg.rollout, time.perf_counter()
+        sp = SamplingParams(e.temperature, r.top_p, r.max_new_tokens)
+        out = {}
+        for name, prompts in self.prompts.items():
+            seed = self.cfg.seed * 1_000_003 + rollout_id + SEED_OFFSET
+            samples = generate_samples(engine, self.task, self.tokenizer, prompts, e.n_samples_per_prompt, sp,
+                                       seed, r.generate_fn, f"in eval/{name} at rollout {rollout_id}")
+            out[f"eval/{name}/reward"] = sum(s.reward for s in samples) / len(samples)
+            out[f"eval/{name}/response_len"] = sum(s.response_length for s in samples) / len(samples)
+        log.info("Eval at rollout %d: %s", rollout_id, ", ".join(f"{k}={v:.3f}" for k, v in out.items()))
+        return {**out, "perf/eval_time": time.perf_counter() - t0}
+
+
+def build_evaluator(cfg, task, tokenizer, plan) -> Evaluator | None:
+    """The run's Evaluator, or None: eval.interval is null, or the run builds no engine."""
+    if cfg.eval.interval is None:
+        return None
+    if not plan.builds_rollout:
+        log.info("eval.interval=%s: evaluation skipped, debug=train_only builds no rollout engine",
+                 cfg.eval.interval)
+        return None
+    return Evaluator(cfg, task, tokenizer, plan.rollout_ids[-1])

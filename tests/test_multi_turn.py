@@ -1,0 +1,215 @@
+"""Custom and multi-turn rollouts (rollout.generate_fn): the calculator example's masks and
+log-probs through a real run, its replay, `relax inspect`, the engine batching, and bad input."""
+
+import pytest
+import torch
+
+from relax.errors import RolloutError
+from relax.files import safe_load
+from relax.rollout import build_engine
+from relax.rollout.calculator import CALL, calculate, tool_turn
+from relax.rollout.generate import generate_samples, single_turn
+from relax.sample import Sample
+from relax.task import build_task
+
+from .conftest import make_cfg, run_loop
+
+CALC = ["rollout.generate_fn=relax.rollout.calculator.generate",
+        "task.reward_fn=relax.rollout.calculator.reward", "rollout.rollout_batch_size=4",
+        "rollout.n_samples_per_prompt=4", "checkpoint.save_interval=null"]
+
+
+@pytest.fixture(scope="module")
+def calc_run(tmp_path_factory, tiny_path):
+    """The calculator example: 3 rollouts with rollout=torch, trained, every detail dumped."""
+    root = tmp_path_factory.mktemp("calc")
+    rollouts, steps = run_loop(root / "run", *CALC, "rollout.num_rollout=3",
+                               f"debug.dump_details={root / 'dump'}")
+    return root / "dump", rollouts, steps
+
+
+def test_the_calculator_example_trains_for_three_rollouts(calc_run):
+    _, rollouts, steps = calc_run
+    assert [r["rollout_id"] for r in rollouts] == [0, 1, 2] and len(steps) == 3
+    assert all(0 < s["train/grad_norm"] < 10 for s in steps)
+    assert steps[1]["train/ppo_kl"] == 0.0 and rollouts[2]["rollout/kl"] > 0  # the policy moved
+
+
+def test_tool_tokens_are_masked_between_two_model_turns(calc_run, tokenizer):
+    dump, _, _ = calc_run
+    for rollout_id in range(3):
+        for s in safe_load(dump / "rollout_data" / f"{rollout_id}.pt")["samples"]:
+            mask, response = s["loss_mask"], s["tokens"][-s["response_length"]:]
+            first = mask.index(0)
+            tool = tool_turn(tokenizer, calculate(CALL.search(s["prompt"]).group(0)))
+            # model turn, then exactly the calculator's answer (masked), then the model again
+            assert mask == [1] * first + [0] * len(tool) + [1] * (len(mask) - first - len(tool))
+            assert response[first:first + len(tool)] == tool and len(mask) > first + len(tool)
+            assert response[first - 1] == tokenizer.eos_token_id  # the first turn ended
+            assert all(lp == 0.0 for lp, m in zip(s["rollout_log_probs"], mask) if not m)
+            assert all(lp < 0 for lp, m in zip(s["rollout_log_probs"], mask) if m)
+            assert s["response"] == s["metadata"]["turns"][-1]["text"]
+
+
+def test_trainer_log_probs_of_model_tokens_equal_the_engines_across_turns(calc_run):
+    dump, rollouts, steps = calc_run
+    for rollout_id in range(3):  # 0: the initial weights; 1, 2: after weight syncs
+        rows = safe_load(dump / "train_data" / f"{rollout_id}_0.pt")["samples"]
+        assert len(rows) == 16
+        for row in rows:
+            assert len(row["log_probs"]) == len(row["rollout_log_probs"]) == sum(row["loss_mask"])
+            diff = max(abs(a - b) for a, b in zip(row["log_probs"], row["rollout_log_probs"], strict=True))
+            assert diff < 1e-4, (rollout_id, row["index"], diff)
+        assert steps[rollout_id]["train/train_rollout_logprob_abs_diff"] < 1e-4
+
+
+def test_a_replay_of_multi_turn_samples_trains_identically(tmp_path, calc_run):
+    dump, rollouts, steps = calc_run
+    replay_rollouts, replay_steps = run_loop(tmp_path, *CALC, "rollout.num_rollout=3",
+                                             f"debug.load_rollout_data={dump}/rollout_data/{{rollout_id}}.pt")
+    for a, b in zip(steps, replay_steps, strict=True):
+        assert a["train/loss"] == b["train/loss"] and a["train/grad_norm"] == b["train/grad_norm"]
+        assert a["train/entropy_loss"] == b["train/entropy_loss"]
+    for a, b in zip(rollouts, replay_rollouts, strict=True):
+        assert a["rollout/log_probs"] == b["rollout/log_probs"] and a["rollout/kl"] == b["rollout/kl"]
+
+
+def test_inspect_shows_the_tool_tokens_as_masked(calc_run):
+    from rich.console import Console
+
+    from relax.debug.inspect import inspect, render
+
+    dump, _, _ = calc_run
+    report = inspect(dump, 1, 2)
+    sample = report["sample"]
+    masked = sample["response_length"] - sum(sample["loss_mask"])
+    rollout = safe_load(dump / "rollout_data" / "1.pt")["samples"]
+    every = [s["response_length"] - sum(s["loss_mask"]) for s in rollout]
+    assert masked > 0 and all(every) and report["rollouts"][1]["masked_tokens"] == sum(every)
+    assert len(sample["train"]["log_probs"]) == sum(sample["loss_mask"])
+    console = Console(record=True, width=160)
+    render(report, console)
+    text = console.export_text()
+    assert "loss_mask" in text and text.count("0 masked") == masked
+
+
+# -- the engine client ---------------------------------------------------------------------------
+
+class CountingEngine:
+    """The torch engine, recording each batched call's size."""
+
+    def __init__(self, engine):
+        self.engine, self.calls = engine, []
+
+    def generate(self, prompts, sp, seed):
+        self.calls.append(len(prompts))
+        return self.engine.generate(prompts, sp, seed)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_path, tokenizer):
+    return build_engine(make_cfg(), tiny_path, tokenizer)
+
+
+def samples_of(engine, fn, tokenizer, *overrides, n=4):
+    cfg = make_cfg(*overrides)
+    task = build_task(cfg)
+    from relax.rollout import SamplingParams
+
+    return generate_samples(engine, task, tokenizer, task.prompts(0, 4, tokenizer), n,
+                            SamplingParams.of(cfg.rollout), 7, fn, "in a test")
+
+
+def plain_single_turn(client, prompt, sampling_params):
+    """single_turn as a plain function: it runs in a worker thread, and its client blocks."""
+    gen = client.generate(prompt.tokens, sampling_params)
+    return Sample(prompt.index, prompt.group_index, prompt.text, prompt.tokens + gen.tokens, len(gen.tokens),
+                  loss_mask=[1] * len(gen.tokens), rollout_log_probs=gen.log_probs)
+
+
+def test_concurrent_requests_go_out_as_one_batch_per_turn(engine, tokenizer):
+    counting = CountingEngine(engine)
+    default = samples_of(counting, "relax.rollout.generate.single_turn", tokenizer)
+    assert counting.calls == [16]  # one batched call: the torch engine prefills each prompt once
+    counting.calls.clear()
+    multi = samples_of(counting, "relax.rollout.calculator.generate", tokenizer)
+    assert counting.calls == [16, 16]  # one per turn
+    plain = samples_of(engine, "tests.test_multi_turn.plain_single_turn", tokenizer)
+    # per-sample seeds: the same draws whatever the batching or the kind of function
+    assert [s.tokens for s in plain] == [s.tokens for s in default]
+    assert [s.tokens[:s.prompt_length + s.loss_mask.index(0)] for s in multi] == \
+        [s.tokens for s in default]  # the first turn is the single-turn sample
+
+
+async def raising_generate(client, prompt, sampling_params):
+    if prompt.index == 5:
+        raise ValueError("the tool crashed")
+    return await single_turn(client, prompt, sampling_params)
+
+
+async def short_mask(client, prompt, sampling_params):
+    s = await single_turn(client, prompt, sampling_params)
+    s.loss_mask = s.loss_mask[:-1]
+    return s
+
+
+async def no_log_probs(client, prompt, sampling_params):
+    s = await single_turn(client, prompt, sampling_params)
+    s.rollout_log_probs = [0.0] * (s.response_length - 1) + [float("nan")]
+    return s
+
+
+async def not_a_sample(client, prompt, sampling_params):
+    return {"tokens": prompt.tokens}
+
+
+@pytest.mark.parametrize("fn,message", [
+    ("short_mask", r"loss_mask has \d+ entries for \d+ response tokens"),
+    ("no_log_probs", r"rollout_log_probs has no finite number at response tokens \[\d+\] \(e.g. nan"),
+    ("not_a_sample", r"returned for sample 0 .* dict .*: expected a relax.sample.Sample"),
+])
+def test_a_sample_that_cannot_be_trained_on_is_named(engine, tokenizer, fn, message):
+    with pytest.raises(RolloutError, match=rf"rollout.generate_fn=tests.test_multi_turn.{fn} in a test .*"
+                                           + message):
+        samples_of(engine, f"tests.test_multi_turn.{fn}", tokenizer)
+
+
+def test_a_raising_generate_fn_stops_the_run_naming_it_before_training(tmp_path):
+    with pytest.raises(RolloutError) as e:
+        run_loop(tmp_path, "rollout.generate_fn=tests.test_multi_turn.raising_generate",
+                 "rollout.num_rollout=2", "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=4",
+                 "checkpoint.save_interval=1",
+                 f"debug.save_rollout_data={tmp_path}/data/{{rollout_id}}.pt")
+    message = str(e.value)
+    assert "rollout.generate_fn=tests.test_multi_turn.raising_generate at rollout 0 raised on sample 5" \
+        in message
+    assert "prompt='<|user|>" in message and "Traceback" in message
+    assert "ValueError: the tool crashed" in message
+    assert 'raise ValueError("the tool crashed")' in message  # the function's own line
+    assert not (tmp_path / "data").exists() and not (tmp_path / "checkpoints").exists()
+    assert not (tmp_path / "metrics.jsonl").read_text()  # nothing trained, nothing logged
+
+
+def test_the_trainer_ignores_masked_tokens_everywhere():
+    """Whatever a tool token's log-probs, loss, KL, entropy and mismatch metrics do not move."""
+    from relax.train.common import make_micro_batch, objective
+
+    cfg = make_cfg("algo.use_kl_loss=true", "algo.kl_loss_coef=0.1", "algo.entropy_coef=0.01",
+                   "algo.tis=token")
+    s = Sample(0, 0, "p", [3, 4, 5, 6, 7, 8, 9], 5, loss_mask=[1, 0, 0, 1, 1],
+               rollout_log_probs=[-0.5, 0.0, 0.0, -0.7, -0.2])
+    mb = make_micro_batch([s], torch.tensor([1.5]), pad_id=0)
+    assert mb.mask.tolist() == [[0, 1, 0, 0, 1, 1, 0]]  # position t predicts token t + 1
+    g = torch.Generator().manual_seed(0)
+    log_probs, entropy = -torch.rand(1, 7, generator=g), torch.rand(1, 7, generator=g)
+    mb.old_log_probs, mb.ref_log_probs = log_probs + 0.01, log_probs - 0.02
+    from relax.train.common import attach_is_weights
+
+    attach_is_weights([mb], cfg.algo)
+    _, sums = objective(log_probs, entropy, mb, cfg.algo)
+    masked = mb.mask == 0
+    for tensor in (log_probs, entropy, mb.old_log_probs, mb.ref_log_probs, mb.rollout_log_probs):
+        tensor[masked] = -50.0  # garbage at the tool's (and prompt's) positions
+    attach_is_weights([mb], cfg.algo)
+    _, garbage = objective(log_probs, entropy, mb, cfg.algo)
+    assert torch.equal(sums, garbage)
