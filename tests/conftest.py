@@ -46,11 +46,11 @@ def run_loop(run_dir: Path, *overrides: str):
     return read_metrics(run_dir)
 
 
-def build_trainer(cfg, model_path, log_dir=None):
+def build_trainer(cfg, model_path, log_dir=None, pad_token_id=0):
     """The trainer a run of `cfg` builds (in the driver, or its rank processes / actors)."""
     from relax.cluster import open_cluster
 
-    return open_cluster(cfg, log_dir).build(None, (model_path, model_path, 0, None))[1]
+    return open_cluster(cfg, log_dir).build(None, (model_path, model_path, pad_token_id, None))[1]
 
 
 def relax_cli(*args: str, cwd: Path, entry: list[str] | None = None, env: dict | None = None,

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -40,19 +41,28 @@ def test_a_rank_killed_mid_run_fails_it_naming_the_rank_and_resume_continues(two
     assert rollouts[0] == read_metrics(tmp_path / "killed")[0][0]
 
 
-def run_driver(tmp_path, *args) -> tuple[subprocess.Popen, list[tuple[int, int]]]:
-    """`relax cluster=ray ...` in its own session; once its actors are up, its processes
-    (Ray's, the actors', the reaper) as (pid, start time)."""
+def run_driver(tmp_path, *args) -> tuple[subprocess.Popen, set[tuple[int, int]]]:
+    """`relax cluster=ray ...` in its own session, once its actors are up, and the set of its
+    processes (Ray's, the actors', the reaper) as (pid, start time), which a thread keeps
+    adding to until the driver ends (Ray starts some agents late)."""
     from relax.cluster.reaper import descendants
 
     driver = subprocess.Popen([sys.executable, "-m", "relax", "cluster=ray", *args], cwd=tmp_path,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                               start_new_session=True)
+    seen: set[tuple[int, int]] = set()
+
+    def watch():
+        while driver.poll() is None:
+            seen.update(descendants(driver.pid))
+            time.sleep(0.2)
+
+    threading.Thread(target=watch, daemon=True).start()
     deadline = time.time() + 300
     while time.time() < deadline and driver.poll() is None:
         built = list((tmp_path / "outputs" / "runs").glob("*/built.json"))
         if built and "placement" in built[0].read_text():
-            return driver, descendants(driver.pid)
+            return driver, seen
         time.sleep(0.5)
     raise AssertionError(f"the driver never came up: {driver.stderr.read()[-3000:]}")
 
@@ -63,14 +73,18 @@ def test_a_private_instance_leaves_no_process_behind(tmp_path, tiny_path, end):
     from relax.cluster.reaper import start_time
 
     num_rollout = 2 if end == "completes" else 100_000
-    driver, processes = run_driver(tmp_path, *TINY, f"rollout.num_rollout={num_rollout}")
-    assert len(processes) >= 6  # GCS, raylet, agents, the rank's and the engine's actors at least
+    driver, seen = run_driver(tmp_path, *TINY, f"rollout.num_rollout={num_rollout}")
+    if end != "completes":
+        time.sleep(3)  # the job runs a little: Ray's late agents are up
     if end == "kill -9":
         driver.kill()
     elif end == "Ctrl-C":  # what a terminal sends: SIGINT to the job's whole process group
         os.killpg(driver.pid, signal.SIGINT)
     code = driver.wait(timeout=120)
     assert (code == 0) == (end == "completes"), driver.stderr.read()[-3000:]
+    time.sleep(0.5)  # the watching thread has seen the driver end and stopped adding
+    processes = list(seen)
+    assert len(processes) >= 4  # GCS, raylet, the rank's and the engine's actors at least
     deadline = time.time() + 30
     left = processes
     while left and time.time() < deadline:

@@ -252,8 +252,8 @@ def test_each_family_round_trips_and_matches_the_torch_trainer(family_model, tok
     reference = make_trainer(cfg, str(path), ref_model_path=str(path), pad_token_id=tokenizer.pad_token_id)
     expected = reference.train(0, samples)
 
-    trainer = build_trainer(make_cfg(*common, "train=megatron", *layout), path, path, tokenizer.pad_token_id,
-                            None, None)
+    trainer = build_trainer(make_cfg(*common, "train=megatron", *layout), path,
+                            pad_token_id=tokenizer.pad_token_id)
     try:
         weights = trainer.named_weights()
         out = trainer.train(0, samples)

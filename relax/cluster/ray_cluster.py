@@ -28,7 +28,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from relax.cluster.engines import EngineGroup, make_engine
 from relax.cluster.placement import check_cluster, plan_bundles, reserve
 from relax.cluster.ranks import RankError, RankGroup, open_store, run_method, start_rank
-from relax.cluster.reaper import Reaper, descendants, now_ticks
+from relax.cluster.reaper import Reaper
 from relax.distributed import free_port
 from relax.errors import CheckFailed, ConfigError, ReplayError
 from relax.rollout import num_engines
@@ -107,28 +107,48 @@ class RayHosts:
                 for i, a in zip(engines or range(len(args)), args, strict=True)]
 
     def collect(self, refs: list, engines: list[int] | None = None) -> list:
-        """Results in order; on the first error or death, every actor is stopped and it is raised."""
+        """Results in order; on the first error or death, every actor is stopped and it is raised.
+        A failure is often the echo of a peer's death (a collective's connection reset): a death
+        among the others within a few seconds is reported as the cause."""
         engines = engines or list(range(len(refs)))
         pending, results = {ref: k for k, ref in enumerate(refs)}, [None] * len(refs)
         while pending:
             (ref,), _ = ray.wait(list(pending), num_returns=1)
             k = pending.pop(ref)
-            where = f"{self.role} {engines[k]} ({self._describe(engines[k])})"
-            try:
-                reply = ray.get(ref)
-            except ray.exceptions.RayActorError as e:
-                self.kill()
-                reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                raise RankError(f"{where} died: {reason}. Its log: `ray logs` on that node, or the "
-                                f"driver's output") from None
-            if reply[0] == "error":
-                self.kill()
-                if reply[2] is not None:  # a user error: raised as itself
-                    reply[2].add_note(f"in {where}")
-                    raise reply[2]
-                raise RankError(f"{where} failed:\n{reply[1]}")
-            results[k] = reply[1]
+            reply = self._reply(ref, engines[k])
+            if reply[0] == "ok":
+                results[k] = reply[1]
+                continue
+            user_error = reply[2] if reply[0] == "error" else None
+            death = self._first_death(pending, engines) if reply[0] == "error" and not user_error else None
+            self.kill()
+            if user_error is not None:  # raised as itself
+                user_error.add_note(f"in {self._where(engines[k])}")
+                raise user_error
+            if reply[0] == "died":
+                raise RankError(reply[1])
+            failed = f"{self._where(engines[k])} failed:\n{reply[1]}"
+            raise RankError(f"{death}\nThen {failed}" if death else failed)
         return results
+
+    def _where(self, i: int) -> str:
+        return f"{self.role} {i} ({self._describe(i)})"
+
+    def _reply(self, ref, i: int) -> tuple:
+        """The actor's reply: ("ok", result), ("error", traceback, user error or None), or
+        ("died", what to report)."""
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayActorError as e:
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            return "died", (f"{self._where(i)} died: {reason}. Its log: `ray logs` on that node, "
+                            f"or the driver's output")
+
+    def _first_death(self, pending: dict, engines: list[int], wait_s: float = 5.0) -> str | None:
+        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=wait_s)
+        deaths = [reply[1] for reply in (self._reply(ref, engines[pending[ref]]) for ref in ready)
+                  if reply[0] == "died"]
+        return deaths[0] if deaths else None
 
     def map(self, method: str, args: list[tuple], engines: list[int] | None = None) -> list:
         return self.collect(self.send(method, args, engines), engines)
@@ -218,12 +238,11 @@ class RayCluster:
             return
         if c.address is None:  # a new private instance (even where RAY_ADDRESS is set), sized to fit the job
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-            self.reaper, self.since = Reaper(), now_ticks()
+            self.reaper = Reaper()
             custom = {k: v for k, v in needs.items() if k not in ("CPU", "GPU")}
             ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(-(-needs.get("CPU", 0) // 1))),
                      resources=custom or None, include_dashboard=False, runtime_env=runtime_env,
                      logging_level=logging.WARNING)
-            self.reaper.watch(descendants(os.getpid(), self.since))  # and again once the actors run
             self.private = True
         else:
             check_reachable(c.address)
@@ -272,8 +291,6 @@ class RayCluster:
                      num_threads=threads, device_index=0)) for r, actor in enumerate(ranks.actors)]))
         for hosts, refs in builds:
             hosts.collect(refs)  # on an error: its actors stopped here, the others by close()
-        if self.reaper:  # Ray's agents may start after ray.init returns
-            self.reaper.watch(descendants(os.getpid(), self.since))
         log.info("Ray actors ready in %.1f s: %d trainer rank(s), %d engine(s)", time.perf_counter() - t0,
                  len(ranks), len(engines))
         return (EngineGroup(engines, cfg.rollout) if engines.actors else None,

@@ -2,17 +2,20 @@
 
 Ray starts its GCS, raylet and friends as children of the driver with a parent-death signal,
 but the raylet's agents (dashboard and runtime-env agents) outlive a killed driver by a
-minute or more. The driver therefore starts this small process (`Reaper`), tells it the pid
-and start time of every process of its private instance, and closes the pipe when it has
-stopped Ray. When the pipe closes — because the driver finished, or because it died — the
-reaper stops whatever is still alive of those processes (SIGTERM, then SIGKILL) and exits.
-A process whose start time differs is a new one that reused the pid, and is left alone.
+minute or more, and they start at a moment of Ray's choosing, sometimes well after
+ray.init returns. The driver therefore starts this small process (`Reaper`) before
+ray.init; while the driver lives, the reaper records every process of the driver's tree
+started since (pid and start time, once a second), and when the pipe from the driver
+closes — because the driver finished and stopped Ray, or because it died — the reaper
+stops whatever is still alive of them (SIGTERM, then SIGKILL) and exits. A process whose
+start time differs is a new one that reused the pid, and is left alone.
 Linux only (it reads /proc); elsewhere nothing is started.
 """
 
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -72,21 +75,17 @@ def stop(processes: dict[int, int], grace_s: float = 5.0) -> None:
 
 
 class Reaper:
-    """The driver's side: start the reaper, tell it about processes, release it at the end."""
+    """The driver's side: start the reaper (before Ray), release it at the end."""
 
     def __init__(self):
         self.proc = None
         if sys.platform == "linux":
-            self.proc = subprocess.Popen([sys.executable, "-m", "relax.cluster.reaper"],
-                                         stdin=subprocess.PIPE, text=True, start_new_session=True)
-
-    def watch(self, processes: list[tuple[int, int]]) -> None:
-        if self.proc:
-            self.proc.stdin.write("".join(f"{pid} {started}\n" for pid, started in processes))
-            self.proc.stdin.flush()
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "relax.cluster.reaper", str(os.getpid()), str(now_ticks())],
+                stdin=subprocess.PIPE, text=True, start_new_session=True)
 
     def release(self, wait_s: float = 15.0) -> None:
-        """Stop what is left of the watched processes now (the driver stopped Ray first)."""
+        """Stop what is left of the driver's new processes now (the driver stopped Ray first)."""
         if self.proc:
             self.proc.stdin.close()
             try:
@@ -96,14 +95,16 @@ class Reaper:
             self.proc = None
 
 
-def main() -> None:
+def main(driver: int, since_ticks: int, poll_s: float = 1.0) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C of the job must not stop the reaper
     processes: dict[int, int] = {}
-    for line in sys.stdin:  # until the driver closes the pipe or dies
-        pid, started = map(int, line.split())
-        processes[pid] = started
+    while True:  # until the driver closes the pipe or dies
+        processes.update((pid, started) for pid, started in descendants(driver, since_ticks)
+                         if pid != os.getpid())
+        if select.select([sys.stdin], [], [], poll_s)[0] and not sys.stdin.readline():
+            break
     stop(processes)
 
 
 if __name__ == "__main__":
-    main()
+    main(int(sys.argv[1]), int(sys.argv[2]))
