@@ -115,15 +115,15 @@ class Rewards:
         return list(rewards)
 
     async def _remote(self, samples: list[Sample]) -> list:
-        import httpx
+        import httpx2
 
-        async with httpx.AsyncClient(timeout=self.timeout_s) as client:
+        async with httpx2.AsyncClient(timeout=self.timeout_s) as client:
             parts = await asyncio.gather(*(self._post(client, samples[i:i + self.batch_size])
                                            for i in range(0, len(samples), self.batch_size)))
         return [r for part in parts for r in part]
 
     async def _post(self, client, batch: list[Sample]) -> list:
-        import httpx
+        import httpx2
 
         payload = {"samples": [{"index": s.index, "prompt": s.prompt, "response": s.response,
                                 "label": s.label, "metadata": s.metadata, "tokens": s.tokens,
@@ -136,7 +136,7 @@ class Rewards:
                 if not isinstance(rewards, list) or len(rewards) != len(batch):
                     raise ValueError(f"'rewards' is {rewards!r}, not a list of {len(batch)} numbers")
                 return rewards
-            except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+            except (httpx2.HTTPError, ValueError, KeyError, TypeError) as e:
                 error = e
                 if attempt < self.retries:
                     await asyncio.sleep(BACKOFF_S * 2 ** attempt)
