@@ -62,7 +62,7 @@ class Evaluator:
             raise ConfigError(f"eval.datasets={list(e.datasets)}: expected one or more datasets with "
                               f"distinct names (arithmetic, or JSONL files named after their stem)")
         self.cfg, self.task, self.tokenizer, self.last = cfg, task, tokenizer, last_rollout_id
-        self.prompts = {name: task.to_prompts(questions(entry, cfg), tokenizer)
+        self.prompts = {name: task.to_prompts(questions(entry, cfg), tokenizer, f"eval.datasets {entry!r}")
                         for name, entry in zip(names, e.datasets, strict=True)}
 
     def due(self, rollout_id: int) -> bool:
