@@ -56,8 +56,8 @@ def run_case(case: Case, tmp: Path, env: Env) -> tuple[str, str]:
     from relax import errors
 
     overrides = case.make(tmp, env) if callable(case.make) else dict(case.make)
-    clear = tuple(getattr(errors, n) for n in ("ConfigError", "ReplayError", "DiskFull")
-                  if hasattr(errors, n))  # (no DiskFull at a68d779)
+    clear = tuple(getattr(errors, n) for n in ("ConfigError", "ReplayError", "DiskFull", "RolloutError")
+                  if hasattr(errors, n))  # (no DiskFull, RolloutError at a68d779)
     run_dir = tmp / "done" if case.kind == "run_in_done" else tmp / "runs" / "new"
     if case.kind in ("doctor", "compare", "inspect"):
         paths = {"doctor": [tmp / "done"], "compare": [tmp / "done", env.done],

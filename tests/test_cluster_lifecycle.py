@@ -122,6 +122,7 @@ def test_a_sweep_on_the_ray_launcher_runs_jobs_at_once_and_survives_a_failure(ra
     proc = relax_cli("-m", *launcher, "parallel=single,dp2,pp2",  # 2 CPUs: the first two side by side
                      *replay(ray_replay), cwd=tmp_path, env={"RAY_AUTH_MODE": "disabled"})
     assert proc.returncode != 0  # the sweep reports the failed job
+    assert (tmp_path / "outputs" / "multiruns").is_dir(), proc.stderr[-3000:]
     multirun = only_run_dir(tmp_path, "multiruns")
     assert sorted(p.name for p in multirun.iterdir() if p.is_dir()) == [
         "parallel=dp2", "parallel=pp2", "parallel=single"]

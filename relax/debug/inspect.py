@@ -181,5 +181,5 @@ def main(argv: list[str]) -> int:
     if args.json:
         print(json.dumps(report))
     else:
-        render(report, Console())
+        render(report, Console(width=None if sys.stdout.isatty() else 160))  # piped: no wrapped headers
     return 0
