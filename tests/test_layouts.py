@@ -71,6 +71,7 @@ def test_layout_sweep_is_equivalent_to_single(tmp_path, replay_dir):
     assert (multirun / "compare.png").stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_a_perturbed_weight_shard_is_reported_diverged(tmp_path, replay_dir):
     proc, multirun = sweep(tmp_path, replay_dir, "single,tp2", env={"RELAX_FAULT": "perturb_shard:tp2"})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -82,6 +83,7 @@ def test_a_perturbed_weight_shard_is_reported_diverged(tmp_path, replay_dir):
     assert any("log_prob" in r for r in tp2["reasons"])
 
 
+@pytest.mark.slow
 def test_a_failing_job_does_not_stop_the_sweep(tmp_path, replay_dir):
     proc, multirun = sweep(tmp_path, replay_dir, "single,pp2,dp2")
     assert proc.returncode != 0  # the sweep reports the failure ...
