@@ -73,10 +73,12 @@ def start_rank(rank: int, world_size: int, address: str, port: int, log_dir: str
     import torch.distributed as dist
 
     torch.set_num_threads(num_threads)
-    if torch.cuda.is_available():
+    backend = "gloo"
+    if torch.cuda.is_available():  # CUDA tensors (Megatron, the trainer's collectives) need NCCL
         torch.cuda.set_device(device_index)
+        backend = "cpu:gloo,cuda:nccl"
     store = store or dist.TCPStore(address, port, world_size, is_master=False)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
 
 
 def run_method(trainer, rank: int, method: str, args, kwargs):
