@@ -262,10 +262,10 @@ def rl_loop(cfg, run_dir: Path, stop: Stop | None = None) -> None:
                               run_config=OmegaConf.to_container(cfg, resolve=True))
         log_setup.restore()  # an engine or library that reconfigured logging keeps relax.log
         stop.install()  # ... and Relax's signal handlers
+        stop.check("before the first rollout")  # (a signal while building)
         rollouts = Rollouts(partial(make_rollout, run, engine), run.plan.rollout_ids, cfg.train["async"])
         bar = tqdm(run.plan.rollout_ids, desc="rollouts", unit="rollout")
         for rollout_id in bar:
-            stop.check(f"before rollout {rollout_id}")
             samples, record = rollout(run, rollouts, rollout_id)
             if trainer:
                 t0 = time.perf_counter()
@@ -280,10 +280,12 @@ def rl_loop(cfg, run_dir: Path, stop: Stop | None = None) -> None:
                 report_nonfinite(run, rollout_id, samples, out["nonfinite"])
             metrics.log(record, "rollout_id")
             faults.kill_point("metrics_written")
+            stopping = stop.requested  # one look: a signal after it stops after the next rollout
             if trainer:
-                checkpoint_on_schedule(run, trainer, rollout_id, stop.requested)
+                checkpoint_on_schedule(run, trainer, rollout_id, stopping)
             bar.set_postfix(reward=f"{record['rollout/raw_reward']:.3f}")
-            stop.check(f"after rollout {rollout_id}")
+            if stopping:
+                stop.check(f"after rollout {rollout_id}")
     finally:
         for part, close in ((rollouts, "close"), (metrics, "close"), (trainer, "shutdown"),
                             (engine, "shutdown"), (cluster, "close")):

@@ -50,6 +50,9 @@ def test_nonfinite_step_is_skipped_dumped_and_replayable(tmp_path, monkeypatch, 
     assert all(torch.isfinite(w).all() for w in weights.values())
     assert not torch.equal(weights["model.norm.weight"], load_file(str(tiny_path / "model.safetensors"))[
         "model.norm.weight"])  # the finite steps were applied
+    _, resumed = run_loop(tmp_path / "resumed", *SMALL, "rollout.num_rollout=3", "train.on_nonfinite=skip",
+                          "train.num_steps_per_rollout=2", f"resume={tmp_path / 'run'}")
+    assert [s["train/skipped_steps"] for s in resumed] == [1, 1, 2, 2, 3, 3]  # counted on from the checkpoint
     dumped = safe_load(tmp_path / "run/nonfinite/0.pt")
     assert [s["metadata"]["replay_index"] for s in dumped["samples"]] == list(range(8))  # sample 3's group
     assert [s["index"] for s in dumped["samples"]] == list(range(8))

@@ -169,17 +169,19 @@ class TorchTrainer(DistributedWeightSync):
             full_state_dict=True, cpu_offload=True))
         if self.layout.rank == 0:
             save_hf_dir(Path(path) / "hf", self.model.config, weights)
-            atomic_save({"optimizer": optim, "torch_rng": torch.get_rng_state()},
-                        Path(path) / "trainer_state.pt")
+            atomic_save({"optimizer": optim, "torch_rng": torch.get_rng_state(),
+                         "skipped_steps": self.skipped_steps}, Path(path) / "trainer_state.pt")
 
     def load_checkpoint(self, path: str) -> None:
-        """Restore optimizer and RNG state (the weights were loaded from <path>/hf)."""
+        """Restore optimizer and RNG state and the skipped-step count (the weights were loaded
+        from <path>/hf)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         state = safe_load(Path(path) / "trainer_state.pt")
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"],
                                  options=StateDictOptions(full_state_dict=True))
         torch.set_rng_state(state["torch_rng"])
+        self.skipped_steps = state.get("skipped_steps", 0)  # (checkpoints before it was saved: 0)
         self.first_step = False
 
     def shutdown(self) -> None:

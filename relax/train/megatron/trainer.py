@@ -223,13 +223,15 @@ class MegatronTrainer(DistributedWeightSync):
     def save_checkpoint(self, path: str) -> None:
         """The actor as an HF directory, and this rank's optimizer and RNG state."""
         weights = self.named_weights()
-        save_optimizer_state(self.optimizer, path, self.layout.rank)
+        save_optimizer_state(self.optimizer, path, self.layout.rank, {"skipped_steps": self.skipped_steps})
         if self.layout.rank == 0:
             save_hf_dir(Path(path) / "hf", self.hf_config, weights)
 
     def load_checkpoint(self, path: str) -> None:
-        """Restore optimizer and RNG state (the weights were loaded from <path>/hf)."""
-        load_optimizer_state(self.optimizer, path, self.layout.rank)
+        """Restore optimizer and RNG state and the skipped-step count (the weights were loaded
+        from <path>/hf)."""
+        counters = load_optimizer_state(self.optimizer, path, self.layout.rank)
+        self.skipped_steps = counters.get("skipped_steps", 0)
         self.first_step = False
 
     def shutdown(self) -> None:

@@ -116,11 +116,11 @@ def _state_file(path: str, rank: int) -> Path:
     return Path(path) / f"trainer_state_rank{rank:03d}.pt"
 
 
-def save_optimizer_state(optimizer, path: str, rank: int) -> None:
+def save_optimizer_state(optimizer, path: str, rank: int, counters: dict) -> None:
     """The state of each torch optimizer that Megatron wraps (Adam's step and moments) with
     the params it steps: its main params, i.e. this rank's shard under the distributed
-    optimizer, fp32 copies under bf16; and the RNG state."""
-    state = {"torch_rng": torch.get_rng_state(),
+    optimizer, fp32 copies under bf16; the RNG state; the trainer's `counters` (ints)."""
+    state = {"torch_rng": torch.get_rng_state(), "counters": counters,
              "optimizers": [{"state": inner.state_dict(),
                              "main_params": [p.detach().clone() for p in _main_params(inner)]}
                             for inner in inner_optimizers(optimizer)]}
@@ -128,12 +128,13 @@ def save_optimizer_state(optimizer, path: str, rank: int) -> None:
 
 
 @torch.no_grad()
-def load_optimizer_state(optimizer, path: str, rank: int) -> None:
-    """Restore what `save_optimizer_state` saved. The files are per rank, so the layout must
-    be the one saved (checked at start-up)."""
+def load_optimizer_state(optimizer, path: str, rank: int) -> dict:
+    """Restore what `save_optimizer_state` saved; returns its counters. The files are per
+    rank, so the layout must be the one saved (checked at start-up)."""
     state = safe_load(_state_file(path, rank))
     for inner, saved in zip(inner_optimizers(optimizer), state["optimizers"], strict=True):
         inner.load_state_dict(saved["state"])
         for param, value in zip(_main_params(inner), saved["main_params"], strict=True):
             param.copy_(value)
     torch.set_rng_state(state["torch_rng"])
+    return state.get("counters", {})
