@@ -274,11 +274,12 @@ def test_sweep_local_vs_ray_private_instance_is_equivalent(ray_replay, tmp_path)
         [s["train/grad_norm"] for s in read_metrics(local)[1]]
 
 
-MEGATRON = [["train=megatron", f"parallel={p}"] for p in ("tp2", "pp2", "cp2", "tp2sp")]
+# (plain tp2 is in dp2tp2 and tp2sp: each layout's collectives cross the nodes once)
+MEGATRON = [["train=megatron", f"parallel={p}"] for p in ("pp2", "cp2", "tp2sp")]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [["parallel=tp2"], ["parallel=fsdp2"], ["parallel=dp2tp2"], *MEGATRON],
+@pytest.mark.parametrize("layout", [["parallel=fsdp2"], ["parallel=dp2tp2"], *MEGATRON],
                          ids=" ".join)
 def test_layouts_with_ranks_on_two_nodes_train_like_local(two_nodes, ray_replay, local_single, tmp_path,
                                                          layout):
