@@ -97,3 +97,25 @@ def test_async_refusal_stops_the_cli_before_anything_starts(tmp_path):
     proc = relax_cli("train.async=true", "debug=rollout_only", cwd=tmp_path)
     assert proc.returncode == 2 and "debug.rollout_only builds no trainer" in proc.stdout + proc.stderr
     assert not (only_run_dir(tmp_path) / "built.json").exists()
+
+
+def test_weights_reach_the_engine_process_through_shared_memory(tmp_path, monkeypatch):
+    """The first sync sends the engine process shared-memory tensors; every later one copies the
+    new weights into them and sends only the bucket's key. The engine-weights check after
+    every sync still finds the trainer's weights in the engine."""
+    from relax.cluster.engine_processes import EngineProcesses
+
+    sent, share = [], EngineProcesses.share
+
+    def recording(self, named):
+        bucket = share(self, named)
+        sent.append(bucket.tensors is not None)
+        return bucket
+    monkeypatch.setattr(EngineProcesses, "share", recording)
+    run_loop(tmp_path, *ASYNC, "rollout.num_rollout=3", "checkpoint.save_interval=null",
+             "debug.check_weight_update_equal=true", "debug.check_weight_update_every_sync=true")
+    # one bucket (the tiny model): the check's two syncs at start-up (random weights, then the
+    # trainer's), then one per rollout
+    assert sent == [True, False, False, False, False]
+    report = json.loads((tmp_path / "weight_check.json").read_text())
+    assert report["passed"] and [c["rollout_id"] for c in report["checks"]] == [None, None, 0, 1, 2]
