@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch.multiprocessing as mp
 
-from relax.cluster.ranks import RankError, _die_with_parent, on_this_host, stop_processes
+from relax.cluster.ranks import RankError, _die_with_parent, on_this_host, receive, stop_processes
 
 
 @dataclass
@@ -92,18 +92,8 @@ class EngineProcesses:
         return len(self.procs)
 
     def _reply(self, i: int):
-        try:
-            status, payload = self.conns[i].recv()
-        except (EOFError, OSError):
-            self.procs[i].join(timeout=5)
-            code = self.procs[i].exitcode
-            self.kill()
-            raise RankError(f"rollout engine {i} (pid {self.procs[i].pid}) died (exit code {code}); see "
-                            f"{self.logs[i] or 'its output'}") from None
-        if status == "error":
-            self.kill()
-            raise RankError(f"rollout engine {i} (pid {self.procs[i].pid}) failed:\n{payload}")
-        return payload
+        return receive(self.conns[i], self.procs[i], f"rollout engine {i} (pid {self.procs[i].pid})",
+                       self.logs[i] or "its output", self.kill)
 
     def map(self, method: str, args: list[tuple], engines: list[int] | None = None) -> list:
         """`method(*args[k])` on engine engines[k] (default: engine k), results in that order."""

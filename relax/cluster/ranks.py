@@ -89,6 +89,22 @@ def run_method(trainer, rank: int, method: str, args, kwargs):
     return getattr(trainer, method)(*args, **kwargs)
 
 
+def receive(conn, proc, who: str, log: str, kill) -> object:
+    """A child process's reply to one call: its result; or, when it died or raised, `kill()`
+    (every process of its group) and a RankError naming `who` and where its log is."""
+    try:
+        status, payload = conn.recv()
+    except (EOFError, OSError):
+        proc.join(timeout=5)
+        code = proc.exitcode
+        kill()
+        raise RankError(f"{who} died (exit code {code}); see {log}") from None
+    if status == "error":
+        kill()
+        raise RankError(f"{who} failed:\n{payload}")
+    return payload
+
+
 def stop_processes(procs: list, conns: list) -> None:
     """SIGTERM, then SIGKILL what is still alive 10 s later; close the pipes."""
     for proc in procs:
@@ -184,18 +200,8 @@ class LocalRanks(RankGroup):
         while pending:
             for conn in wait(list(pending.values())):
                 rank = next(r for r, c in pending.items() if c is conn)
-                try:
-                    status, payload = conn.recv()
-                except EOFError:
-                    self.procs[rank].join(timeout=5)
-                    exitcode = self.procs[rank].exitcode
-                    self.kill()
-                    raise RankError(f"trainer rank {rank} ({self._where(rank)}) died (exit code "
-                                    f"{exitcode}); see its rank{rank}.log") from None
-                if status == "error":
-                    self.kill()
-                    raise RankError(f"trainer rank {rank} ({self._where(rank)}) failed:\n{payload}")
-                results[rank] = payload
+                results[rank] = receive(conn, self.procs[rank], f"trainer rank {rank} ({self._where(rank)})",
+                                        f"its rank{rank}.log", self.kill)
                 del pending[rank]
         self.busy = False
         return results[0]
