@@ -1,10 +1,13 @@
 """The tiny model directory and the loading code shared with real HF checkpoints."""
 
 import json
+import shutil
 
+import pytest
 from tokenizers import Tokenizer
 
-from relax.model import load_tokenizer, model_fingerprint, tokenizer_fingerprint
+from relax.errors import ConfigError
+from relax.model import load_tokenizer, model_fingerprint, resolve_model_path, tiny, tokenizer_fingerprint
 
 from .conftest import make_cfg, only_run_dir, relax_cli, status_of
 
@@ -16,6 +19,36 @@ def test_tiny_model_is_a_normal_hf_directory(tiny_path):
     assert config["architectures"] == ["Qwen2ForCausalLM"]
     recipe = json.loads((tiny_path / "relax_tiny.json").read_text())
     assert recipe["warmup_greedy_accuracy"] >= make_cfg().model.tiny.warmup_target_accuracy
+
+
+def test_the_default_tiny_model_is_the_shipped_bytes_on_every_machine(tiny_path, tmp_path, monkeypatch):
+    """The default recipe is never trained here: a fresh cache gets the shipped file, verified."""
+    assert tiny.sha256(tiny.SHIPPED / "model.safetensors") == tiny.SHIPPED_SHA256
+    assert tiny.sha256(tiny_path / "model.safetensors") == tiny.SHIPPED_SHA256
+    fresh = resolve_model_path(make_cfg(f"model.cache_dir={tmp_path}").model)
+    assert fresh.parent == tmp_path / "models"
+    assert (fresh / "model.safetensors").read_bytes() == (tiny.SHIPPED / "model.safetensors").read_bytes()
+    assert sorted(p.name for p in fresh.iterdir()) == sorted(p.name for p in tiny.SHIPPED.iterdir())
+    # a cache built by an older Relax (other CPU, other bytes) under the same name is replaced
+    (fresh / "model.safetensors").write_bytes(b"built elsewhere")
+    again = resolve_model_path(make_cfg(f"model.cache_dir={tmp_path}").model)
+    assert again == fresh and tiny.sha256(fresh / "model.safetensors") == tiny.SHIPPED_SHA256
+    assert sorted(p.name for p in tmp_path.joinpath("models").iterdir()) == [fresh.name]  # no temp left
+    # a damaged package copy is named, not used
+    damaged = tmp_path / "damaged"
+    shutil.copytree(tiny.SHIPPED, damaged)
+    (damaged / "model.safetensors").write_bytes(b"x")
+    monkeypatch.setattr(tiny, "SHIPPED", damaged)
+    with pytest.raises(ConfigError, match="sha256 is not .*reinstall"):
+        resolve_model_path(make_cfg(f"model.cache_dir={tmp_path / 'other'}").model)
+
+
+def test_a_non_default_recipe_is_built_here(tmp_path):
+    path = resolve_model_path(make_cfg(f"model.cache_dir={tmp_path}", "model.tiny.warmup_max_steps=0",
+                                       "model.tiny.num_layers=1").model)
+    assert json.loads((path / "config.json").read_text())["num_hidden_layers"] == 1
+    assert json.loads((path / "relax_tiny.json").read_text())["recipe"]["warmup_max_steps"] == 0
+    assert tiny.sha256(path / "model.safetensors") != tiny.SHIPPED_SHA256
 
 
 def test_saved_tokenizer_loads_back_identically(tiny_path):

@@ -5,6 +5,12 @@ transformers Qwen2 initialised from a fixed seed, and a short supervised warm-up
 arithmetic task brings greedy accuracy to `warmup_target_accuracy`, so that GRPO starts
 with sampled rewards around 0.2-0.4 (where it learns; see docs/measured-on-cpu.md).
 The result is an ordinary HF directory, reused on later runs.
+
+fp32 training does not give the same weights on every CPU (the kernels' summation order
+depends on the instruction set), so the default recipe's weights are not built at all: they
+ship with the package (`tiny_qwen2/`, written by `scripts/build_tiny_model.py` with this
+module's code) and are checked against SHIPPED_SHA256 whenever they are used. Any other
+recipe (`model.tiny.*` overrides) is built on first use, on this machine's kernels.
 """
 
 from __future__ import annotations
@@ -17,7 +23,12 @@ import random
 import shutil
 from pathlib import Path
 
+from relax.errors import ConfigError
+
 log = logging.getLogger(__name__)
+
+SHIPPED = Path(__file__).with_name("tiny_qwen2")  # the default recipe, built once, shipped
+SHIPPED_SHA256 = "5431869146292c62b29576f5376c7fc772fed1dcb5e15e0ef73c52fc3414c222"  # of SHIPPED/model.safetensors
 
 FORMAT = 1  # bump when the recipe below changes, so old caches are not reused
 SPECIAL_TOKENS = ["<|pad|>", "<|end|>", "<|user|>", "<|assistant|>", "<|unk|>"]
@@ -135,26 +146,75 @@ def tiny_config(model_cfg) -> dict:
     return build_config(model_cfg.tiny, build_tokenizer()).to_dict()
 
 
+def sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def shipped_recipe() -> dict:
+    return json.loads((SHIPPED / "relax_tiny.json").read_text())["recipe"]
+
+
 def ensure_tiny_model(model_cfg) -> Path:
-    """Return the cached tiny model directory, creating it on first use (atomically)."""
+    """Return the cached tiny model directory: the shipped weights for the default recipe
+    (verified), else built on first use (atomically)."""
     target = tiny_model_dir(model_cfg)
+    if dict(model_cfg.tiny) == shipped_recipe():
+        return install_shipped(target)
     if (target / "model.safetensors").is_file():
         return target
+    log.info("Creating the tiny model in %s (once; reused afterwards). A non-default recipe is "
+             "built on this machine's CPU kernels: other machines get other weights", target)
+    return publish(build(model_cfg.tiny), target)
+
+
+def install_shipped(target: Path) -> Path:
+    """Copy the shipped weights into the cache, or check the copy already there."""
+    cached = target / "model.safetensors"
+    if cached.is_file():
+        if sha256(cached) == SHIPPED_SHA256:
+            return target
+        log.warning("%s is not the shipped tiny model (sha256 differs: built by an older Relax, or "
+                    "changed); replacing it with the shipped one", cached)
+    if sha256(SHIPPED / "model.safetensors") != SHIPPED_SHA256:
+        raise ConfigError(f"{SHIPPED / 'model.safetensors'}: sha256 is not {SHIPPED_SHA256}: the "
+                          f"installed Relax package is damaged; reinstall it")
+    log.info("Installing the shipped tiny model into %s", target)
+    return publish(SHIPPED, target, replace=True)
+
+
+def build(cfg) -> Path:
+    """The tiny model of recipe `cfg`, warmed up, in a fresh temp dir (returned)."""
+    import tempfile
+
     import torch
     from transformers import AutoModelForCausalLM
 
-    log.info("Creating the tiny model in %s (once; reused afterwards)", target)
-    cfg = model_cfg.tiny
     tokenizer = build_tokenizer()
     torch.manual_seed(cfg.seed)
     model = AutoModelForCausalLM.from_config(build_config(cfg, tokenizer))
     accuracy = warm_up(model, tokenizer, cfg)
+    out = Path(tempfile.mkdtemp(prefix="relax-tiny-"))
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / "relax_tiny.json").write_text(json.dumps(
+        {"recipe": dict(cfg), "warmup_greedy_accuracy": accuracy}, indent=2))
+    return out
+
+
+def publish(source: Path, target: Path, replace: bool = False) -> Path:
+    """Copy (or move, for a temp build) `source` to `target` through a temp dir and a rename,
+    so that a killed copy never leaves a half-written model under the cache name."""
     tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "relax_tiny.json").write_text(json.dumps(
-        {"recipe": dict(cfg), "warmup_greedy_accuracy": accuracy}, indent=2))
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    if source == SHIPPED:
+        shutil.copytree(source, tmp)
+    else:
+        shutil.move(str(source), tmp)
+    if replace and target.exists():
+        old = target.with_name(f"{target.name}.old-{os.getpid()}")
+        os.replace(target, old)
+        shutil.rmtree(old, ignore_errors=True)
     try:
         os.replace(tmp, target)
     except OSError:  # another process finished first; keep its copy
