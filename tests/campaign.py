@@ -36,6 +36,7 @@ class Case:
     expect: str           # regex the error message must match
     kind: str = "run"     # run: start-up | rollout: a rollout | doctor, compare, inspect: the tool
     loses: bool = False   # accepting it silently loses or mixes data
+    code: int = 2         # the exit code: 2 for a refusal (docs/reliability.md), a tool's own for a report
 
 
 # -- ways to make bad inputs -------------------------------------------------------------------
@@ -321,7 +322,7 @@ CASES = [
          r"samples.jsonl: not UTF-8 text", kind="doctor"),
     Case("doctor_dead", "relax doctor on a run killed with SIGKILL (status running)",
          done_run(lambda r: running(r / "status.json", alive=False)), r"run: died: status.json says running",
-         kind="doctor"),
+         kind="doctor", code=0),  # a report, not a refusal: the finished rollouts' checks all pass
     Case("compare_hostile", "relax compare: hostile first_step_log_probs.pt",
          done_run(lambda r: hostile(r / "first_step_log_probs.pt")),
          r"refused: it holds objects other than plain data", kind="compare"),
@@ -333,13 +334,13 @@ CASES = [
          r"config.yaml: not a Relax config", kind="compare"),
     Case("compare_dead", "relax compare on a run killed with SIGKILL",
          done_run(lambda r: running(r / "status.json", alive=False)), r"died: status.json says running",
-         kind="compare"),
+         kind="compare", code=1),  # verdict FAILED: compare's exit 1
     Case("inspect_sample", "relax inspect: a rollout file whose samples lack fields",
          replay(edit_rollout("0.pt", lambda d: d["samples"][0].pop("tokens"))),
          r"0.pt: malformed rollout data: .*tokens", kind="inspect"),
     Case("inspect_dead", "relax inspect on a run killed with SIGKILL (status running)",
          replay(lambda d: running(d / "status.json", alive=False)), r"run: died: status.json says running",
-         kind="inspect"),
+         kind="inspect", code=0),  # a report of the run's rollouts
     # disk
     Case("disk_full", "disk full while writing a checkpoint", {"checkpoint.save_interval": "1"},
          r"disk full while writing checkpoint .*rollout_000000", kind="disk_full"),

@@ -1,9 +1,10 @@
 """The reliability campaign (docs/reliability.md): each bad input of tests/campaign.py must end
-in a clear error, before anything expensive is built where it can be; never a traceback, a
-silent acceptance or lost data.
+in a clear error and its exit code (2 for a refusal), before anything expensive is built where
+it can be; never a traceback, a silent acceptance or lost data.
 
-A case runs in-process: the loop's start-up (`rl_loop`, which stops in `prepare`), one
-rollout for what only a rollout can show (a reward's return type), or a tool's `main()`.
+A case runs in-process: the job's start-up (`run_job`, what the CLI runs, whose `rl_loop` stops
+in `prepare`), one rollout for what only a rollout can show (a reward's return type), or a
+tool's `main()`.
 `python -m tests.test_campaign` prints every case's outcome (clear / late / traceback /
 silent / lost) for the code on the path: docs/reliability.md's "before" column is that table
 for commit a68d779.
@@ -23,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from .campaign import CASES, PWNED, Case, Env, stop_live
-from .conftest import make_cfg, run_loop
+from .conftest import REPO, make_cfg, run_loop
 
 SMALL = {"rollout.num_rollout": "1", "rollout.rollout_batch_size": "2", "rollout.n_samples_per_prompt": "2",
          "checkpoint.save_interval": "null"}
@@ -50,27 +51,29 @@ def args_of(overrides: dict) -> list[str]:
     return [f"{k}={v}" for k, v in merged.items()]
 
 
-def run_case(case: Case, tmp: Path, env: Env) -> tuple[str, str]:
-    """(outcome, message): clear (a user error at start-up, or a tool's clear refusal), late
-    (a user error after the engine or trainer was built), traceback, silent, or lost."""
-    from relax import errors
+def run_case(case: Case, tmp: Path, env: Env) -> tuple[str, str, int | None]:
+    """(outcome, message, exit code): clear (a user error at start-up, or a tool's clear
+    refusal), late (a user error after the engine or trainer was built), traceback, silent, or
+    lost. A run goes through `run_job`, what the CLI runs, so its exit code is the CLI's; the
+    message is then the error its status.json records."""
+    from relax.loop import run_job
 
     overrides = case.make(tmp, env) if callable(case.make) else dict(case.make)
-    clear = tuple(getattr(errors, n) for n in ("ConfigError", "ReplayError", "DiskFull", "RolloutError")
-                  if hasattr(errors, n))  # (no DiskFull, RolloutError at a68d779)
     run_dir = tmp / "done" if case.kind == "run_in_done" else tmp / "runs" / "new"
     if case.kind in ("doctor", "compare", "inspect"):
         paths = {"doctor": [tmp / "done"], "compare": [tmp / "done", env.done],
-                 "inspect": [tmp / "replay"]}
+                 "inspect": [tmp / "replay"]}[case.kind]
         out = io.StringIO()
         try:
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-                importlib.import_module(f"relax.debug.{case.kind}").main([str(p) for p in paths[case.kind]])
+                code = importlib.import_module(f"relax.debug.{case.kind}").main([str(p) for p in paths])
         except Exception as e:
-            return "traceback", f"{type(e).__name__}: {e}"
-        return ("clear" if re.search(case.expect, out.getvalue()) else "silent"), out.getvalue()
+            return "traceback", f"{type(e).__name__}: {e}", None
+        return ("clear" if re.search(case.expect, out.getvalue()) else "silent"), out.getvalue(), code
     if case.kind == "rollout":
         overrides["debug.rollout_only"] = "true"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg = make_cfg(*args_of(overrides), run_dir=run_dir)
     with contextlib.ExitStack() as stack:
         if case.kind == "disk_full":
             from unittest import mock
@@ -79,14 +82,16 @@ def run_case(case: Case, tmp: Path, env: Env) -> tuple[str, str]:
                 raise OSError(28, "No space left on device", str(Path(path) / "hf"))
             stack.enter_context(mock.patch("relax.train.torch_trainer.TorchTrainer.save_checkpoint", full))
         try:
-            run_loop(run_dir, *args_of(overrides))
-        except clear as e:
-            return ("late" if (run_dir / "built.json").exists() and case.kind == "run" else "clear"), str(e)
+            run_job(cfg)
+        except SystemExit as e:  # a user error: the message is in status.json
+            message = json.loads((run_dir / "status.json").read_text()).get("error", "")
+            late = (run_dir / "built.json").exists() and case.kind == "run"
+            return ("late" if late else "clear"), message, e.code
         except TimeoutError:  # main()'s alarm: the run hangs
             raise
         except Exception as e:
-            return "traceback", f"{type(e).__name__}: {e}"
-    return ("lost" if case.loses else "silent"), ""
+            return "traceback", f"{type(e).__name__}: {e}", None
+    return ("lost" if case.loses else "silent"), "", 0
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +103,9 @@ def env(tmp_path_factory, tiny_path):
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_bad_input_is_a_clear_error(case, env, tmp_path):
     PWNED.unlink(missing_ok=True)
-    outcome, message = run_case(case, tmp_path, env)
+    outcome, message, code = run_case(case, tmp_path, env)
     assert outcome == "clear", f"{case.what}: {outcome}: {message}"
+    assert code == case.code, f"{case.what}: exit code {code}, expected {case.code}: {message}"
     assert re.search(case.expect, message), message
     assert "weights_only=False" not in message and "Traceback" not in message
     assert not PWNED.exists()  # nothing in a hostile file ran
@@ -107,8 +113,12 @@ def test_bad_input_is_a_clear_error(case, env, tmp_path):
         assert not (tmp_path / "runs" / "new" / "built.json").exists()
 
 
-def test_the_campaign_holds_40_cases_across_every_area():
-    assert len(CASES) >= 40 and len({c.id for c in CASES}) == len(CASES)
+def test_the_campaign_holds_the_cases_docs_reliability_md_counts():
+    docs = (REPO / "docs" / "reliability.md").read_text()
+    inputs, clear = re.search(r"\*\*(\d+) bad inputs: (\d+) clear errors", docs).groups()
+    rows = re.findall(r"^\| \d+ \| ", docs, re.MULTILINE)  # the campaign's table, one row a case
+    assert len(CASES) == 68 == int(inputs) == int(clear) == len(rows)
+    assert len({c.id for c in CASES}) == len(CASES)
 
 
 def main() -> None:
@@ -124,12 +134,12 @@ def main() -> None:
         (root / case.id).mkdir()
         signal.alarm(120)
         try:
-            outcome, message = run_case(case, root / case.id, env)
+            outcome, message, code = run_case(case, root / case.id, env)
         except TimeoutError as e:
-            outcome, message = "silent", str(e)
+            outcome, message, code = "silent", str(e), None
         signal.alarm(0)
-        print(json.dumps({"id": case.id, "what": case.what, "outcome": outcome, "message": message[:300]}),
-              flush=True)
+        print(json.dumps({"id": case.id, "what": case.what, "outcome": outcome, "exit": code,
+                          "message": message[:300]}), flush=True)
     stop_live()
 
 
