@@ -6,7 +6,7 @@ is answered eval.n_samples_per_prompt times per prompt at eval.temperature (0: g
 through the run's rollout.generate_fn, and scored with the task's rewards;
 `eval/<name>/reward` and `eval/<name>/response_len` join that rollout's metrics. A dataset is
 `arithmetic` (the built-in problems, in task=arithmetic's operand range when that is the
-task) or a JSONL file of {"prompt", "label"} rows, named after the file; each evaluation asks
+task), `task` (the run's task's held-out questions, which training never draws) or a JSONL file of {"prompt", "label"} rows, named after the file; each evaluation asks
 the same eval.num_prompts prompts (a JSONL file's first rows). A run that builds no engine
 (debug=train_only) evaluates nothing and says so once.
 """
@@ -29,12 +29,21 @@ log = logging.getLogger(__name__)
 SEED_OFFSET = 500_000  # eval sampling seeds: past every training rollout's (seed * 1_000_003 + rollout_id)
 
 
+BUILT_IN = ("arithmetic", "task")
+
+
 def dataset_name(entry: str) -> str:
-    return entry if entry == "arithmetic" else Path(entry).stem
+    return entry if entry in BUILT_IN else Path(entry).stem
 
 
-def questions(entry: str, cfg) -> list[tuple]:
+def questions(entry: str, cfg, task) -> list[tuple]:
     e = cfg.eval
+    if entry == "task":  # the run's own task, on questions training never draws
+        held_out = task.held_out(random.Random(f"{cfg.seed}-eval-task"), e.num_prompts)
+        if held_out is None:
+            raise ConfigError(f"eval.datasets entry 'task': task={type(task).__name__} has no held-out "
+                              f"questions (task=word_problems has); use arithmetic or a JSONL file")
+        return held_out
     if entry == "arithmetic":
         low = cfg.task.get("min_operand", ArithmeticTaskGroup.min_operand)
         high = cfg.task.get("max_operand", ArithmeticTaskGroup.max_operand)
@@ -43,7 +52,7 @@ def questions(entry: str, cfg) -> list[tuple]:
     try:
         return load_jsonl(entry)[:e.num_prompts]
     except ConfigError as error:
-        raise ConfigError(f"eval.datasets entry {entry!r}: {error} (expected arithmetic or a JSONL "
+        raise ConfigError(f"eval.datasets entry {entry!r}: {error} (expected arithmetic, task or a JSONL "
                           f"file of {{\"prompt\", \"label\"}} rows)") from None
 
 
@@ -62,7 +71,7 @@ class Evaluator:
             raise ConfigError(f"eval.datasets={list(e.datasets)}: expected one or more datasets with "
                               f"distinct names (arithmetic, or JSONL files named after their stem)")
         self.cfg, self.task, self.tokenizer, self.last = cfg, task, tokenizer, last_rollout_id
-        self.prompts = {name: task.to_prompts(questions(entry, cfg), tokenizer, f"eval.datasets {entry!r}")
+        self.prompts = {name: task.to_prompts(questions(entry, cfg, task), tokenizer, f"eval.datasets {entry!r}")
                         for name, entry in zip(names, e.datasets, strict=True)}
 
     def due(self, rollout_id: int) -> bool:

@@ -31,6 +31,10 @@ REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attentio
 def resolve_model_path(model_cfg) -> Path:
     """The HF directory this run uses; validates it before anything expensive starts."""
     if model_cfg.path is None:
+        if "package" in model_cfg:  # model=smollm2
+            from relax.model.gguf import ensure_packaged_model
+
+            return check_model_dir(ensure_packaged_model(model_cfg))
         if model_cfg.name != "tiny":
             raise ConfigError(
                 f"model.path is not set for model={model_cfg.name}: pass model.path=/path/to/hf_dir")

@@ -12,11 +12,13 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from relax.config import instantiate
 from relax.errors import ConfigError, NonFiniteError
+from relax.task import word_problems
 from relax.task.arithmetic import make_problem
 from relax.task.rewards import Rewards
 
@@ -83,17 +85,30 @@ class Task:
     """Prompts for each rollout, and the rewards."""
 
     def __init__(self, seed: int, reward_fn: str, apply_chat_template: bool, answer_format: str | None,
-                 **reward_keys):
+                 format_reward: float = 0.0, **reward_keys):
         self.seed, self.apply_chat_template = seed, apply_chat_template
         self.rewards = Rewards(reward_fn, **reward_keys)  # task.reward_fn, group_reward_fn, reward_url...
+        if format_reward and not answer_format:
+            raise ConfigError(f"task.format_reward={format_reward} needs task.answer_format (the regex a "
+                              f"well-formed response matches)")
+        self.format_reward = format_reward
         self.max_prompt_tokens: int | None = None  # set by check_prompts at start-up
         # What a well-formed response matches; the health metrics read it from the config,
         # since a replaying run builds no task.
         self.answer_format = answer_format
 
     def score(self, samples, group_size: int) -> None:
-        """Set every sample's reward (a rollout's samples, in GRPO groups of `group_size`)."""
+        """Set every sample's reward (a rollout's samples, in GRPO groups of `group_size`), plus
+        task.format_reward for a response that matches task.answer_format."""
         self.rewards.score(samples, group_size)
+        if self.format_reward:
+            pattern = re.compile(self.answer_format)
+            for s in samples:
+                s.reward += self.format_reward * bool(pattern.fullmatch(s.response.strip()))
+
+    def held_out(self, rng: random.Random, n: int) -> list[tuple] | None:
+        """`n` questions that training never draws (eval.datasets entry `task`), if the task has such."""
+        return None
 
     def questions(self, rng: random.Random, n: int) -> list[tuple]:
         """`n` (question, label) or (question, label, metadata) tuples drawn with `rng`."""
@@ -156,6 +171,25 @@ class ArithmeticTask(Task):
 
     def questions(self, rng, n):
         return [make_problem(rng, self.min_operand, self.max_operand) for _ in range(n)]
+
+
+class WordProblemsTask(Task):
+    """task=word_problems: generated arithmetic word problems (relax/task/word_problems.py)."""
+
+    def __init__(self, operations: list[str], min_operand: int, max_operand: int, instruction: str, **common):
+        super().__init__(**common)
+        unknown = sorted(set(operations) - set(word_problems.TEMPLATES))
+        if unknown or not operations or not 0 <= min_operand <= max_operand:
+            raise ConfigError(f"task.operations={list(operations)} (each of {sorted(word_problems.TEMPLATES)}), "
+                              f"task.min_operand={min_operand} <= task.max_operand={max_operand} (>= 0)")
+        self.problem = dict(operations=list(operations), min_operand=min_operand, max_operand=max_operand,
+                            instruction=instruction)
+
+    def questions(self, rng, n):
+        return word_problems.draw(rng, n, want_held_out=False, **self.problem)
+
+    def held_out(self, rng, n):
+        return word_problems.draw(rng, n, want_held_out=True, **self.problem)
 
 
 class JsonlTask(Task):
