@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from relax.debug.compare import Job, Tolerances, envelope, first_divergence, judge
+from relax.debug.compare import Job, Tolerances, envelope, first_divergence, judge, pick_baseline
+from relax.errors import ConfigError
 
 from .conftest import relax_cli, run_loop
 
@@ -87,9 +88,9 @@ def test_nan_metrics_are_diverged_naming_the_metric(tmp_path, long_replay, clean
     assert nan_job["diverged_at_step"] == 0 and "step 0: train/loss is nan" in nan_job["reasons"]
 
 
-def job(loss, grad_norm, name="x"):
-    return Job(path=None, name=name, status="completed", loss=loss, grad_norm=grad_norm,
-               log_probs={0: [0.0]})
+def job(loss, grad_norm, name="x", log_probs=None, layout="?", status="completed"):
+    return Job(path=None, name=name, layout=layout, status=status, loss=loss, grad_norm=grad_norm,
+               log_probs={0: [0.0]} if log_probs is None else log_probs)
 
 
 def test_envelope_rules_by_hand():
@@ -127,3 +128,44 @@ def test_the_twin_moves_every_weight_by_one_ulp():
     moved = weights.detach()
     assert torch.all((moved == up) | (moved == down)) and not torch.equal(moved, before)
     assert 0 < int((moved == up).sum()) < 6  # random signs, both present
+
+
+def test_per_token_log_probs_of_another_shape_are_diverged_naming_the_sample():
+    base = job([1.0], [1.0], "base", {0: [-0.5, -0.25], 1: [-1.0, -2.0]})
+    cases = {  # the overlap is equal in each: only the shape tells them from the baseline
+        "sample 0: 1 first-step log_probs vs 2 in the baseline": {0: [-0.5], 1: [-1.0, -2.0]},
+        "first-step log_probs missing for baseline sample(s) 1": {0: [-0.5, -0.25]},
+        "first-step log_probs for sample(s) 2 that the baseline lacks": {**base.log_probs, 2: [-1.0]},
+    }
+    for reason, log_probs in cases.items():
+        other = job([1.0], [1.0], "other", log_probs)
+        judge(other, base, Tolerances())
+        assert other.verdict == "DIVERGED" and other.reasons == [reason], other.reasons
+        assert other.max_logprob_diff == 0.0  # the samples of the baseline's shape agree
+    same = job([1.0], [1.0], "same", {0: [-0.5, -0.25], 1: [-1.0, -2.0]})
+    judge(same, base, Tolerances())
+    assert same.verdict == "equivalent"
+    nan = job([1.0], [1.0], "nan", {0: [-0.5, math.nan], 1: [-1.0, -2.0]})
+    judge(nan, base, Tolerances())
+    assert nan.verdict == "DIVERGED" and math.isnan(nan.max_logprob_diff)
+
+
+def test_the_baseline_is_a_completed_job_with_training_steps():
+    rollout_only = job([], [], "rollout_only", {}, layout="single")  # debug=rollout_only: parallel=single
+    failed = job([], [], "failed", {}, layout="single", status="failed")
+    dp2 = job([1.0], [1.0], "dp2", layout="dp2")
+    assert pick_baseline([rollout_only, failed, dp2], None) is dp2
+    assert pick_baseline([failed, dp2, job([1.0], [1.0], "single", layout="single")], None).name == "single"
+    with pytest.raises(ConfigError, match=r"--baseline 'single': rollout_only cannot be the baseline: "
+                                          r"no training steps"):
+        pick_baseline([rollout_only, dp2], "single")
+    with pytest.raises(ConfigError, match=r"--baseline 'failed': failed cannot be the baseline: "
+                                          r"status failed"):
+        pick_baseline([failed, dp2], "failed")
+    with pytest.raises(ConfigError, match=r"--baseline 'tp2': no such job \(jobs: failed, dp2\)"):
+        pick_baseline([failed, dp2], "tp2")
+    with pytest.raises(ConfigError, match=r"no job can be the baseline .*rollout_only: no training steps.*"
+                                          r"failed: status failed"):
+        pick_baseline([rollout_only, failed], None)
+    judge(rollout_only, dp2, Tolerances())
+    assert rollout_only.verdict == "FAILED" and "no training steps" in rollout_only.reasons[0]

@@ -1,12 +1,14 @@
 """`relax doctor` and the engine-weights check: PASS on a clean run, FAIL for each injected fault."""
 
 import json
+import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from relax.debug.checks import diagnose, strict_first_step
-from relax.debug.run_data import load_run
+from relax.debug.run_data import RunData, load_run
 from relax.debug.weights import compare_tensors
 from relax.errors import CheckFailed
 from relax.logger import read_metrics
@@ -191,3 +193,50 @@ def test_nan_step_metrics_fail_the_doctor_naming_the_metric(tmp_path, monkeypatc
     rollouts, steps = read_metrics(tmp_path)  # the in-run strict checks judge NaN the same way
     with pytest.raises(CheckFailed, match="train/loss = nan"):
         strict_first_step(rollouts[0], steps[:1], make_cfg(), [], None)
+
+
+def healthy_run(rollouts: int = 6) -> RunData:
+    """A run by hand whose every threshold check passes (check 6 SKIPs: no weight check)."""
+    return RunData(
+        path=Path("."),
+        rollouts=[{"rollout_id": i, "rollout/raw_reward": 0.5, "rollout/invalid_token_ratio": 0.0,
+                   "rollout/repetition_ratio": 0.0, "rollout/format_ok_ratio": 1.0,
+                   "rollout/log_probs": -0.4, "rollout/ref_log_probs": -0.4} for i in range(rollouts)],
+        steps=[{"rollout_id": i, "step": 0, "train/loss": 0.0, "train/grad_norm": 1.0, "train/ppo_kl": 0.0,
+                "train/kl_loss": 0.0, "train/train_rollout_logprob_abs_diff": 1e-7} for i in range(rollouts)],
+        num_steps_per_rollout=1,
+        first_train_data=[{"log_probs": [-0.1, -0.2, -0.3], "ref_log_probs": [-0.1, -0.2, -0.3]}])
+
+
+# (check, where the NaN goes, the metric): every threshold of relax/debug/checks.py, fed a NaN
+NAN_CASES = [
+    (1, "rollout 0", "rollout/invalid_token_ratio"), (1, "rollout 0", "rollout/repetition_ratio"),
+    (1, "rollout 0", "rollout/format_ok_ratio"),
+    (2, "rollout 3", "rollout/invalid_token_ratio"), (2, "rollout 4", "rollout/repetition_ratio"),
+    (2, "rollout 5", "rollout/format_ok_ratio"),
+    (2, "rollout 1", "rollout/raw_reward"), (2, "rollout 4", "rollout/raw_reward"),
+    (3, "rollout 0", "rollout/log_probs"), (3, "rollout 0", "rollout/ref_log_probs"),
+    (3, "token 1", "log_probs"),  # not the first token: max() keeps a NaN only when it comes first
+    (4, "step 0", "train/ppo_kl"), (4, "step 0", "train/kl_loss"), (4, "step 0", "train/grad_norm"),
+    (5, "step 0", "train/train_rollout_logprob_abs_diff"),
+    (5, "step 4", "train/train_rollout_logprob_abs_diff"),
+]
+
+
+def test_a_healthy_run_by_hand_passes_every_threshold():
+    verdicts = {c.id: c.verdict for c in diagnose(healthy_run())}
+    assert verdicts == {**dict.fromkeys(range(1, 8), "PASS"), 6: "SKIP"}
+
+
+@pytest.mark.parametrize(("check", "where", "metric"), NAN_CASES,
+                         ids=[f"{c}-{w}-{m}" for c, w, m in NAN_CASES])
+def test_nan_fails_every_threshold_check(check, where, metric):
+    run = healthy_run()
+    kind, n = where.split()
+    if kind == "token":
+        run.first_train_data[0][metric][int(n)] = math.nan
+    else:
+        (run.rollouts if kind == "rollout" else run.steps)[int(n)][metric] = math.nan
+    verdict = {c.id: c for c in diagnose(run)}[check]
+    assert verdict.verdict == "FAIL", verdict.summary
+    assert "nan" in verdict.summary

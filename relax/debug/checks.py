@@ -5,12 +5,14 @@ the evidence, the likely causes and the next command, in the guide's terms. `rel
 (relax/debug/doctor.py) runs them on a finished run; with `debug.strict_checks=true` the
 loop runs 3-5 and 7 at the first step (`strict_first_step`) and 6 after the first sync
 (`strict_weights`) and stops the run with the same explanation. A NaN never passes: every
-threshold is tested as `not value <= limit` (`nan > limit` is False).
+threshold is tested with `over` (`not value <= limit`) or `below` (`not value >= limit`), as
+`nan > limit` and `nan < limit` are both False; `relax compare` uses them too.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,6 +56,17 @@ def over(value: float, limit: float) -> bool:
     return not value <= limit
 
 
+def below(value: float, limit: float) -> bool:
+    """value under limit, NaN included (a plain `value < limit` passes NaN)."""
+    return not value >= limit
+
+
+def worst(values: Iterable[float], default: float = 0.0) -> float:
+    """The largest value, NaN if any is NaN: max() keeps a NaN only when it comes first."""
+    values = list(values)
+    return math.nan if any(math.isnan(v) for v in values) else max(values, default=default)
+
+
 def example_sample(run: RunData, rollout_id: int) -> dict | str | None:
     """The rollout's example sample, or why there is none."""
     if rollout_id in run.samples:
@@ -63,12 +76,12 @@ def example_sample(run: RunData, rollout_id: int) -> dict | str | None:
 
 def garbage_signals(record: dict, th: Thresholds) -> list[str]:
     signals = []
-    if record.get("rollout/invalid_token_ratio", 0) > th.invalid_token_ratio:
+    if over(record.get("rollout/invalid_token_ratio", 0), th.invalid_token_ratio):
         signals.append(f"{record['rollout/invalid_token_ratio']:.0%} of tokens undecodable or "
                        f"special mid-response")
-    if record.get("rollout/repetition_ratio", 0) > th.repetition_ratio:
+    if over(record.get("rollout/repetition_ratio", 0), th.repetition_ratio):
         signals.append(f"{record['rollout/repetition_ratio']:.0%} of responses repeat one token")
-    if record.get("rollout/format_ok_ratio", 1) < th.format_ok_min:
+    if below(record.get("rollout/format_ok_ratio", 1), th.format_ok_min):
         signals.append(f"only {record['rollout/format_ok_ratio']:.0%} of responses in the task's format")
     return signals
 
@@ -98,30 +111,38 @@ def check_first_responses(run: RunData, th: Thresholds) -> Check:
                     "<your model/rollout overrides>  # compares every engine tensor with the checkpoint"])
 
 
+def find_collapse(rollouts: list[dict], th: Thresholds) -> tuple[int, str] | None:
+    """(index, why) of the first rollout whose reward is not a number, whose responses turn to
+    garbage, or from which the reward collapses; None if there is none."""
+    rewards = [r["rollout/raw_reward"] for r in rollouts]
+    for i, reward in enumerate(rewards):
+        if not math.isfinite(reward):  # before the mean below, which a NaN would make NaN
+            return i, f"the mean reward is {reward}"
+    early = sum(rewards[:3]) / 3
+    for i in range(3, len(rollouts)):
+        signals = garbage_signals(rollouts[i], th)
+        window = rewards[i:i + 3]
+        if signals:
+            return i, "; ".join(signals)
+        if early >= 0.05 and len(window) == 3 and below(sum(window) / 3, th.collapse_fraction * early):
+            return i, f"mean reward {sum(window) / 3:.3f} vs {early:.3f} at the start"
+    return None
+
+
 def check_later_responses(run: RunData, th: Thresholds) -> Check:
     name = "responses turning to garbage later"
     if len(run.rollouts) < 4:
         return Check(2, name, SKIP, f"{len(run.rollouts)} rollouts: too few to see a trend")
     if garbage_signals(run.rollouts[0], th):
         return Check(2, name, SKIP, "the first rollout is already garbage (check 1)")
-    rewards = [r["rollout/raw_reward"] for r in run.rollouts]
-    early = sum(rewards[:3]) / 3
-    turn, why = None, ""
-    for i in range(3, len(run.rollouts)):
-        signals = garbage_signals(run.rollouts[i], th)
-        window = rewards[i:i + 3]
-        if signals:
-            turn, why = i, "; ".join(signals)
-        elif early >= 0.05 and len(window) == 3 and sum(window) / 3 < th.collapse_fraction * early:
-            turn, why = i, f"mean reward {sum(window) / 3:.3f} vs {early:.3f} at the start"
-        if turn is not None:
-            break
+    turn, why = find_collapse(run.rollouts, th) or (None, "")
     trajectory = [{k: r.get(k) for k in ("rollout_id", "rollout/raw_reward", "rollout/kl",
                                          "rollout/format_ok_ratio", "rollout/truncated_ratio")}
                   for r in run.rollouts[max(0, (turn or 0) - 3):(turn or 0) + 4]]
     if turn is None:
+        rewards = [r["rollout/raw_reward"] for r in run.rollouts]
         return Check(2, name, PASS, f"no collapse over {len(run.rollouts)} rollouts "
-                     f"(reward {early:.3f} -> {sum(rewards[-3:]) / 3:.3f})")
+                     f"(reward {sum(rewards[:3]) / 3:.3f} -> {sum(rewards[-3:]) / 3:.3f})")
     rid = run.rollouts[turn]["rollout_id"]
     return Check(
         2, name, FAIL, f"training collapsed at rollout {rid}: {why}",
@@ -146,31 +167,28 @@ def check_logprobs_vs_ref(run: RunData, th: Thresholds) -> Check:
     evidence = {"rollout_id": first["rollout_id"], "log_probs": lp, "ref_log_probs": ref,
                 "abs_diff": abs(lp - ref)}
     if run.first_train_data:
-        evidence["max_token_abs_diff"] = max(
-            (abs(a - b) for row in run.first_train_data
-             for a, b in zip(row["log_probs"], row["ref_log_probs"])), default=0.0)
+        evidence["max_token_abs_diff"] = worst(abs(a - b) for row in run.first_train_data
+                                               for a, b in zip(row["log_probs"], row["ref_log_probs"]))
     findings: list[tuple[str, str, list[str]]] = []
-    worst = max(evidence["abs_diff"], evidence.get("max_token_abs_diff", 0.0))
-    if math.isnan(evidence["abs_diff"]):
-        worst = math.nan
-    if over(worst, th.kl_tol):
-        findings.append((FAIL, f"log_probs differ from ref_log_probs by {worst:.3g} (KL != 0)", [
+    largest = worst([evidence["abs_diff"], evidence.get("max_token_abs_diff", 0.0)])
+    if over(largest, th.kl_tol):
+        findings.append((FAIL, f"log_probs differ from ref_log_probs by {largest:.3g} (KL != 0)", [
             "a non-deterministic kernel, e.g. Transformer Engine fused attention under CP: on "
             "train=megatron set train.attention_backend=flash and train.deterministic=true",
             "dropout or another random op left on in the trainer's forward"]))
     magnitude = abs(lp)
     evidence["mean_abs_log_prob"] = magnitude
-    if magnitude > th.logprob_config_error:
+    if over(magnitude, th.logprob_config_error):
         findings.append((FAIL, f"mean |log_prob| {magnitude:.2f} is very large", [
             "a training configuration error (wrong model, tokenizer or temperature)"]))
-    elif magnitude > th.logprob_magnitude:
+    elif over(magnitude, th.logprob_magnitude):
         findings.append((WARN, f"mean |log_prob| {magnitude:.2f} is above the SFT regime", [
             "data not in the model's chat template, or off its cold-start distribution"]))
     if run.chat_template_parts and run.prompts:
         prefix, suffix = run.chat_template_parts
         ok = sum(p.startswith(prefix) and p.endswith(suffix) for p in run.prompts) / len(run.prompts)
         evidence["prompts_in_chat_template"] = ok
-        if ok < 0.5:
+        if below(ok, 0.5):
             findings.append((FAIL, f"only {ok:.0%} of prompts follow the tokenizer's chat template", [
                 "prompts are not formatted with the chat template the model was trained on "
                 "(task.apply_chat_template)"]))
@@ -179,7 +197,7 @@ def check_logprobs_vs_ref(run: RunData, th: Thresholds) -> Check:
         not_checked = [f"chat template not checked: {run.samples_missing} and no rollout dump"]
         evidence["prompts_in_chat_template"] = not_checked[0]
     if not findings:
-        return Check(3, name, PASS, "; ".join([f"equal (|Δ| {worst:.1e}), mean |log_prob| "
+        return Check(3, name, PASS, "; ".join([f"equal (|Δ| {largest:.1e}), mean |log_prob| "
                                                f"{magnitude:.3f}", *not_checked]), evidence)
     verdict = max((f[0] for f in findings), key=SEVERITY.get)
     return Check(3, name, verdict, "; ".join([*(f[1] for f in findings), *not_checked]), evidence,
@@ -227,9 +245,9 @@ def check_train_rollout_diff(run: RunData, th: Thresholds) -> Check:
         return Check(5, name, SKIP, "no train steps" + left_out)
     third = max(1, len(diffs) // 3)
     first, last = sum(diffs[:third]) / third, sum(diffs[-third:]) / third
-    worst = next((d for d in diffs if not math.isfinite(d)), max(diffs))
-    evidence = {"max": worst, "first_third_mean": first, "last_third_mean": last,
-                "worst_step": diffs.index(worst), "stale_rollouts_left_out": len(stale)}
+    largest = next((d for d in diffs if not math.isfinite(d)), max(diffs))
+    evidence = {"max": largest, "first_third_mean": first, "last_third_mean": last,
+                "worst_step": diffs.index(largest), "stale_rollouts_left_out": len(stale)}
     causes = ["weight sync into the engine drops or corrupts a tensor",
               "engine and trainer compute differently (dtype, kernels, temperature)"]
     next_steps = ["relax debug.check_weight_update_equal=true debug.check_weight_update_every_sync=true "
@@ -237,10 +255,10 @@ def check_train_rollout_diff(run: RunData, th: Thresholds) -> Check:
                   "a mismatch the engine really has (e.g. rollout.dtype=bfloat16 against an fp32 trainer): "
                   "correct for it with algo.tis=token (truncated IS) or algo.mis=token (masked IS) and "
                   "watch train/mismatch_kl, train/mismatch_residual, train/tis_weight_mean"]
-    if over(worst, th.train_rollout_diff_max):
-        return Check(5, name, FAIL, f"abs diff reaches {worst:.3g} > {th.train_rollout_diff_max:g}",
+    if over(largest, th.train_rollout_diff_max):
+        return Check(5, name, FAIL, f"abs diff reaches {largest:.3g} > {th.train_rollout_diff_max:g}",
                      evidence, causes, next_steps)
-    if len(diffs) >= 6 and last > th.drift_floor and last > th.drift_ratio * first:
+    if len(diffs) >= 6 and over(last, th.drift_floor) and over(last, th.drift_ratio * first):
         return Check(5, name, WARN, f"steady upward drift: {first:.2e} -> {last:.2e}",
                      evidence, causes, next_steps)
     return Check(5, name, PASS, f"max {max(diffs):.2e}, no upward drift{left_out}", evidence)

@@ -27,8 +27,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from relax.debug.checks import over, worst
 from relax.debug.run_data import read_config
-from relax.errors import ReplayError
+from relax.errors import ConfigError, ReplayError
 from relax.files import safe_load
 from relax.logger import read_metrics
 from relax.process import describe, read_status
@@ -73,29 +74,72 @@ def load_job(path: Path) -> Job:
     _, steps = read_metrics(path)
     job.loss = [s["train/loss"] for s in steps]
     job.grad_norm = [s["train/grad_norm"] for s in steps]
-    if steps:
-        job.step_time = sum(s["perf/step_time"] for s in steps) / len(steps)
-        job.peak_memory_mb = max(s.get("perf/peak_memory_mb", 0.0) for s in steps)
+    step_times, memory = logged(steps, "perf/step_time"), logged(steps, "perf/peak_memory_mb")
+    job.step_time = sum(step_times) / len(step_times) if step_times else None
+    job.peak_memory_mb = max(memory) if memory else None
     if (path / "first_step_log_probs.pt").is_file():
-        job.log_probs = safe_load(path / "first_step_log_probs.pt")
+        job.log_probs = read_log_probs(path / "first_step_log_probs.pt")
     return job
 
 
+def logged(steps: list[dict], key: str) -> list[float]:
+    """A metric read_metrics does not require (perf/*: a custom trainer may log none), from the
+    steps that logged it as a number."""
+    return [s[key] for s in steps if isinstance(s.get(key), (int, float))]
+
+
+def read_log_probs(path: Path) -> dict[int, list[float]]:
+    """first_step_log_probs.pt: sample index -> that sample's per-token log_probs."""
+    data = safe_load(path)
+    if not all(isinstance(i, int) and isinstance(lps, list) and all(isinstance(x, (int, float)) for x in lps)
+               for i, lps in data.items()):
+        raise ReplayError(f"{path}: not first-step log_probs (a dict of sample index -> list of numbers)")
+    return data
+
+
+def is_run(path: Path) -> bool:
+    return (path / ".hydra").is_dir()  # Hydra writes it before the job starts
+
+
 def find_jobs(paths: list[Path]) -> list[Job]:
-    if len(paths) == 1 and not (paths[0] / ".hydra").is_dir():  # a multirun dir
-        paths = [p for p in paths[0].iterdir() if (p / ".hydra").is_dir()]
+    if len(paths) == 1 and not is_run(paths[0]):  # a multirun dir
+        multirun, paths = paths[0], [p for p in paths[0].iterdir() if is_run(p)]
+        if not paths:
+            raise ConfigError(f"{multirun}: neither a run dir nor a multirun dir (no subdir with .hydra/)")
         paths.sort(key=lambda p: (p / ".hydra").stat().st_mtime)  # launch order
+    for p in paths:
+        if not is_run(p):
+            raise ConfigError(f"{p} is not a run dir (no .hydra/ in it): expected a multirun dir, or "
+                              f"two or more run dirs")
     return [load_job(p) for p in paths]
 
 
+def unusable(job: Job) -> str | None:
+    """Why `job` can be neither judged nor the baseline the others are judged against (None:
+    it can): it did not complete, or it has no training steps."""
+    if job.status != "completed":
+        return job.error or f"status {job.status}"
+    if not job.loss:
+        return "no training steps in its metrics.jsonl (a debug=rollout_only run?)"
+    return None
+
+
 def pick_baseline(jobs: list[Job], name: str | None) -> Job:
+    """`--baseline NAME`, else the first `single` job, else the first job; a completed one with
+    training steps, or a ConfigError saying why none can be."""
     if name is not None:
         matches = [j for j in jobs if name in (j.name, j.layout)]
         if not matches:
-            raise SystemExit(f"relax compare: error: no job named {name!r} "
-                             f"(jobs: {', '.join(j.name for j in jobs)})")
+            raise ConfigError(f"--baseline {name!r}: no such job (jobs: {', '.join(j.name for j in jobs)})")
+        why = unusable(matches[0])
+        if why:
+            raise ConfigError(f"--baseline {name!r}: {matches[0].name} cannot be the baseline: {why}")
         return matches[0]
-    return next((j for j in jobs if j.layout == "single" and j.status == "completed"), jobs[0])
+    fit = [j for j in jobs if unusable(j) is None]
+    if not fit:
+        raise ConfigError("no job can be the baseline (a completed run with training steps): "
+                          + "; ".join(f"{j.name}: {unusable(j)}" for j in jobs))
+    return next((j for j in fit if j.layout == "single"), fit[0])
 
 
 @dataclass
@@ -105,11 +149,6 @@ class Tolerances:
     loss_atol: float = 1e-5
     strict_steps: int = 2
     envelope_margin: float = 10.0
-
-
-def over(x: float, limit: float) -> bool:
-    """x beyond limit; NaN is beyond every limit (`nan > limit` would say it is not)."""
-    return not x <= limit
 
 
 def rel(a: float, b: float) -> float:
@@ -152,23 +191,43 @@ def first_divergence(job: Job, base: Job, tol: Tolerances, env) -> tuple[int, st
     return None
 
 
+def logprob_mismatches(job: Job, base: Job) -> list[str]:
+    """Where the first-step log_probs do not have the baseline's shape, sample by sample: a
+    sample missing, extra or with other token counts cannot be judged on the overlap."""
+    lacking = list(dict.fromkeys(j.name for j in (job, base) if not j.log_probs))  # job may be base
+    if lacking:
+        return [f"no first-step log_probs to compare ({' and '.join(lacking)}: no first_step_log_probs.pt)"]
+    ours, theirs = set(job.log_probs), set(base.log_probs)
+    out = []
+    if theirs - ours:
+        out.append(f"first-step log_probs missing for baseline sample(s) "
+                   f"{fmt_series(sorted(theirs - ours), 8, 'd')}")
+    if ours - theirs:
+        out.append(f"first-step log_probs for sample(s) {fmt_series(sorted(ours - theirs), 8, 'd')} "
+                   f"that the baseline lacks")
+    for i in sorted(ours & theirs):
+        if len(job.log_probs[i]) != len(base.log_probs[i]):
+            out.append(f"sample {i}: {len(job.log_probs[i])} first-step log_probs vs "
+                       f"{len(base.log_probs[i])} in the baseline")
+    return out
+
+
 def judge(job: Job, base: Job, tol: Tolerances, twin: Job | None = None) -> None:
-    if job.status != "completed" or not job.loss:
-        job.verdict = FAILED
-        job.reasons = [job.error or f"status {job.status}"]
+    why = unusable(job)
+    if why:
+        job.verdict, job.reasons = FAILED, [why]
         return
     reasons = []
     if len(job.loss) != len(base.loss):
         reasons.append(f"{len(job.loss)} steps vs {len(base.loss)} in the baseline")
-    pairs = list(zip(job.loss, base.loss))
-    job.max_loss_diff = max(abs(a - b) for a, b in pairs)
-    job.max_grad_norm_rel_diff = max(rel(a, b) for a, b in zip(job.grad_norm, base.grad_norm))
-    common = sorted(set(job.log_probs) & set(base.log_probs))
-    if not common or len(common) != len(base.log_probs):
-        reasons.append("first-step log_probs missing for some baseline samples")
-    diffs = [abs(a - b) for i in common for a, b in zip(job.log_probs[i], base.log_probs[i])]
-    job.max_logprob_diff = max(diffs, default=float("nan"))
-    if any(math.isnan(d) for d in diffs) or over(job.max_logprob_diff, tol.logprob_atol):
+    job.max_loss_diff = worst(abs(a - b) for a, b in zip(job.loss, base.loss))
+    job.max_grad_norm_rel_diff = worst(rel(a, b) for a, b in zip(job.grad_norm, base.grad_norm))
+    reasons += logprob_mismatches(job, base)
+    diffs = [abs(a - b) for i in sorted(set(job.log_probs) & set(base.log_probs))
+             if len(job.log_probs[i]) == len(base.log_probs[i])
+             for a, b in zip(job.log_probs[i], base.log_probs[i])]
+    job.max_logprob_diff = worst(diffs) if diffs else None
+    if diffs and over(job.max_logprob_diff, tol.logprob_atol):
         reasons.append(f"max |Δ log_prob| {job.max_logprob_diff:.2e} > {tol.logprob_atol:g} (first step)")
     env = envelope(twin, base) if twin is not None else None
     job.envelope = twin.name if twin is not None else None
@@ -185,6 +244,8 @@ def plot(jobs: list[Job], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from relax.debug.doctor import save_figure
+
     fig, (ax_loss, ax_gn) = plt.subplots(1, 2, figsize=(11, 4.5))
     for job in jobs:
         if job.loss:
@@ -196,12 +257,12 @@ def plot(jobs: list[Job], out: Path) -> None:
     ax_gn.set(title="train/grad_norm per step", xlabel="step")
     ax_gn.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
+    save_figure(fig, out, dpi=100)
     plt.close(fig)
 
 
-def fmt_series(xs: list[float], limit: int = 4) -> str:
-    shown = ", ".join(f"{x:.4g}" for x in xs[:limit])
+def fmt_series(xs: list[float], limit: int = 4, fmt: str = ".4g") -> str:
+    shown = ", ".join(format(x, fmt) for x in xs[:limit])
     return shown + (f", … ({len(xs)})" if len(xs) > limit else "")
 
 
@@ -248,13 +309,12 @@ def main(argv: list[str]) -> int:
             return 2
     try:
         jobs = find_jobs(args.paths)
-    except ReplayError as e:
+        if len(jobs) < 2:
+            raise ConfigError(f"need at least two runs, found {len(jobs)}")
+        base = pick_baseline(jobs, args.baseline)
+    except (ConfigError, ReplayError) as e:
         print(f"relax compare: error: {e}", file=sys.stderr)
         return 2
-    if len(jobs) < 2:
-        print(f"relax compare: error: need at least two runs, found {len(jobs)}", file=sys.stderr)
-        return 2
-    base = pick_baseline(jobs, args.baseline)
     tol = Tolerances(args.logprob_atol, args.grad_norm_rtol, args.loss_atol, args.strict_steps,
                      args.envelope_margin)
     twin = find_twin(jobs, base)

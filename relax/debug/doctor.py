@@ -27,7 +27,15 @@ from pathlib import Path
 from relax.debug.checks import FAIL, PASS, SKIP, WARN, Check, Thresholds, as_text, diagnose
 from relax.debug.run_data import RunData, load_run
 from relax.errors import ConfigError, ReplayError
+from relax.files import atomic_open, atomic_write_text
+from relax.logger import METRICS_FILE
 from relax.process import describe, read_status
+
+
+def save_figure(fig, path: Path, dpi: int = 90) -> None:
+    """A figure as PNG, atomically (a reader never sees half an image)."""
+    with atomic_open(path) as f:
+        fig.savefig(f, format="png", dpi=dpi)
 
 
 def write_plots(run: RunData, out_dir: Path) -> list[str]:
@@ -51,7 +59,7 @@ def write_plots(run: RunData, out_dir: Path) -> list[str]:
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("rollout_id" if xs is not None else "step")
     fig.tight_layout()
-    fig.savefig(out_dir / "doctor_curves.png", dpi=90)
+    save_figure(fig, out_dir / "doctor_curves.png")
     plt.close(fig)
     written.append("doctor_curves.png")
     if run.first_train_data:
@@ -62,7 +70,7 @@ def write_plots(run: RunData, out_dir: Path) -> list[str]:
         ax.set_title("per-token log-prob differences at the first rollout")
         ax.legend()
         fig.tight_layout()
-        fig.savefig(out_dir / "doctor_logprob_hist.png", dpi=90)
+        save_figure(fig, out_dir / "doctor_logprob_hist.png")
         plt.close(fig)
         written.append("doctor_logprob_hist.png")
     return written
@@ -80,7 +88,7 @@ def write_markdown(run: RunData, checks: list[Check], plots: list[str]) -> Path:
             lines += ["", "```json", json.dumps(c.evidence, indent=2, default=str), "```"]
     lines += [""] + [f"![{p}]({p})" for p in plots]
     out = run.path / "doctor.md"
-    out.write_text("\n".join(lines) + "\n")
+    atomic_write_text(out, "\n".join(lines) + "\n")
     return out
 
 
@@ -102,7 +110,11 @@ def main(argv: list[str]) -> int:
         return 2
     state = describe(read_status(args.path))  # a run killed with SIGKILL still says running: dead
     if not run.rollouts:
-        print(f"relax doctor: error: {args.path} has no metrics.jsonl with rollouts", file=sys.stderr)
+        metrics = args.path / METRICS_FILE
+        why = (f"{metrics} holds no rollout record (the run stopped before its first rollout ended)"
+               if metrics.is_file() else f"{args.path} has no {METRICS_FILE}: not a run dir, or a run "
+               f"that stopped before its first rollout ended")
+        print(f"relax doctor: error: {why}", file=sys.stderr)
         return 2
     th = Thresholds(**{f.name: getattr(args, f.name) for f in fields(Thresholds)})
     checks = diagnose(run, th)

@@ -29,6 +29,8 @@ MAX_ROWS = 20  # longer runs: the first and last rollouts (all of them with --js
 def find_rollout_files(root: Path) -> dict[int, Path]:
     """Rollout files in a dump/run dir (rollout_data/) or a plain replay directory."""
     root = Path(root)
+    if not root.exists():
+        raise ReplayError(f"{root}: no such file or directory")
     if root.is_file():
         return {read_rollout(root)[0]["rollout_id"]: root}
     folder = root / "rollout_data" if (root / "rollout_data").is_dir() else root
@@ -89,6 +91,12 @@ def inspect(root: Path, rollout_id: int | None, sample_index: int) -> dict:
         raise ReplayError(f"rollout {chosen} has samples 0..{len(samples) - 1}")
     train = join_train(root, chosen)
     sample = samples[sample_index]
+    trained_tokens = sum(map(bool, sample["loss_mask"]))
+    if sample_index in train and len(train[sample_index]["log_probs"]) != trained_tokens:
+        raise ReplayError(f"{train[sample_index]['file']}: sample {sample_index} has "
+                          f"{len(train[sample_index]['log_probs'])} per-token log_probs, but the rollout "
+                          f"file {files[chosen]} gives it {trained_tokens} trained tokens: the files are "
+                          f"truncated or from different runs")
     if (Path(root) / "tokenizer").is_dir():  # a dump carries its tokenizer
         from relax.model import load_tokenizer
 

@@ -63,15 +63,28 @@ def read_config(path: Path) -> dict:
     return keys
 
 
+PER_TOKEN = ("log_probs", "ref_log_probs", "rollout_log_probs")  # one value per trained token
+
+
 def train_rows(path: Path) -> list[dict]:
-    """The per-sample rows of a train-data file (debug.save_train_data), checked."""
+    """The per-sample rows of a train-data file (debug.save_train_data), checked: readers zip
+    the per-token lists, so a list cut short would be compared on its overlap only."""
     data = safe_load(path)
     rows = data.get("samples")
-    keys = ("index", "log_probs", "ref_log_probs", "rollout_log_probs")
+    numbers = ("reward", "advantage")
     if not isinstance(rows, list) or not all(
             isinstance(r, dict) and isinstance(r.get("index"), int)
-            and all(isinstance(r.get(k), list) for k in keys[1:]) for r in rows):
-        raise ReplayError(f"{path}: not Relax train data (a list of samples with {', '.join(keys)})")
+            and all(isinstance(r.get(k), (int, float)) for k in numbers)
+            and all(isinstance(r.get(k), list) for k in PER_TOKEN) for r in rows):
+        raise ReplayError(f"{path}: not Relax train data (a list of samples with index, "
+                          f"{', '.join(numbers)}, {', '.join(PER_TOKEN)})")
+    for row in rows:
+        lengths = {k: len(row[k]) for k in PER_TOKEN}
+        if isinstance(row.get("loss_mask"), list):
+            lengths["trained tokens (loss_mask)"] = sum(map(bool, row["loss_mask"]))
+        if len(set(lengths.values())) > 1:
+            raise ReplayError(f"{path}: sample {row['index']}: per-token lists of different lengths "
+                              f"({', '.join(f'{k} {n}' for k, n in lengths.items())}): truncated or corrupt")
     return rows
 
 
