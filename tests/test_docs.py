@@ -225,6 +225,8 @@ def command_id(x) -> str:
 
 @pytest.mark.parametrize("doc,args", [c for c in COMMANDS if not is_tool(c[1])], ids=command_id)
 def test_every_relax_command_composes(doc, args):
+    if "hydra/launcher=ray" in args:
+        pytest.importorskip("hydra_plugins.hydra_ray_launcher", reason="needs the [ray] extra")
     for job in jobs(args):
         make_cfg(*job)  # raises on an unknown key or option, a wrong type, a comma list without -m
 
