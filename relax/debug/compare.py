@@ -1,18 +1,20 @@
 """`relax compare <multirun dir> | <run A> <run B> ...`: layout against layout, a verdict each.
 
-Every job is compared with a baseline job (the `single` layout, or `--baseline NAME`):
-the per-token log_probs of the first training step on a fixed sample set, and per-step
-loss and grad_norm. The first `--strict-steps` steps (same weights, same data: only the
-reduction order differs) must agree within the fixed tolerances. Later steps are judged
-against the baseline's own noise envelope when the sweep holds a noise twin of it
-(`parallel=twin`: the baseline with each initial weight moved by one ulp): fp32 rounding
-differences grow over a long run however correct the layout is, so a step diverges only
-when it is `--envelope-margin` times further from the baseline than the twin got by then.
-Without a twin every step is held to the fixed tolerances. NaN or Inf is always a
-divergence. A job is `equivalent`, `DIVERGED` (with the first step that left the
-tolerance or envelope) or `FAILED` (did not complete). The exit code is non-zero if any
-job diverged or failed, so a layout sweep can gate CI. A plot of loss and grad_norm per
-step by layout is written next to the runs.
+Every job is compared with a baseline job (`--baseline NAME`, else the first `single` job,
+else the first job; a job that completed with training steps, or the tool exits 2 saying
+why none is): the per-token log_probs of the first training step on a fixed sample set (a
+sample missing, extra or with another token count is a divergence), and per-step loss and
+grad_norm. The first `--strict-steps` steps (same weights, same data: only the reduction
+order differs) must agree within the fixed tolerances. Later steps are judged against the
+baseline's own noise envelope when the sweep holds a noise twin of it (`parallel=twin`: the
+baseline with each initial weight moved by one ulp): fp32 rounding differences grow over a
+long run however correct the layout is, so a step diverges only when it is
+`--envelope-margin` times further from the baseline than the twin got by then. Without a
+twin every step is held to the fixed tolerances. NaN or Inf is always a divergence. A job
+is `equivalent`, `DIVERGED` (with the first step that left the tolerance or envelope) or
+`FAILED` (did not complete, or has no training steps). The exit code is 1 if any job
+diverged or failed, so a layout sweep can gate CI (2: bad input). A plot of loss and grad_norm per step by
+layout is written next to the runs.
 """
 
 from __future__ import annotations
@@ -68,9 +70,10 @@ def load_job(path: Path) -> Job:
         job.backend, job.layout = cfg["train._target_"], cfg["parallel.name"]
         job.noise_ulp = cfg["parallel.noise_ulp"]
     status = read_status(path)
-    if status:  # a run killed with SIGKILL still says running: describe() tells it is dead
+    if status:
         job.status = status["status"]
-        job.error = describe(status) if job.status != "completed" else None
+    # a run killed with SIGKILL still says running: describe() tells it is dead
+    job.error = describe(status) if job.status != "completed" else None
     _, steps = read_metrics(path)
     job.loss = [s["train/loss"] for s in steps]
     job.grad_norm = [s["train/grad_norm"] for s in steps]

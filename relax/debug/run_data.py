@@ -107,7 +107,10 @@ def load_run(path: Path) -> RunData:
     else:
         run.samples_missing = f"no {SAMPLES_FILE} in {path} (runs before Relax wrote it lack it)"
     built = read_json(path / "built.json") if (path / "built.json").is_file() else {}
-    dump = Path(built["dump_dir"]) if built.get("dump_dir") else path
+    # a dump inside the run dir (debug=dump) is the run's own, also in a copy of the run whose
+    # built.json still names the original's
+    own = any((path / name).is_dir() for name in ("rollout_data", "train_data"))
+    dump = Path(built["dump_dir"]) if built.get("dump_dir") and not own else path
     first_id = rollouts[0]["rollout_id"] if rollouts else 0
     rollout_file = dump / "rollout_data" / f"{first_id}.pt"
     if rollout_file.is_file():
