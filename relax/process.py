@@ -23,20 +23,29 @@ import time
 from pathlib import Path
 
 from relax.errors import ConfigError, Interrupted
-from relax.files import atomic_write_text
 
 log = logging.getLogger("relax")
 STATUS_FILE = "status.json"
 HOST = socket.gethostname()
 
 
-def _start_ticks(pid: int) -> int | None:
-    """When process `pid` started (clock ticks since boot), or None if there is no such process."""
+def proc_stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, parent pid, start time in clock ticks since boot) of process `pid`, from
+    /proc/<pid>/stat (Linux), or None if there is no such process. State "Z": a zombie, a
+    process that has exited and whose parent has not reaped it yet. The one reader of /proc."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return int(stat.rpartition(")")[2].split()[19])  # field 22; fields after "(comm)" start at 3
+    fields = stat.rpartition(")")[2].split()  # after "pid (comm)", which may hold spaces: field 3 on
+    return fields[0], int(fields[1]), int(fields[19])
+
+
+def start_time(pid: int) -> int | None:
+    """When the running process `pid` started (clock ticks since boot); None when it is gone or
+    has exited (a zombie), so a run whose driver exited is never taken for a live one."""
+    stat = proc_stat(pid)
+    return None if stat is None or stat[0] == "Z" else stat[2]
 
 
 def _exists(pid: int) -> bool:
@@ -55,7 +64,7 @@ class StatusFile:
 
     def __init__(self, run_dir: Path):
         self.run_dir, self.claimed = Path(run_dir), False
-        self.identity = {"pid": os.getpid(), "host": HOST, "pid_start": _start_ticks(os.getpid()),
+        self.identity = {"pid": os.getpid(), "host": HOST, "pid_start": start_time(os.getpid()),
                          "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
     def claim(self) -> None:
@@ -70,6 +79,8 @@ class StatusFile:
 
     def write(self, status: str, **extra) -> None:
         if self.claimed:
+            from relax.files import atomic_write_text  # (imports torch, which the reaper must not load)
+
             atomic_write_text(self.run_dir / STATUS_FILE,
                               json.dumps({"status": status, **extra, **self.identity}, indent=2))
 
@@ -94,10 +105,10 @@ def is_alive(status: dict) -> bool | None:
     pid = status.get("pid")
     if not isinstance(pid, int) or status.get("host") != HOST:
         return None
-    if not _exists(pid):
-        return False
-    ticks = _start_ticks(pid)
-    return ticks is None or status.get("pid_start") in (None, ticks)
+    if not Path("/proc/self/stat").exists():  # not Linux: whether the pid exists is all one can tell
+        return _exists(pid)
+    ticks = start_time(pid)
+    return ticks is not None and status.get("pid_start") in (None, ticks)
 
 
 def live_elsewhere(status: dict | None) -> bool:

@@ -9,7 +9,7 @@ started since (pid and start time, once a second), and when the pipe from the dr
 closes — because the driver finished and stopped Ray, or because it died — the reaper
 stops whatever is still alive of them (SIGTERM, then SIGKILL) and exits. A process whose
 start time differs is a new one that reused the pid, and is left alone.
-Linux only (it reads /proc); elsewhere nothing is started.
+Linux only (it reads /proc, through relax.process); elsewhere nothing is started.
 """
 
 from __future__ import annotations
@@ -21,28 +21,16 @@ import subprocess
 import sys
 import time
 
-
-def start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (/proc/<pid>/stat field 22)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
-    except OSError:
-        return None
-    return None if fields[0] == "Z" else int(fields[19])  # a zombie has already exited
+from relax.process import proc_stat, start_time
 
 
 def descendants(root: int, since_ticks: int = 0) -> list[tuple[int, int]]:
     """(pid, start time) of every live descendant of `root` started at or after `since_ticks`."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rpartition(")")[2].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
+        stat = proc_stat(int(entry)) if entry.isdigit() else None
+        if stat:
+            children.setdefault(stat[1], []).append(int(entry))
     found, stack = [], list(children.get(root, []))
     while stack:
         pid = stack.pop()
