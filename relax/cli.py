@@ -17,6 +17,7 @@ import hydra
 from omegaconf import DictConfig
 
 from relax import config
+from relax.errors import ConfigError
 
 
 def find_conf_dir() -> Path:
@@ -115,6 +116,15 @@ def translate_args(args: list[str]) -> list[str]:
     return out + hydra_flags
 
 
+def check_launcher(overrides: list[str]) -> None:
+    """hydra/launcher=ray (or ray_aws) without the [ray] extra: Hydra itself would refuse it
+    while composing with a bare "Could not find 'hydra/launcher/ray'"."""
+    for override in overrides:
+        key, _, value = override.partition("=")
+        if key.lstrip("+~") == "hydra/launcher" and value in ("ray", "ray_aws"):
+            config.require_extra(f"hydra/launcher={value}", "hydra_plugins.hydra_ray_launcher", "ray")
+
+
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def hydra_app(cfg: DictConfig) -> None:
     from relax.loop import run_job  # imports torch: only when a job really runs
@@ -131,6 +141,11 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(module.main(args[1:]))
     config.register()
     sys.argv = [sys.argv[0], *translate_args(args)]
+    try:
+        check_launcher(sys.argv[1:])
+    except ConfigError as e:  # a Relax refusal: exit 2 (docs/reliability.md)
+        print(f"relax: error: {e}", file=sys.stderr)
+        sys.exit(2)
     before = os.environ.get("RELAX_ARGV")
     os.environ["RELAX_ARGV"] = json.dumps(sys.argv[1:])  # for jobs run in other processes (sweeps on Ray)
     try:

@@ -22,7 +22,7 @@ from relax import faults
 from relax.checkpoint import (
     check_config, check_layout, check_run_dir, find_checkpoint, read_state, reference_model, restore_history,
     resumed_run, save_checkpoint, scan)
-from relax.cluster import open_cluster
+from relax.cluster import check_cluster, open_cluster
 from relax.debug import checks
 from relax.debug.health import SAMPLES_FILE, response_health, sample_record
 from relax.debug.plan import Plan, check_dump_dir, resolve
@@ -116,6 +116,7 @@ def prepare(cfg, run_dir: Path) -> Run:
         for rollout_id, n in counts.items():
             check_batch_split(cfg, n, f"the replay file {plan.replay_files[rollout_id]}")
     evaluator = build_evaluator(cfg, task, tokenizer, plan)
+    check_cluster(cfg)  # with the other checks: a refused cluster leaves the dump dir as it was
     if plan.dump_dir:  # with the rollout/train data, enough to reproduce the run
         tokenizer.save_pretrained(plan.dump_dir / "tokenizer")
         (plan.dump_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))

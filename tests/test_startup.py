@@ -1,10 +1,159 @@
-"""Start-up checks: a run whose driver has exited but is not reaped yet (a zombie) is no live run."""
+"""Start-up refusals that come before anything is built or written: an option whose extra is
+not installed, a cluster refusal with a dump dir, a `_target_` class that cannot take the call
+the loop makes, and a run whose driver has exited but is not reaped yet (a zombie)."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
+import re
+import sys
 import time
+
+import pytest
+
+from relax.errors import ConfigError
+
+from .conftest import make_cfg, relax_cli, run_loop
+
+TINY = ["rollout.num_rollout=1", "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4",
+        "checkpoint.save_interval=null"]
+
+# On PYTHONPATH as sitecustomize.py: the named modules look not installed, both to `import` and
+# to importlib.util.find_spec, so the CLI runs its real code path without uninstalling anything.
+HIDE = '''
+import sys
+
+HIDDEN = {hidden!r}
+
+
+class Hide:
+    def find_spec(self, name, path=None, target=None):
+        if any(name == h or name.startswith(h + ".") for h in HIDDEN):
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, Hide())
+'''
+
+
+def relax_without(tmp_path, hidden: list[str], *args: str):
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(HIDE.format(hidden=hidden))
+    path = os.pathsep.join(filter(None, [str(shim), os.environ.get("PYTHONPATH")]))
+    return relax_cli(*args, cwd=tmp_path, env={"PYTHONPATH": path}, timeout=300)
+
+
+@pytest.mark.parametrize("hidden,args,expected", [
+    (["megatron"], ["train=megatron"], "train=megatron needs the module 'megatron.core'"),
+    (["ray"], ["cluster=ray"], "cluster=ray needs the module 'ray'"),
+    (["sglang"], ["rollout=sglang"], "rollout=sglang needs the module 'sglang'"),
+], ids=["megatron", "ray", "sglang"])
+def test_an_option_whose_extra_is_missing_names_the_extra_before_anything_is_written(
+        tmp_path, hidden, args, expected):
+    dump = tmp_path / "dump"
+    proc = relax_without(tmp_path, hidden, *args, *TINY, f"debug.dump_details={dump}")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, output[-3000:]
+    assert output.count(expected) == 1 and "Traceback" not in output  # one message, from Relax
+    install = {"megatron": "pip install -c constraints.txt -e '.[megatron]'",
+               "ray": "pip install -c constraints.txt -e '.[ray]'",
+               "sglang": "scripts/setup_sglang_cpu.sh"}[hidden[0]]
+    assert install in output
+    if hidden == ["sglang"]:
+        assert ".venv-sglang/bin/relax" in output
+    assert "does not import" not in output  # not taken for a typo in the class path
+    (run_dir,) = (tmp_path / "outputs" / "runs").iterdir()
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["status"] == "failed" and expected in status["error"]
+    assert not (run_dir / "built.json").exists()
+    assert not dump.exists()
+
+
+def test_the_ray_launcher_without_the_ray_extra_names_it(tmp_path):
+    proc = relax_without(tmp_path, ["ray", "hydra_plugins.hydra_ray_launcher"],
+                         "-m", "hydra/launcher=ray", "seed=1,2")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, output[-3000:]
+    assert output.strip() == (
+        "relax: error: hydra/launcher=ray needs the module 'hydra_plugins.hydra_ray_launcher', which is "
+        f"not installed in this environment ({sys.prefix}): install the [ray] extra: "
+        "pip install -c constraints.txt -e '.[ray]'")
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_a_refused_cluster_leaves_the_dump_dir_absent_and_the_corrected_rerun_dumps(tmp_path, tiny_path):
+    pytest.importorskip("ray", reason="cluster=ray's own refusals need the [ray] extra")
+    dump = tmp_path / "dump"
+    with pytest.raises(ConfigError, match="cluster.placement_strategy='RANDOM'"):
+        run_loop(tmp_path / "refused", *TINY, "cluster=ray", "cluster.placement_strategy=RANDOM",
+                 f"debug.dump_details={dump}")
+    assert not dump.exists()
+    assert not (tmp_path / "refused" / "built.json").exists()
+    rollouts, _ = run_loop(tmp_path / "rerun", *TINY, f"debug.dump_details={dump}")
+    assert [r["rollout_id"] for r in rollouts] == [0]
+    assert sorted(p.name for p in dump.iterdir()) == ["config.yaml", "rollout_data", "tokenizer",
+                                                      "train_data"]
+
+
+# Classes written to an interface other than the call the loop makes (README: "The engine,
+# trainer, task and logger are the classes ...").
+class ReadmeLogger:  # the logger README used to document: no run_config=
+    def __init__(self, run_dir, resume_from, backends=(), wandb_project="relax", wandb_entity=None):
+        pass
+
+
+class TwoArgEngine:
+    def __init__(self, cfg, model_path):
+        pass
+
+
+class RanklessTrainer:
+    def __init__(self, cfg, model_path, ref_model_path=None, pad_token_id=0, save_train_data=None):
+        pass
+
+
+class DatasetTask:
+    def __init__(self, dataset, **keys):
+        pass
+
+
+@pytest.mark.parametrize("group,target,reason", [
+    ("logger", "ReadmeLogger", "got an unexpected keyword argument 'run_config'"),
+    ("rollout", "TwoArgEngine", "too many positional arguments"),
+    ("train", "RanklessTrainer", "got an unexpected keyword argument 'rank'"),
+    ("task", "DatasetTask", "missing a required argument: 'dataset'"),
+])
+def test_a_target_class_that_cannot_take_the_loops_call_is_refused_at_start_up(tmp_path, group, target,
+                                                                                reason):
+    from relax.loop import prepare
+
+    path = f"tests.test_startup.{target}"
+    with pytest.raises(ConfigError, match=rf"^{group}\._target_='{re.escape(path)}': the loop calls it as "
+                                          rf"{target}\(.*\), which its signature \(.*\) refuses: "
+                                          rf"{re.escape(reason)}\. "):
+        prepare(make_cfg(f"{group}._target_={path}"), tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_megatron_without_package_metadata_is_a_config_error(monkeypatch):
+    import torch
+
+    from relax.train.megatron import cpu_compat
+
+    if torch.cuda.is_available():
+        pytest.skip("the version is checked on CPU only")
+
+    def no_distribution(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(cpu_compat.importlib.metadata, "version", no_distribution)
+    with pytest.raises(ConfigError, match=r"megatron-core==0\.16\.1 .*found megatron\.core without an "
+                                          r"installed megatron-core distribution"):
+        cpu_compat.check_version()
 
 
 def test_an_exited_unreaped_driver_is_dead_to_every_reader(tmp_path):

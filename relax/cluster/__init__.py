@@ -1,7 +1,7 @@
 """Where trainer ranks and rollout engines run (conf/cluster/): local processes or Ray actors.
 
 `open_cluster(cfg, run_dir)` builds the class `cluster._target_` names, after its start-up
-checks (`check_config`); it starts nothing yet. Then
+checks (`check_cluster`: its `check_config`); it starts nothing yet. Then
   cluster.build(engine_spec, trainer_spec) -> (EngineGroup | None, trainer | None)
   cluster.placement() -> where every rank and engine runs (for built.json)
   cluster.close()     -> after the trainer and engines are shut down, also on errors
@@ -22,11 +22,17 @@ from relax.config import load_target
 from relax.errors import ConfigError
 
 
-def open_cluster(cfg, run_dir):
+def check_cluster(cfg):
+    """The class `cluster._target_` names, imported, after its start-up refusals (check_config):
+    relax.loop.prepare calls this with its other checks, before it writes anything."""
     cluster = load_target(cfg, "cluster")
     if hasattr(cluster, "check_config"):
         cluster.check_config(cfg)
-    return cluster(cfg, run_dir)
+    return cluster
+
+
+def open_cluster(cfg, run_dir):
+    return check_cluster(cfg)(cfg, run_dir)
 
 
 class LocalCluster:

@@ -20,8 +20,15 @@ import socket
 import time
 import traceback
 
-import ray
 from omegaconf import OmegaConf
+
+from relax.config import require_extra
+
+try:
+    import ray
+except ImportError:
+    require_extra("cluster=ray", "ray")  # not installed: name the extra, not the module
+    raise  # installed, but broken: its own error
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

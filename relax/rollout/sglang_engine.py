@@ -27,6 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from relax import faults
+from relax.config import require_extra
 from relax.errors import ConfigError
 from relax.model import read_hf_config
 from relax.rollout import Generation, SamplingParams, engine_dtype, num_engines, prompt_seeds
@@ -113,16 +114,12 @@ class SGLangEngine:
         if not GPU and num_engines(cfg) > 1:
             raise ConfigError(f"rollout=sglang on CPU runs one engine; got rollout.num_engines="
                               f"{cfg.rollout.num_engines} (rollout=torch runs several)")
+        require_extra("rollout=sglang", "sglang")  # at start-up, not when the engine is built
 
     def __init__(self, cfg, model_path: Path, eos_token_ids: list[int], pad_token_id: int,
                  base_gpu_id: int = 0):
         """`pad_token_id` is unused: SGLang batches prompts of any length without padding."""
-        try:
-            import sglang
-        except ImportError:
-            raise ConfigError("rollout=sglang needs SGLang: build its environment with "
-                              "scripts/setup_sglang_cpu.sh (CPU) or pip install sglang (GPU), then "
-                              "run relax from that environment (.venv-sglang/bin/relax)") from None
+        import sglang  # (check_config made sure it is installed)
         self.cfg, self.eos = cfg, eos_token_ids
         self.hf_config = read_hf_config(model_path)
         self.engine = sglang.Engine(**engine_args(cfg, model_path, base_gpu_id))

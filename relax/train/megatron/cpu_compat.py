@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
+from relax.config import require_extra
 from relax.errors import ConfigError
 
 MEGATRON_VERSION = "0.16.1"
@@ -42,7 +43,13 @@ _applied = False
 
 
 def check_version() -> None:
-    version = importlib.metadata.version("megatron-core")
+    """megatron-core is installed (the [megatron] extra) and, on CPU, is the version this layer
+    was written against."""
+    require_extra("train=megatron", "megatron.core")
+    try:
+        version = importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:  # megatron.core imports from a source tree
+        version = "megatron.core without an installed megatron-core distribution"
     if version != MEGATRON_VERSION and not torch.cuda.is_available():
         raise ConfigError(
             f"train=megatron on CPU needs megatron-core=={MEGATRON_VERSION} (its CPU compatibility "
