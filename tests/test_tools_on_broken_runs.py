@@ -124,6 +124,7 @@ BROKEN = {
     "fewer_samples": lambda run: edit_log_probs(run, lambda lp: {i: v for i, v in lp.items() if i < 4}),
     "train_data_cut": lambda run: edit_train_row(run, lambda row: row["log_probs"].pop()),
     "train_data_of_another_run": train_data_of_another_run,
+    "train_data_text": lambda run: edit_train_row(run, lambda row: row.update(log_probs=["-0.1"] * 3)),
     "rollout_log_probs_cut": rollout_log_probs_cut,
     "rollout_file_cut": lambda run: cut(run / "rollout_data" / "0.pt", 0.5),
     "bad_checkpoint": bad_checkpoint,
@@ -163,6 +164,9 @@ CASES = [
      r"\d+ rollout_log_probs"),
     ("inspect", ["train_data_cut"], [], 2,
      r"train_data/0_0.pt: sample 0: per-token lists of different lengths"),
+    ("inspect", ["train_data_text"], [], 2,
+     r"train_data/0_0.pt: not Relax train data \(a list of samples with index, reward, advantage and lists "
+     r"of numbers log_probs"),
     ("inspect", ["train_data_of_another_run"], [], 2,
      r"train_data/0_0.pt: sample 0 has \d+ per-token log_probs, but the rollout file .*0.pt gives it \d+"),
     ("compare", ["rollout_only", "good"], [], 1, r"rollout_only: no training steps in its metrics.jsonl"),

@@ -13,8 +13,8 @@ long run however correct the layout is, so a step diverges only when it is
 twin every step is held to the fixed tolerances. NaN or Inf is always a divergence. A job
 is `equivalent`, `DIVERGED` (with the first step that left the tolerance or envelope) or
 `FAILED` (did not complete, or has no training steps). The exit code is 1 if any job
-diverged or failed, so a layout sweep can gate CI (2: bad input). A plot of loss and grad_norm per step by
-layout is written next to the runs.
+diverged or failed, so a layout sweep can gate CI (2: bad input). A plot of loss and
+grad_norm per step by layout is written next to the runs.
 """
 
 from __future__ import annotations

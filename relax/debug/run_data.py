@@ -75,9 +75,10 @@ def train_rows(path: Path) -> list[dict]:
     if not isinstance(rows, list) or not all(
             isinstance(r, dict) and isinstance(r.get("index"), int)
             and all(isinstance(r.get(k), (int, float)) for k in numbers)
-            and all(isinstance(r.get(k), list) for k in PER_TOKEN) for r in rows):
+            and all(isinstance(r.get(k), list) and all(isinstance(x, (int, float)) for x in r[k])
+                    for k in PER_TOKEN) for r in rows):
         raise ReplayError(f"{path}: not Relax train data (a list of samples with index, "
-                          f"{', '.join(numbers)}, {', '.join(PER_TOKEN)})")
+                          f"{', '.join(numbers)} and lists of numbers {', '.join(PER_TOKEN)})")
     for row in rows:
         lengths = {k: len(row[k]) for k in PER_TOKEN}
         if isinstance(row.get("loss_mask"), list):
