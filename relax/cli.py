@@ -16,7 +16,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from relax import config
+from relax import config, targets
 from relax.errors import ConfigError
 
 
@@ -56,6 +56,7 @@ SUBCOMMANDS = {
     "inspect": "relax.debug.inspect",
     "compare": "relax.debug.compare",
     "doctor": "relax.debug.doctor",
+    "convert-gguf": "relax.model.gguf",
 }
 
 
@@ -122,7 +123,7 @@ def check_launcher(overrides: list[str]) -> None:
     for override in overrides:
         key, _, value = override.partition("=")
         if key.lstrip("+~") == "hydra/launcher" and value in ("ray", "ray_aws"):
-            config.require_extra(f"hydra/launcher={value}", "hydra_plugins.hydra_ray_launcher", "ray")
+            targets.require_extra(f"hydra/launcher={value}", "hydra_plugins.hydra_ray_launcher", "ray")
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")

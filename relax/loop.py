@@ -30,7 +30,7 @@ from relax.debug.weights import WeightCheck
 from relax.eval import Evaluator, build_evaluator
 from relax.errors import (CheckFailed, ConfigError, DiskFull, Interrupted, NonFiniteError, ReplayError,
                           RolloutError)
-from relax.config import instantiate, load_target
+from relax.targets import instantiate, load_target
 from relax.logger import check_backends, plot_run
 from relax.model import load_tokenizer, read_hf_config, resolve_model_path
 from relax.files import append_jsonl, atomic_save, fill

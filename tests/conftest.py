@@ -79,6 +79,16 @@ def tiny_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """The real model (model=smollm2), obtained once per machine into the Relax cache: the
+    first test run downloads and converts it (~1-2 min), later ones reuse it."""
+    pytest.importorskip("gguf", reason="model=smollm2 needs the `real` extra")
+    from relax.model import resolve_model_path
+
+    return resolve_model_path(make_cfg("model=smollm2").model)
+
+
+@pytest.fixture(scope="session")
 def tokenizer(tiny_path):
     from relax.model import load_tokenizer
 

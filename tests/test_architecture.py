@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "relax"
 # sibling in its own layer or anything above.
 LAYERS = [
     {"errors", "__init__"},
-    {"sample", "config", "files", "faults", "distributed"},
+    {"sample", "config", "targets", "files", "faults", "distributed"},
     {"algo", "task", "logger", "process"},
     {"model"},
     {"replay", "checkpoint"},
@@ -74,7 +74,7 @@ def test_the_checker_sees_upward_imports(tmp_path):
 
 
 def test_no_file_over_400_lines():
-    files = [p for p in PACKAGE.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+    files = [p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts]  # code, not shipped weights
     assert len(files) > 40  # the check sees the package
     too_long = {str(p.relative_to(PACKAGE.parent)): n for p in files
                 if (n := len(p.read_text().splitlines())) > 400}

@@ -18,7 +18,7 @@ import os
 
 from omegaconf import OmegaConf
 
-from relax.config import load_target
+from relax.targets import load_target
 from relax.errors import ConfigError
 
 

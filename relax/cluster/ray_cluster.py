@@ -22,7 +22,7 @@ import traceback
 
 from omegaconf import OmegaConf
 
-from relax.config import require_extra
+from relax.targets import require_extra
 
 try:
     import ray

@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from relax.config import load_target
+from relax.targets import load_target
 from relax.errors import ConfigError
 
 

@@ -17,7 +17,7 @@ prompts are the task's (rollout_id, round) prompts, so a resumed run draws the s
 from __future__ import annotations
 
 import math
-from relax.config import load_function
+from relax.targets import load_function
 from relax.errors import ConfigError, RolloutError
 from relax.rollout import SamplingParams
 from relax.rollout.client import Batcher

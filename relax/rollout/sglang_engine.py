@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from relax import faults
-from relax.config import require_extra
+from relax.targets import require_extra
 from relax.errors import ConfigError
 from relax.model import read_hf_config
 from relax.rollout import Generation, SamplingParams, engine_dtype, num_engines, prompt_seeds

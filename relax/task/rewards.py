@@ -19,7 +19,7 @@ import inspect
 import numbers
 import traceback
 
-from relax.config import load_function
+from relax.targets import load_function
 from relax.errors import ConfigError, RolloutError
 from relax.sample import Sample
 

@@ -25,7 +25,7 @@ import math
 
 from omegaconf import DictConfig, OmegaConf
 
-from relax.config import load_target
+from relax.targets import load_target
 from relax.errors import ConfigError
 
 

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from relax.config import require_extra
+from relax.targets import require_extra
 from relax.errors import ConfigError
 
 MEGATRON_VERSION = "0.16.1"
