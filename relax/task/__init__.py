@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from relax.config import instantiate
+from relax.targets import instantiate
 from relax.errors import ConfigError, NonFiniteError
 from relax.task import word_problems
 from relax.task.arithmetic import make_problem
