@@ -44,7 +44,7 @@ def test_greedy_equals_hf_greedy(tiny_path, tokenizer, lo, hi, repeat):
         assert len({len(p) for p in prompts}) > 1  # the batch really needs padding
     gens = engine_for(tiny_path, tokenizer).generate(prompts, SamplingParams(0.0, 1.0, 8), seed=0)
     model = load_causal_lm(tiny_path, "float32")
-    for prompt, gen in zip(prompts, gens):
+    for prompt, gen in zip(prompts, gens, strict=True):
         assert gen.tokens == hf_greedy(model, prompt, tokenizer, 8)
     assert any(g.status == "completed" for g in gens)
 
@@ -56,7 +56,7 @@ def test_rollout_log_probs_match_teacher_forced_forward(tiny_path, tokenizer, te
         prompts, SamplingParams(temperature, 1.0, 8), seed=3)
     model = load_causal_lm(tiny_path, "float32")
     worst = 0.0
-    for prompt, gen in zip(prompts, gens):
+    for prompt, gen in zip(prompts, gens, strict=True):
         tokens = torch.tensor([prompt + gen.tokens])
         with torch.no_grad():
             lp, _ = token_log_probs(model(tokens).logits[:, :-1], tokens[:, 1:], temperature)
@@ -108,10 +108,10 @@ def test_moe_model_greedy_and_log_probs_match_hf(moe_path, tokenizer):
     engine = engine_for(moe_path, tokenizer)
     greedy = engine.generate(prompts, SamplingParams(0.0, 1.0, 6), seed=0)
     model = load_causal_lm(moe_path, "float32")
-    for prompt, gen in zip(prompts, greedy):
+    for prompt, gen in zip(prompts, greedy, strict=True):
         assert gen.tokens == hf_greedy(model, prompt, tokenizer, 6)
     sampled = engine.generate(prompts, SamplingParams(1.0, 1.0, 6), seed=1)
-    for prompt, gen in zip(prompts, sampled):
+    for prompt, gen in zip(prompts, sampled, strict=True):
         tokens = torch.tensor([prompt + gen.tokens])
         with torch.no_grad():
             lp, _ = token_log_probs(model(tokens).logits[:, :-1], tokens[:, 1:])

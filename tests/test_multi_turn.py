@@ -49,8 +49,8 @@ def check_tool_masks(dump, tokenizer, num_rollout: int) -> None:
             assert mask == [1] * first + [0] * len(tool) + [1] * (len(mask) - first - len(tool))
             assert response[first:first + len(tool)] == tool and len(mask) > first + len(tool)
             assert response[first - 1] == tokenizer.eos_token_id  # the first turn ended
-            assert all(lp == 0.0 for lp, m in zip(s["rollout_log_probs"], mask) if not m)
-            assert all(lp < 0 for lp, m in zip(s["rollout_log_probs"], mask) if m)
+            assert all(lp == 0.0 for lp, m in zip(s["rollout_log_probs"], mask, strict=True) if not m)
+            assert all(lp < 0 for lp, m in zip(s["rollout_log_probs"], mask, strict=True) if m)
             assert s["response"] == s["metadata"]["turns"][-1]["text"]
 
 

@@ -57,7 +57,7 @@ def test_weight_sync_makes_engine_match_trainer(tiny_path, tokenizer):
     after = [g.tokens for g in engine.generate(prompts, greedy, 0)]
     assert after != before
     with torch.no_grad():  # the engine now generates what the trainer's model would
-        for prompt, tokens in zip(prompts, after):
+        for prompt, tokens in zip(prompts, after, strict=True):
             x = torch.tensor([prompt + tokens[:-1]])
             expected = trainer.model(x).logits[0, len(prompt) - 1:].argmax(-1).tolist()
             assert tokens == expected
