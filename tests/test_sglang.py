@@ -58,7 +58,8 @@ def test_greedy_tokens_and_log_probs_match_the_torch_engine(sglang_engine, tiny_
     reference = torch_engine(tiny_path, tokenizer).generate(prompts, GREEDY, seed=0)
     assert [g.tokens for g in ours] == [g.tokens for g in reference]
     assert [g.status for g in ours] == [g.status for g in reference]
-    worst = max(abs(a - b) for g, h in zip(ours, reference) for a, b in zip(g.log_probs, h.log_probs))
+    worst = max(abs(a - b) for g, h in zip(ours, reference, strict=True)
+                for a, b in zip(g.log_probs, h.log_probs, strict=True))
     assert worst < 1e-5
 
 
@@ -71,7 +72,7 @@ def test_sampled_log_probs_are_the_trainers(sglang_engine, tiny_path, tokenizer)
     prompts = chat_prompts(tokenizer, 16, repeat=4)
     gens = sglang_engine.generate(prompts, SamplingParams(0.7, 1.0, 8), seed=0)
     model = load_causal_lm(tiny_path, "float32")
-    for prompt, gen in zip(prompts, gens):
+    for prompt, gen in zip(prompts, gens, strict=True):
         tokens = torch.tensor([prompt + gen.tokens])
         with torch.no_grad():
             lp, _ = token_log_probs(model(tokens).logits[:, :-1], tokens[:, 1:], 0.7)
@@ -123,7 +124,7 @@ def test_after_a_train_step_and_sync_sglang_generates_the_trainers_policy(
     after = [g.tokens for g in sglang_engine.generate(prompts, GREEDY, 0)]
     assert after != before
     with torch.no_grad():
-        for prompt, tokens in zip(prompts, after):
+        for prompt, tokens in zip(prompts, after, strict=True):
             x = torch.tensor([prompt + tokens[:-1]])
             assert tokens == trainer.model(x).logits[0, len(prompt) - 1:].argmax(-1).tolist()
 
@@ -220,14 +221,46 @@ def test_a_dropped_engine_buffer_is_named_and_stops_a_strict_run(tmp_path):
     assert sglang_processes() == already
 
 
+def test_a_colocated_engine_is_unchanged_by_release_and_resume(tiny_path, tokenizer):
+    """rollout.colocate=true: the engine gives its memory up while the trainer runs
+    (relax.loop.train). On GPU the setting reaches SGLang as its memory saver; on CPU there is no
+    accelerator memory to give up, SGLang runs without it, and release/resume keep every tensor.
+    Either way, once resumed (on GPU: and given the weights again, as the loop's sync after
+    training does), the engine holds the tensors it had, buffers included (SGLang stashes them
+    across a release), and generates what it did before."""
+    gpu = torch.cuda.is_available()
+    engine = SGLangEngine(make_cfg("rollout=sglang", "rollout.colocate=true"), tiny_path,
+                          [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    try:
+        assert engine.engine.server_args.enable_memory_saver is gpu
+        prompts = chat_prompts(tokenizer, 8, 1, 999)
+        before, tensors = engine.generate(prompts, GREEDY, seed=0), engine.named_tensors()
+        engine.release_memory_occupation()
+        engine.resume_memory_occupation()
+        if gpu:  # the memory saver gave the weights' memory up: the sync after training refills it
+            engine.update_weights(load_safetensors_dir(tiny_path))
+        after, tensors_after = engine.generate(prompts, GREEDY, seed=0), engine.named_tensors()
+    finally:
+        engine.shutdown()
+    assert tensors_after.keys() == tensors.keys() and ROTARY_CACHE in tensors
+    assert [k for k, t in tensors.items() if not torch.equal(tensors_after[k], t)] == []
+    # the same tensors and prompts: the same tokens and log-probs, bit for bit (measured on CPU)
+    assert [(g.tokens, g.log_probs) for g in after] == [(g.tokens, g.log_probs) for g in before]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs, memory saver)")
 def test_colocated_loop_on_gpu(tmp_path):
-    """On GPU: CUDA graphs on, and the memory saver releases the engine around training."""
+    """On GPU: CUDA graphs on, and the memory saver releases the engine around training; after
+    each resume and sync the engine's tensors, buffers included, equal the trainer's."""
     proc = relax_cli("rollout=sglang", "rollout.colocate=true", "rollout.num_rollout=2",
                      "rollout.rollout_batch_size=4", "checkpoint.save_interval=null",
-                     cwd=tmp_path, entry=[sys.executable, "-m", "relax"])
+                     "debug.check_weight_update_equal=true", "debug.check_weight_update_every_sync=true",
+                     "hydra.run.dir=outputs/colocated", cwd=tmp_path, entry=[sys.executable, "-m", "relax"])
     assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "outputs/colocated/weight_check.json").read_text())
+    assert report["passed"] and [(c["stage"], c["rollout_id"]) for c in report["checks"]] == [
+        ("load", None), ("sync", None), ("sync", 0), ("sync", 1)]
 
 
 @pytest.mark.gpu
