@@ -15,17 +15,20 @@ POLICY_LOSSES = ("ppo", "gspo")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
+def ppo_clip(advantages, ratio, eps_clip: float, eps_clip_high: float):
+    """max(-A·r, -A·clip(r, 1-eps, 1+eps_high)) per token, and where the clipped term won."""
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - eps_clip, 1 + eps_clip_high)
+    return torch.maximum(unclipped, clipped), (clipped > unclipped).float()
+
+
 def policy_loss(log_probs, old_log_probs, advantages, eps_clip: float, eps_clip_high: float,
                 eps_clip_c: float | None = 3.0):
     """PPO-clip per token, max(-A·r, -A·clip(r, 1-eps, 1+eps_high)), and for A < 0 the dual
     clip min(that, -A·eps_clip_c): a token whose ratio exploded cannot dominate the step.
     Returns the loss, the clip flags (upper/lower and dual), and the per-token KL(old||new)."""
     log_ratio = (log_probs - old_log_probs).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1 - eps_clip, 1 + eps_clip_high)
-    loss = torch.maximum(unclipped, clipped)
-    clipfrac = (clipped > unclipped).float()
+    loss, clipfrac = ppo_clip(advantages, torch.exp(log_ratio), eps_clip, eps_clip_high)
     clipfrac_lower = torch.zeros_like(loss)
     if eps_clip_c is not None:
         bound = -advantages * eps_clip_c
@@ -45,11 +48,8 @@ def gspo_loss(log_probs, old_log_probs, advantages, mask, eps_clip: float, eps_c
         lengths = seq_sum(mask).clamp(min=1)
         seq_log_ratio = seq_sum((log_probs - old_log_probs) * mask) / lengths
     log_ratio = (log_probs - log_probs.detach() + seq_log_ratio[:, None]).clamp(max=10.0)
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1 - eps_clip, 1 + eps_clip_high)
-    loss = torch.maximum(unclipped, clipped)
-    return loss, (clipped > unclipped).float(), torch.zeros_like(loss), old_log_probs - log_probs
+    loss, clipfrac = ppo_clip(advantages, torch.exp(log_ratio), eps_clip, eps_clip_high)
+    return loss, clipfrac, torch.zeros_like(loss), old_log_probs - log_probs
 
 
 def sequence_loss_scales(token_counts: list[int], mode: str, horizon: int) -> list[float]:

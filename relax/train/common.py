@@ -11,6 +11,7 @@ context parallelism cut sequences anywhere.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,7 @@ from relax.algo import (compute_advantages, gspo_loss, kl_estimate, masked_sum, 
                         policy_loss, rollout_is_weights, sequence_loss_scales)
 from relax.files import atomic_save, fill
 from relax.sample import Sample, group_size_of
+from relax.train.parallel import dp_all_gather, dp_all_reduce
 
 FIRST_STEP_SAMPLES = 16  # per-token log-probs of these sample indices go to layout comparisons
 STEP_KEYS = ("train/loss", "train/pg_loss", "train/pg_clipfrac", "train/pg_clipfrac_lower", "train/ppo_kl",
@@ -177,6 +179,46 @@ def objective(log_probs: torch.Tensor, entropy: torch.Tensor, mb: MicroBatch, al
             masked_sum(x.detach(), mb.mask) for x in (pg, clipfrac, clipfrac_lower, ppo_kl, kl, entropy, diff,
                                                       mismatch, residual, is_weights, truncated, dropped)])
     return loss, sums
+
+
+class TrainLog:
+    """A rollout's training report, kept alike by every backend on the ranks that hold the
+    results (train=megatron: the last pipeline stage): a record per optimizer step, the steps
+    skipped as non-finite (`train.on_nonfinite`), then the rollout's metrics, its train dump
+    (debug.save_train_data) and, at the run's first step, the first samples' log-probs."""
+
+    def __init__(self, layout, with_ref: bool):
+        self.layout, self.with_ref = layout, with_ref
+        self.steps: list[dict] = []
+        self.nonfinite: list[dict] = []
+
+    def step(self, step: int, step_mbs: list[MicroBatch], mb_losses: list[torch.Tensor], sums: torch.Tensor,
+             num_tokens, grad_norm: float, stepped: bool, lr: float, started: float, peak_memory_mb: float,
+             skipped_steps: int) -> None:
+        """One optimizer step that `stepped` or was skipped; `sums` and `num_tokens` are over DP
+        ranks, `mb_losses` this rank's train/loss sum per micro-batch, `started` its perf_counter()."""
+        if not stepped:  # the samples of the non-finite micro-batches, from every DP rank
+            bad = dp_all_gather(nonfinite_indices(step_mbs, mb_losses), self.layout)
+            self.nonfinite.append(nonfinite_event(step, (sums[0] / num_tokens).item(), grad_norm,
+                                                  [i for part in bad for i in part]))
+        self.steps.append(step_record(sums, num_tokens, grad_norm, lr, time.perf_counter() - started,
+                                      peak_memory_mb, skipped_steps, self.with_ref))
+
+    def result(self, micro_batches: list[MicroBatch], first_step: bool, save_to: str | None,
+               rollout_id: int, samples: list[Sample], advantages: torch.Tensor, kl_type: str) -> dict:
+        """What `train()` returns, from the micro-batches of the steps that ran (all, unless
+        train.on_nonfinite=error stopped the rollout); `save_to`: the debug.save_train_data template."""
+        layout = self.layout
+        trained = [mb for mb in micro_batches if mb.old_log_probs is not None]
+        out = {"rollout": rollout_record(dp_all_reduce(rollout_sums(trained), layout), self.with_ref),
+               "steps": self.steps, "nonfinite": self.nonfinite}
+        if save_to and layout.writes_data:
+            save_train_data(save_to, rollout_id, layout.dp_rank, layout.rank, samples, trained, advantages,
+                            kl_type, self.steps)
+        if first_step:
+            first = dp_all_gather(first_step_log_probs(trained), layout)
+            out["first_step_log_probs"] = {i: lp for part in first for i, lp in part.items()}
+        return out
 
 
 def step_record(sums: torch.Tensor, num_tokens, grad_norm: float, lr: float, seconds: float,

@@ -25,7 +25,7 @@ from relax.train import common
 from relax.train.common import MicroBatch
 from relax.train.weight_sync import DistributedWeightSync
 from relax.train.parallel import (
-    apply_layout, check_torch_layout, clip_grad_norm, dp_all_gather, dp_all_reduce, full_tensor,
+    apply_layout, check_torch_layout, clip_grad_norm, dp_all_reduce, full_tensor,
     init_layout, peak_memory_mb)
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ class TorchTrainer(DistributedWeightSync):
         if old:  # (without this pass, each training forward attaches its own)
             common.attach_is_weights(micro_batches, self.cfg.algo)
 
-        step_metrics, nonfinite = [], []
+        log = common.TrainLog(self.layout, ref)
         for step, step_mbs in enumerate(steps):
             t0 = time.perf_counter()
             num_tokens = dp_all_reduce(sum(mb.mask.sum() for mb in step_mbs), self.layout)
@@ -127,25 +127,13 @@ class TorchTrainer(DistributedWeightSync):
             finite = math.isfinite(grad_norm) and bool(torch.isfinite(sums[0]))
             if finite:  # a non-finite step never reaches the weights (nor Adam's moments)
                 self.optimizer.step()
-            else:
-                self.skipped_steps += 1
-                bad = dp_all_gather(common.nonfinite_indices(step_mbs, mb_losses), self.layout)
-                nonfinite.append(common.nonfinite_event(step, (sums[0] / num_tokens).item(), grad_norm,
-                                                        [i for part in bad for i in part]))
-            step_metrics.append(common.step_record(
-                sums, num_tokens, grad_norm, self.optimizer.param_groups[0]["lr"],
-                time.perf_counter() - t0, peak_memory_mb(), self.skipped_steps, ref))
+            self.skipped_steps += not finite
+            log.step(step, step_mbs, mb_losses, sums, num_tokens, grad_norm, finite,
+                     self.optimizer.param_groups[0]["lr"], t0, peak_memory_mb(), self.skipped_steps)
             if not finite and t.on_nonfinite == "error":
                 break
-        trained = [mb for mb in micro_batches if mb.old_log_probs is not None]  # (all, unless a step stopped)
-        rollout_metrics = common.rollout_record(dp_all_reduce(common.rollout_sums(trained), self.layout), ref)
-        if self.save_train_data and self.layout.writes_data:
-            common.save_train_data(self.save_train_data, rollout_id, self.layout.dp_rank, self.layout.rank,
-                                   samples, trained, advantages, self.cfg.algo.kl_loss_type, step_metrics)
-        out = {"rollout": rollout_metrics, "steps": step_metrics, "nonfinite": nonfinite}
-        if self.first_step:
-            first = dp_all_gather(common.first_step_log_probs(trained), self.layout)
-            out["first_step_log_probs"] = {i: lp for part in first for i, lp in part.items()}
+        out = log.result(micro_batches, self.first_step, self.save_train_data, rollout_id, samples,
+                         advantages, self.cfg.algo.kl_loss_type)
         self.first_step = False
         return out
 

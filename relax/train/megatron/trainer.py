@@ -30,7 +30,7 @@ from relax.train.megatron.layout import init_layout
 from relax.train.megatron.model import (
     GPU, build_chunks, deterministic_mode, transformer_config, wrap_for_training)
 from relax.train.megatron.weights import Weights, load_optimizer_state, save_optimizer_state
-from relax.train.parallel import dp_all_gather, dp_all_reduce, peak_memory_mb
+from relax.train.parallel import dp_all_reduce, peak_memory_mb
 from relax.train.weight_sync import DistributedWeightSync
 
 
@@ -99,7 +99,7 @@ class MegatronTrainer(DistributedWeightSync):
                     mb.old_log_probs, mb.entropy = old_out[k]
             if old:  # (without this pass, each training forward attaches its own)
                 common.attach_is_weights(micro_batches, self.cfg.algo)
-        step_metrics, nonfinite = [], []
+        log = common.TrainLog(layout, ref)
         for step, step_mbs in enumerate(steps):
             t0 = time.perf_counter()
             for chunk in self.actor:
@@ -114,28 +114,14 @@ class MegatronTrainer(DistributedWeightSync):
             self.skipped_steps += not stepped
             if last:
                 num_tokens = dp_all_reduce(sum(mb.mask.sum() for mb in step_mbs), layout)
-                if not stepped:
-                    bad = dp_all_gather(common.nonfinite_indices(step_mbs, [x[0] for x in losses]), layout)
-                    nonfinite.append(common.nonfinite_event(step, (sums[0] / num_tokens).item(), grad_norm,
-                                                            [i for part in bad for i in part]))
-                step_metrics.append(common.step_record(
-                    sums, num_tokens, grad_norm, self.optimizer.param_groups[0]["lr"],
-                    time.perf_counter() - t0, peak, self.skipped_steps, ref))
+                log.step(step, step_mbs, [x[0] for x in losses], sums, num_tokens, grad_norm, stepped,
+                         self.optimizer.param_groups[0]["lr"], t0, peak, self.skipped_steps)
             if not stepped and t.on_nonfinite == "error":
                 break
         result = None
         if last:
-            trained = [mb for mb in micro_batches if mb.old_log_probs is not None]  # (all, unless stopped)
-            sums = dp_all_reduce(common.rollout_sums(trained), layout)
-            result = {"rollout": common.rollout_record(sums, ref), "steps": step_metrics,
-                      "nonfinite": nonfinite}
-            if self.save_train_data and layout.writes_data:
-                common.save_train_data(self.save_train_data, rollout_id, layout.dp_rank, layout.rank,
-                                       samples, trained, advantages, self.cfg.algo.kl_loss_type,
-                                       step_metrics)
-            if self.first_step:
-                first = dp_all_gather(common.first_step_log_probs(trained), layout)
-                result["first_step_log_probs"] = {i: lp for part in first for i, lp in part.items()}
+            result = log.result(micro_batches, self.first_step, self.save_train_data, rollout_id, samples,
+                                advantages, self.cfg.algo.kl_loss_type)
         self.first_step = False
         return self._from_last_stage(result)
 
