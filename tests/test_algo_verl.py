@@ -6,10 +6,11 @@ Two references:
   `compute_grpo_outcome_advantage` and `compute_reinforce_plus_plus_outcome_advantage`
   (gamma 1), `compute_policy_loss_gspo`, and `rollout_corr_helper.compute_rollout_correction_weights`
   (TIS); they always run.
-- when verl itself imports (it is not a Relax dependency: its pins conflict with ours;
-  `pip install --no-deps verl==0.9.1 tensordict pyvers cloudpickle orjson codetiming
-  pylatexenc` into a side directory on PYTHONPATH is enough), the same comparisons run
-  against verl's own functions.
+- verl's own functions, the same comparisons (`test_against_verl_itself`). verl is no
+  Relax dependency (it pins transformers<5.11, among others): the test command installs the
+  [verl] extra (tensordict<=0.10.0 and codetiming, what verl's modules import here), then
+  `pip install --no-deps verl==0.9.1`. Without verl that test is skipped; in CI it fails
+  (tests/extras.py).
 Inputs include extreme log-ratios (|Δ| up to 1e4) and groups of one.
 """
 
@@ -26,11 +27,7 @@ from relax.algo import (group_advantages, gspo_loss, kl_estimate, policy_loss, r
                         rollout_is_weights, sequence_loss_scales)
 from relax.algo.losses import LOSS_AGG_MODES
 
-try:  # pragma: no cover - depends on the machine
-    from verl.trainer.ppo import core_algos as verl_core
-    from verl.trainer.ppo import rollout_corr_helper as verl_corr
-except Exception:  # noqa: BLE001 - any import failure means "not available"
-    verl_core = verl_corr = None
+from .extras import VERL, require
 
 
 # -- verl 0.9.1, restated -------------------------------------------------------------------
@@ -201,9 +198,10 @@ def test_token_tis_matches_verl_rollout_correction():
     assert torch.allclose(weights, verl_tis_token(old, lp, mask, 2.0), rtol=1e-6)
 
 
-@pytest.mark.skipif(verl_core is None, reason="verl 0.9.1 is not importable here")
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
-def test_against_verl_itself(mode):  # pragma: no cover - needs verl on the path
+def test_against_verl_itself(mode):
+    verl_core = require("verl.trainer.ppo.core_algos", VERL)
+    verl_corr = require("verl.trainer.ppo.rollout_corr_helper", VERL)
     old, lp, adv, mask = batch()
     config = OmegaConf.create({"clip_ratio": 0.2, "clip_ratio_low": None, "clip_ratio_high": None,
                                "clip_ratio_c": 3.0, "global_batch_info": {"loss_scale_factor": 7}})

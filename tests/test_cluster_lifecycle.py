@@ -18,7 +18,15 @@ import pytest
 from relax.logger import read_metrics
 
 from .conftest import only_run_dir, relax_cli, run_loop
+from .extras import RAY, require
 from .test_cluster import ROLES, TINY, alive, on, placement, replay, wait_gone
+
+
+@pytest.fixture(autouse=True)
+def needs_ray():
+    """Every test here runs a job on Ray (checked per test that runs, not at import: the
+    SGLang tier collects this file too)."""
+    require("ray", RAY)
 
 
 @pytest.mark.slow

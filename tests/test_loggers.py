@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 from relax.errors import ConfigError
 
 from .conftest import make_cfg, run_loop
+from .extras import TENSORBOARD, WANDB, require
 
 RUN = ["logger=wandb", "logger.backends=[tensorboard,wandb]", "rollout.num_rollout=2",
        "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=2", "checkpoint.save_interval=null"]
@@ -48,6 +49,8 @@ def of_type(records, kind: str) -> list:
 @pytest.fixture(scope="module")
 def logged(tmp_path_factory):
     """A 2-rollout run logging to metrics.jsonl, TensorBoard and W&B (offline) at once."""
+    require("wandb", WANDB)
+    require("tensorboard", TENSORBOARD)
     run_dir = tmp_path_factory.mktemp("loggers") / "run"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("WANDB_MODE", "offline")  # never the network
