@@ -18,6 +18,8 @@ from omegaconf import open_dict
 from relax import config as relax_config
 from relax.cli import CONF_DIR, translate_args
 
+from . import extras
+
 REPO = Path(__file__).resolve().parents[1]
 torch.set_num_threads(1)
 
@@ -81,11 +83,16 @@ def tiny_path() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """The real model (model=smollm2), obtained once per machine into the Relax cache: the
-    first test run downloads and converts it (~1-2 min), later ones reuse it."""
-    pytest.importorskip("gguf", reason="model=smollm2 needs the `real` extra")
+    first test run downloads and converts it (~1-2 min), later ones reuse it (converting
+    needs the [real] extra; the SGLang environment reads the converted copy)."""
     from relax.model import resolve_model_path
+    from relax.model.gguf import packaged_model_dir
 
-    return resolve_model_path(make_cfg("model=smollm2").model)
+    cfg = make_cfg("model=smollm2").model
+    if not (packaged_model_dir(cfg) / "relax_model.json").is_file():
+        extras.require("gguf", extras.REAL)
+
+    return resolve_model_path(cfg)
 
 
 @pytest.fixture(scope="session")

@@ -10,9 +10,10 @@ from relax.errors import ConfigError
 from relax.sample import Sample
 from relax.task import answers, build_task, word_problems
 
+from . import extras
 from .conftest import make_cfg
 
-pytest.importorskip("math_verify", reason="the `real` extra (math-verify) is not installed")
+extras.require("math_verify", extras.REAL)
 
 
 @pytest.mark.parametrize("fn, response, label, expected", [
