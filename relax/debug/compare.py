@@ -4,17 +4,23 @@ Every job is compared with a baseline job (`--baseline NAME`, else the first `si
 else the first job; a job that completed with training steps, or the tool exits 2 saying
 why none is): the per-token log_probs of the first training step on a fixed sample set (a
 sample missing, extra or with another token count is a divergence), and per-step loss and
-grad_norm. The first `--strict-steps` steps (same weights, same data: only the reduction
-order differs) must agree within the fixed tolerances. Later steps are judged against the
-baseline's own noise envelope when the sweep holds a noise twin of it (`parallel=twin`: the
-baseline with each initial weight moved by one ulp): fp32 rounding differences grow over a
-long run however correct the layout is, so a step diverges only when it is
-`--envelope-margin` times further from the baseline than the twin got by then. Without a
-twin every step is held to the fixed tolerances. NaN or Inf is always a divergence. A job
-is `equivalent`, `DIVERGED` (with the first step that left the tolerance or envelope) or
-`FAILED` (did not complete, or has no training steps). The exit code is 1 if any job
-diverged or failed, so a layout sweep can gate CI (2: bad input). A plot of loss and
-grad_norm per step by layout is written next to the runs.
+grad_norm. A job "departs" at the first step whose difference leaves the step-0 tolerances.
+
+With a noise twin of the baseline in the compared jobs (`parallel=twin`: the baseline with
+each initial weight moved by one ulp) the twin's distance from the baseline is the measured
+rounding noise, and one noise model judges everything: the step-0 tolerances are
+max(fixed, `--envelope-margin` x the twin's step-0 difference); a step diverges when it is
+further from the baseline than max(that, margin x the twin's largest difference by then),
+judged up to the twin's own departure (at least `--strict-steps`). Past it fp32 rounding
+differences grow chaotically however correct the layout is, so later steps are judged for
+NaN/Inf only. What tells a broken layout from a correct one is how early it departs: one
+departing before the twin's departure step / `--departure-ratio` is a divergence even
+inside the envelope. Without a twin only the first `--strict-steps` steps are judged, by
+the fixed tolerances, and the output says so. NaN or Inf is always a divergence. A job is
+`equivalent`, `DIVERGED` (with the first step that diverged) or `FAILED` (did not
+complete, or has no training steps). The exit code is 1 if any job diverged or failed, so
+a layout sweep can gate CI (2: bad input). A plot of loss and grad_norm per step by layout
+is written next to the runs.
 """
 
 from __future__ import annotations
@@ -59,7 +65,11 @@ class Job:
     max_grad_norm_rel_diff: float | None = None
     max_loss_diff: float | None = None
     diverged_at_step: int | None = None
-    envelope: str | None = None  # the twin whose distance from the baseline bounded later steps
+    envelope: str | None = None  # the noise twin whose distance from the baseline set the limits
+    departed_at_step: int | None = None  # first step beyond the step-0 tolerances (`tolerances`)
+    judged_steps: int = 0  # steps 0..judged_steps-1 judged by size; every step for NaN/Inf
+    tolerances: dict[str, float] = field(default_factory=dict)  # step 0's, after the twin's scaling
+    notes: list[str] = field(default_factory=list)  # what was not judged, and why
 
 
 def load_job(path: Path) -> Job:
@@ -152,45 +162,149 @@ class Tolerances:
     loss_atol: float = 1e-5
     strict_steps: int = 2
     envelope_margin: float = 10.0
+    departure_ratio: float = 4.0
 
 
 def rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
+def finite(job: Job) -> bool:
+    return all(math.isfinite(x) for x in (*job.loss, *job.grad_norm))
+
+
 def find_twin(jobs: list[Job], base: Job) -> Job | None:
-    """A completed noise twin of the baseline (same backend, initial weights nudged)."""
+    """A completed noise twin of the baseline (same backend, initial weights nudged) with as many
+    steps and finite metrics (a NaN twin measures no noise; it is DIVERGED itself)."""
     return next((j for j in jobs if j.noise_ulp > 0 and j.status == "completed" and j is not base
-                 and j.backend == base.backend and len(j.loss) == len(base.loss)), None)
+                 and j.backend == base.backend and len(j.loss) == len(base.loss) and finite(j)), None)
+
+
+# the per-step metrics, each with its name in the reasons and its fixed tolerance
+STEP_METRICS = (("grad_norm", "grad_norm rel Δ", "grad_norm_rtol"), ("loss", "|Δ loss|", "loss_atol"))
+
+
+def step_diffs(job: Job, base: Job) -> list[dict[str, float]]:
+    """Per step, the grad_norm rel Δ and |Δ loss| against the baseline."""
+    return [{"grad_norm": rel(gn, b_gn), "loss": abs(loss - b_loss)}
+            for loss, b_loss, gn, b_gn in zip(job.loss, base.loss, job.grad_norm, base.grad_norm)]
 
 
 def envelope(twin: Job, base: Job) -> list[tuple[float, float]]:
     """Per step, the largest |Δ loss| and grad_norm rel Δ the twin reached by then."""
     out, loss_max, gn_max = [], 0.0, 0.0
-    for t_loss, b_loss, t_gn, b_gn in zip(twin.loss, base.loss, twin.grad_norm, base.grad_norm):
-        loss_max, gn_max = max(loss_max, abs(t_loss - b_loss)), max(gn_max, rel(t_gn, b_gn))
+    for d in step_diffs(twin, base):
+        loss_max, gn_max = max(loss_max, d["loss"]), max(gn_max, d["grad_norm"])
         out.append((loss_max, gn_max))
     return out
 
 
-def first_divergence(job: Job, base: Job, tol: Tolerances, env) -> tuple[int, str] | None:
-    """The first step outside the strict tolerances (or, past the strict steps, the envelope)."""
-    for step, (loss, b_loss, gn, b_gn) in enumerate(zip(job.loss, base.loss, job.grad_norm, base.grad_norm)):
-        for name, value in (("train/loss", loss), ("train/grad_norm", gn)):
+def departure(diffs: list[dict[str, float]], floor: dict[str, float]) -> int | None:
+    """The first step whose difference from the baseline leaves `floor` (None: none does)."""
+    return next((t for t, d in enumerate(diffs) if any(over(d[m], floor[m]) for m, _, _ in STEP_METRICS)),
+                None)
+
+
+def max_logprob_diff(job: Job, base: Job) -> float | None:
+    """max |Δ| of the first-step per-token log_probs over the samples of the baseline's shape."""
+    diffs = [abs(a - b) for i in sorted(set(job.log_probs) & set(base.log_probs))
+             if len(job.log_probs[i]) == len(base.log_probs[i])
+             for a, b in zip(job.log_probs[i], base.log_probs[i])]
+    return worst(diffs) if diffs else None
+
+
+@dataclass
+class Noise:
+    """What every job's difference from the baseline is judged against: one noise model.
+
+    Without a twin: the fixed tolerances, on the first `strict_steps` steps only. With a twin
+    (the baseline with every initial weight moved by one ulp) the twin's own distance from the
+    baseline is the measured rounding noise: the step-0 tolerances are max(fixed, margin x the
+    twin's step-0 difference) (`floor`), a step's limit is max(floor, margin x the twin's
+    running-max difference by then), and steps are judged by size only up to the twin's
+    departure (its first step beyond `floor`): past it fp32 rounding differences have grown
+    chaotic, so their size says nothing about a layout."""
+    floor: dict[str, float]  # logprob, grad_norm, loss: the step-0 tolerances
+    judged_steps: int  # steps 0..judged_steps-1 are judged by size (all: NaN/Inf)
+    twin: Job | None = None
+    env: list[tuple[float, float]] = field(default_factory=list)
+    twin_departed_at_step: int | None = None
+    margin: float = 10.0
+    departure_ratio: float = 4.0
+
+    def limit(self, step: int, metric: str) -> float:
+        if self.twin is None:
+            return self.floor[metric]
+        reached = self.env[step][0 if metric == "loss" else 1]
+        return max(self.floor[metric], self.margin * reached)
+
+    def early(self, steps: int) -> float | None:
+        """Departing before this step is departing too early (None without a twin): a correct
+        layout departs about when the twin does, a broken one at once. A twin that never departs
+        in the run departs after its last step, so its step count is a lower bound."""
+        if self.twin is None:
+            return None
+        d = self.twin_departed_at_step if self.twin_departed_at_step is not None else steps
+        return d / self.departure_ratio
+
+    def notes(self, steps: int) -> list[str]:
+        if self.judged_steps >= steps:
+            return []
+        if self.twin is None:
+            return [f"steps >= {self.judged_steps} not judged: add parallel=twin to the sweep to judge "
+                    f"them against the baseline's rounding noise (NaN/Inf checked at every step)"]
+        return [f"steps >= {self.judged_steps} not judged by size: {self.twin.name} departed from the "
+                f"baseline at step {self.twin_departed_at_step}, past which fp32 rounding differences "
+                f"grow chaotically (NaN/Inf checked at every step)"]
+
+
+def noise_model(base: Job, tol: Tolerances, twin: Job | None = None) -> Noise:
+    fixed = {"logprob": tol.logprob_atol, "grad_norm": tol.grad_norm_rtol, "loss": tol.loss_atol}
+    steps = len(base.loss)
+    if twin is None:
+        return Noise(fixed, min(tol.strict_steps, steps), margin=tol.envelope_margin,
+                     departure_ratio=tol.departure_ratio)
+    diffs = step_diffs(twin, base)
+    step0 = {"logprob": max_logprob_diff(twin, base) or 0.0, **(diffs[0] if diffs else {})}
+    floor = {k: max(v, tol.envelope_margin * step0.get(k, 0.0)) for k, v in fixed.items()}
+    departed = departure(diffs, floor)
+    judged = min(steps, max(tol.strict_steps, steps if departed is None else departed))
+    return Noise(floor, judged, twin, envelope(twin, base), departed, tol.envelope_margin,
+                 tol.departure_ratio)
+
+
+def maybe_noise(value: float, limit: float, noise: Noise) -> str:
+    """Without a twin, a difference within `margin` times the fixed tolerance may be plain
+    rounding noise (a deep model's exceeds tolerances set on a 2-layer one); a broken layout's
+    is orders of magnitude larger."""
+    if noise.twin is not None or not value <= noise.margin * limit:
+        return ""
+    return (f"; within {noise.margin:g}x the tolerance: may be the rounding noise of a deep model, "
+            f"add parallel=twin to the sweep to measure it")
+
+
+def first_divergence(job: Job, base: Job, noise: Noise) -> tuple[int, str] | None:
+    """The first step with a NaN/Inf, a difference beyond the noise model's limit (judged steps
+    only), or a departure before `noise.early()`."""
+    where = "tolerance" if noise.twin is None else f"noise envelope: {noise.margin:g} x {noise.twin.name}"
+    early, departed = noise.early(len(base.loss)), False
+    for step, d in enumerate(step_diffs(job, base)):
+        for name, value in (("train/loss", job.loss[step]), ("train/grad_norm", job.grad_norm[step])):
             if not math.isfinite(value):
                 return step, f"step {step}: {name} is {value}"
-        d_loss, d_gn = abs(loss - b_loss), rel(gn, b_gn)
-        if env is not None and step >= tol.strict_steps:
-            env_loss, env_gn = env[step]
-            loss_limit = tol.envelope_margin * env_loss + tol.loss_atol
-            gn_limit = tol.envelope_margin * env_gn + tol.grad_norm_rtol
-            where = f"the noise envelope ({tol.envelope_margin:g} x twin)"
-        else:
-            loss_limit, gn_limit, where = tol.loss_atol, tol.grad_norm_rtol, "tolerance"
-        if over(d_gn, gn_limit):
-            return step, f"step {step}: grad_norm rel Δ {d_gn:.2e} > {gn_limit:.2e} ({where})"
-        if over(d_loss, loss_limit):
-            return step, f"step {step}: |Δ loss| {d_loss:.2e} > {loss_limit:.2e} ({where})"
+        for metric, label, _ in STEP_METRICS:
+            if step < noise.judged_steps:
+                limit = noise.limit(step, metric)
+                if over(d[metric], limit):
+                    return step, (f"step {step}: {label} {d[metric]:.2e} > {limit:.2e} ({where})"
+                                  + maybe_noise(d[metric], limit, noise))
+            if early is not None and not departed and over(d[metric], noise.floor[metric]):
+                departed = True
+                if step < early:
+                    return step, (f"step {step}: {label} {d[metric]:.2e} > {noise.floor[metric]:.2e}: "
+                                  f"departs from the baseline before step {early:g}, 1/"
+                                  f"{noise.departure_ratio:g} of the step {noise.twin.name} departs at "
+                                  f"(a correct layout departs about when the twin does)")
     return None
 
 
@@ -215,7 +329,10 @@ def logprob_mismatches(job: Job, base: Job) -> list[str]:
     return out
 
 
-def judge(job: Job, base: Job, tol: Tolerances, twin: Job | None = None) -> None:
+def judge(job: Job, base: Job, tol: Tolerances, twin: Job | None = None,
+          noise: Noise | None = None) -> None:
+    noise = noise or noise_model(base, tol, twin)
+    twin = noise.twin
     why = unusable(job)
     if why:
         job.verdict, job.reasons = FAILED, [why]
@@ -226,18 +343,23 @@ def judge(job: Job, base: Job, tol: Tolerances, twin: Job | None = None) -> None
     job.max_loss_diff = worst(abs(a - b) for a, b in zip(job.loss, base.loss))
     job.max_grad_norm_rel_diff = worst(rel(a, b) for a, b in zip(job.grad_norm, base.grad_norm))
     reasons += logprob_mismatches(job, base)
-    diffs = [abs(a - b) for i in sorted(set(job.log_probs) & set(base.log_probs))
-             if len(job.log_probs[i]) == len(base.log_probs[i])
-             for a, b in zip(job.log_probs[i], base.log_probs[i])]
-    job.max_logprob_diff = worst(diffs) if diffs else None
-    if diffs and over(job.max_logprob_diff, tol.logprob_atol):
-        reasons.append(f"max |Δ log_prob| {job.max_logprob_diff:.2e} > {tol.logprob_atol:g} (first step)")
-    env = envelope(twin, base) if twin is not None else None
+    job.max_logprob_diff = max_logprob_diff(job, base)
     job.envelope = twin.name if twin is not None else None
-    found = first_divergence(job, base, tol, env)
+    job.judged_steps = min(noise.judged_steps, len(job.loss))
+    job.tolerances = {f"{k}_{'rtol' if k == 'grad_norm' else 'atol'}": v for k, v in noise.floor.items()}
+    job.departed_at_step = departure(step_diffs(job, base), noise.floor)
+    job.notes = noise.notes(len(job.loss))
+    limit = noise.floor["logprob"]
+    if job.max_logprob_diff is not None and over(job.max_logprob_diff, limit):
+        job.departed_at_step = job.diverged_at_step = 0
+        scaled = "" if twin is None else f" (max of {tol.logprob_atol:g} and {noise.margin:g} x {twin.name})"
+        reasons.append(f"max |Δ log_prob| {job.max_logprob_diff:.2e} > {limit:.2e}{scaled} (first step)"
+                       + maybe_noise(job.max_logprob_diff, limit, noise))
+    found = first_divergence(job, base, noise)
     if found:
-        job.diverged_at_step = found[0]
-        reasons.append(found[1])
+        step, why = found
+        job.diverged_at_step = step if job.diverged_at_step is None else min(step, job.diverged_at_step)
+        reasons.append(why)
     job.verdict, job.reasons = (DIVERGED, reasons) if reasons else (EQUIVALENT, [])
 
 
@@ -269,12 +391,16 @@ def fmt_series(xs: list[float], limit: int = 4, fmt: str = ".4g") -> str:
     return shown + (f", … ({len(xs)})" if len(xs) > limit else "")
 
 
-def render(jobs: list[Job], base: Job, console: Console) -> None:
-    twin = next((j.envelope for j in jobs if j.envelope), None)
+def render(jobs: list[Job], base: Job, noise: Noise, console: Console) -> None:
+    if noise.twin is None:
+        title = "no noise twin: fixed tolerances"
+    else:
+        departed = ("does not depart" if noise.twin_departed_at_step is None
+                    else f"departs at step {noise.twin_departed_at_step}")
+        title = f"noise twin {noise.twin.name}, {departed}"
     table = Table("job", "backend", "layout", "status", "loss / step", "grad_norm / step",
-                  "max |Δ logp|", "grad_norm rel Δ", "step s", "peak MB", "verdict", "diverged at",
-                  title=f"relax compare (baseline: {base.name}; "
-                        f"{f'later steps within the noise envelope of {twin}' if twin else 'no noise twin'})")
+                  "max |Δ logp|", "grad_norm rel Δ", "step s", "peak MB", "verdict", "departs",
+                  "diverged at", title=f"relax compare (baseline: {base.name}; {title})")
     color = {EQUIVALENT: "green", DIVERGED: "red", FAILED: "red"}
     num = lambda x: "-" if x is None else f"{x:.2e}"  # noqa: E731
     for j in jobs:
@@ -284,11 +410,17 @@ def render(jobs: list[Job], base: Job, console: Console) -> None:
                       "-" if j.step_time is None else f"{j.step_time:.3f}",
                       "-" if j.peak_memory_mb is None else f"{j.peak_memory_mb:.0f}",
                       f"[{color[j.verdict]}]{j.verdict}[/]",
+                      "-" if j.departed_at_step is None else f"step {j.departed_at_step}",
                       "-" if j.diverged_at_step is None else f"step {j.diverged_at_step}")
     console.print(table)
     for j in jobs:
         if j.reasons:
             console.print(f"[red]{j.name}[/]: " + "; ".join(j.reasons))
+    tol = ", ".join(f"{k} {v:.2e}" for k, v in next((j.tolerances for j in jobs if j.tolerances), {}).items())
+    if tol:
+        console.print(f"step-0 tolerances: {tol}", highlight=False)
+    for note in noise.notes(len(base.loss)):
+        console.print(f"note: {note}", highlight=False)
 
 
 def main(argv: list[str]) -> int:
@@ -300,12 +432,23 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--grad-norm-rtol", type=float, default=1e-4, help="max relative Δ of grad_norm")
     ap.add_argument("--loss-atol", type=float, default=1e-5, help="max |Δ| of the per-step loss")
     ap.add_argument("--strict-steps", type=int, default=2,
-                    help="steps held to the fixed tolerances; later ones to the twin's envelope")
+                    help="steps always judged by size (without a twin, the only ones)")
     ap.add_argument("--envelope-margin", type=float, default=10.0,
-                    help="how many times the twin's distance from the baseline a later step may be")
+                    help="how many times the twin's distance from the baseline a job's may be")
+    ap.add_argument("--departure-ratio", type=float, default=4.0,
+                    help="a job leaving the step-0 tolerances before the twin's departure step / "
+                         "this is DIVERGED")
     ap.add_argument("--plot", type=Path, help="where to write the plot (default: next to the runs)")
     ap.add_argument("--json", action="store_true", help="machine-readable output")
     args = ap.parse_args(argv)
+    bad = [f"--{k.replace('_', '-')} {v!r}" for k, v in vars(args).items()
+           if k in ("logprob_atol", "grad_norm_rtol", "loss_atol", "envelope_margin", "departure_ratio")
+           and not (math.isfinite(v) and v >= (1 if k in ("envelope_margin", "departure_ratio") else 0))]
+    bad += [f"--strict-steps {args.strict_steps}"] if args.strict_steps < 0 else []
+    if bad:
+        print(f"relax compare: error: {', '.join(bad)}: tolerances must be finite and >= 0, "
+              f"--envelope-margin and --departure-ratio >= 1, --strict-steps >= 0", file=sys.stderr)
+        return 2
     for p in args.paths:
         if not p.is_dir():
             print(f"relax compare: error: {p} is not a directory", file=sys.stderr)
@@ -319,17 +462,20 @@ def main(argv: list[str]) -> int:
         print(f"relax compare: error: {e}", file=sys.stderr)
         return 2
     tol = Tolerances(args.logprob_atol, args.grad_norm_rtol, args.loss_atol, args.strict_steps,
-                     args.envelope_margin)
-    twin = find_twin(jobs, base)
+                     args.envelope_margin, args.departure_ratio)
+    noise = noise_model(base, tol, find_twin(jobs, base))
     for job in jobs:
-        judge(job, base, tol, twin)
+        judge(job, base, tol, noise=noise)
     out = args.plot or (args.paths[0] / "compare.png")
     plot(jobs, out)
     if args.json:
-        print(json.dumps({"baseline": base.name, "plot": str(out), "jobs": [
-            {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(j).items() if k != "log_probs"}
-            for j in jobs]}))
+        print(json.dumps({"baseline": base.name, "plot": str(out),
+                          "twin": noise.twin.name if noise.twin else None,
+                          "twin_departed_at_step": noise.twin_departed_at_step,
+                          "judged_steps": noise.judged_steps, "notes": noise.notes(len(base.loss)),
+                          "jobs": [{k: (str(v) if isinstance(v, Path) else v)
+                                    for k, v in vars(j).items() if k != "log_probs"} for j in jobs]}))
     else:
-        render(jobs, base, Console(width=200))
+        render(jobs, base, noise, Console(width=200))
         print(f"plot: {out}")
     return 0 if all(j.verdict == EQUIVALENT for j in jobs) else 1
