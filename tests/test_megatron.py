@@ -67,8 +67,10 @@ def test_layout_sweep_with_megatron_is_equivalent(tmp_path, deep_replay):
     jobs = {j["layout"]: j for j in report["jobs"]}
     assert set(jobs) == {"single", "tp2", "pp2", "tp2pp2", "vpp2", "cp2", "dp2", "tp2sp"}
     assert all(j["backend"] == MEGATRON for j in jobs.values())
-    assert len(jobs["single"]["grad_norm"]) == 4 and jobs["single"]["grad_norm"][0] > 0.1
-    for layout, job in jobs.items():
+    assert report["baseline"] == "parallel=single"
+    base = jobs.pop("single")
+    assert len(base["grad_norm"]) == 4 and base["grad_norm"][0] > 0.1
+    for layout, job in jobs.items():  # each layout against the baseline
         # vpp2 guards gloo trap 1 (batched p2p), cp2 trap 2 (two K/V all-gathers)
         assert job["verdict"] == "equivalent", (layout, job["reasons"])
         assert job["max_logprob_diff"] <= 1e-5 and job["max_grad_norm_rel_diff"] <= 1e-4, layout
@@ -178,15 +180,23 @@ def test_version_check_refuses_other_megatron_versions(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Transformer Engine, NCCL)")
 def test_transformer_engine_specs_match_torch_on_gpu(tmp_path, deep_replay):
-    """On GPU, train=megatron uses TE layer specs and NCCL; it must still match train=torch."""
+    """On GPU, train=megatron uses TE layer specs and NCCL; it must still match train=torch.
+    The model is fp32, for which TE disables its FlashAttention and cuDNN fused attention
+    (bf16/fp16 only): `unfused` is TE's fp32 attention (`flash` would leave it none)."""
     runs = []
-    for backend, extra in (("torch", []), ("megatron", ["train.attention_backend=flash",
+    for backend, extra in (("torch", []), ("megatron", ["train.attention_backend=unfused",
                                                         "train.deterministic=true"])):
         proc = relax_cli(*DEEP, *replay(deep_replay), f"train={backend}", *extra,
                          f"hydra.run.dir=outputs/{backend}", cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs.append(str(tmp_path / "outputs" / backend))
-    out = relax_cli("compare", *runs, "--json", "--logprob-atol", "1e-3", cwd=tmp_path)
+    # TE runs fp32 GEMMs as TF32 (cublaslt_gemm.cu: CUBLAS_COMPUTE_32F_FAST_TF32, 10-bit
+    # mantissa); torch keeps full fp32 (allow_tf32=False). Not yet measured on a GPU: TF32
+    # emulated on CPU (inputs of every decoder-layer GEMM, forward and backward, truncated or
+    # rounded to 10 bits) moves this run's first-step log-probs by at most 2.2e-4 and its grad
+    # norms by at most 2.5e-4 relative, against the defaults 1e-5 and 1e-4; 1e-3 leaves 4x.
+    out = relax_cli("compare", *runs, "--json", "--logprob-atol", "1e-3", "--grad-norm-rtol", "1e-3",
+                    cwd=tmp_path)
     assert out.returncode == 0, out.stdout
 
 
@@ -211,7 +221,10 @@ def test_loss_variants_are_the_same_under_dp_cp_and_both_backends(tmp_path, deep
     out = relax_cli("compare", *map(str, jobs), "--json", cwd=tmp_path)
     report = json.loads(out.stdout)
     assert out.returncode == 0, report
-    assert [j["verdict"] for j in report["jobs"]] == ["equivalent"] * 4
+    assert report["baseline"] == "parallel=single"
+    # dp2, cp2 and the torch trainer's dp2, each against the baseline
+    assert [(j["name"], j["verdict"]) for j in report["jobs"][1:]] == [
+        ("parallel=dp2", "equivalent"), ("parallel=cp2", "equivalent"), ("torch_dp2", "equivalent")]
     steps = [json.loads(line) for line in (jobs[0] / "metrics.jsonl").read_text().splitlines()]
     steps = [s for s in steps if "train/tis_weight_mean" in s]
     assert steps[0]["train/mis_dropfrac"] > 0 and steps[0]["train/tis_weight_mean"] != 1.0
