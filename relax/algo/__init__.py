@@ -28,10 +28,14 @@ def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum()
 
 
-def token_log_probs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0):
-    """log p(target) under softmax(logits / temperature), and the entropy of that softmax."""
+def token_log_probs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                    entropy_grad: bool = True):
+    """log p(target) under softmax(logits / temperature), and the entropy of that softmax
+    (without a graph unless `entropy_grad`: with algo.entropy_coef=0 it is only a metric, and
+    its graph would hold two more vocabulary-wide tensors per position until backward)."""
     logp = (logits.float() / temperature).log_softmax(-1)
-    entropy = -(logp.exp() * logp).sum(-1)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = -(logp.exp() * logp).sum(-1)
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy
 
 

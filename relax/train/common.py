@@ -63,6 +63,12 @@ def advantages_of(samples: list[Sample], algo) -> torch.Tensor:
     return compute_advantages(rewards, group_size_of(samples), token_counts, algo)
 
 
+def first_trained_position(mb: MicroBatch) -> int:
+    """The first position any row of `mb` trains on (0 for a micro-batch of padding rows)."""
+    trained = mb.mask.any(0).nonzero()
+    return int(trained[0]) if len(trained) else 0
+
+
 def make_micro_batch(samples: list[Sample], advantages: torch.Tensor, pad_id: int,
                      length: int | None = None, rows: int | None = None,
                      scales: dict[int, float] | None = None) -> MicroBatch:

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 
@@ -83,7 +84,15 @@ class TorchTrainer(DistributedWeightSync):
         return contextlib.nullcontext()
 
     def _log_probs(self, model, mb: MicroBatch):
-        return token_log_probs(model(input_ids=mb.tokens).logits, mb.targets, self.temperature)
+        """Per-token log-probs and entropy, [b, T]; the output layer runs only from the first
+        trained position on (a prompt's positions predict nothing that is trained: for a chat
+        model with a system prompt that is most of the sequence, and each of those positions
+        costs a vocabulary-wide matmul and softmax), zeros before it (masked out)."""
+        first = common.first_trained_position(mb)
+        logits = model(input_ids=mb.tokens, logits_to_keep=mb.tokens.shape[1] - first).logits
+        log_probs, entropy = token_log_probs(logits, mb.targets[:, first:], self.temperature,
+                                             entropy_grad=self.cfg.algo.entropy_coef != 0)
+        return F.pad(log_probs, (first, 0)), F.pad(entropy, (first, 0))
 
     # -- the algorithm ---------------------------------------------------------------------
     def train(self, rollout_id: int, samples: list[Sample]) -> dict:
