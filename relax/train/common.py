@@ -15,10 +15,11 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from relax import faults
 from relax.algo import (compute_advantages, gspo_loss, kl_estimate, masked_sum, mismatch_kl, mismatch_ratio,
-                        policy_loss, rollout_is_weights, sequence_loss_scales)
+                        policy_loss, rollout_is_weights, sequence_loss_scales, token_log_probs)
 from relax.files import atomic_save, fill
 from relax.sample import Sample, group_size_of
 from relax.train.parallel import dp_all_gather, dp_all_reduce
@@ -67,6 +68,16 @@ def first_trained_position(mb: MicroBatch) -> int:
     """The first position any row of `mb` trains on (0 for a micro-batch of padding rows)."""
     trained = mb.mask.any(0).nonzero()
     return int(trained[0]) if len(trained) else 0
+
+
+def trained_log_probs(logits: torch.Tensor, mb: MicroBatch, first: int, temperature: float,
+                      entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs and entropy, [b, T], from `logits` of positions `first`.. (or of all
+    positions, then cut there): the vocabulary-wide softmax runs only where something is
+    trained, zeros before (masked out)."""
+    logits = logits[:, first - mb.tokens.shape[1] + logits.shape[1]:]
+    log_probs, entropy = token_log_probs(logits, mb.targets[:, first:], temperature, entropy_grad)
+    return F.pad(log_probs, (first, 0)), F.pad(entropy, (first, 0))
 
 
 def make_micro_batch(samples: list[Sample], advantages: torch.Tensor, pad_id: int,

@@ -13,11 +13,10 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 
-from relax.algo import masked_sum, token_log_probs
+from relax.algo import masked_sum
 from relax import faults
 from relax.model import load_causal_lm, save_hf_dir
 from relax.files import atomic_save, safe_load
@@ -90,9 +89,7 @@ class TorchTrainer(DistributedWeightSync):
         costs a vocabulary-wide matmul and softmax), zeros before it (masked out)."""
         first = common.first_trained_position(mb)
         logits = model(input_ids=mb.tokens, logits_to_keep=mb.tokens.shape[1] - first).logits
-        log_probs, entropy = token_log_probs(logits, mb.targets[:, first:], self.temperature,
-                                             entropy_grad=self.cfg.algo.entropy_coef != 0)
-        return F.pad(log_probs, (first, 0)), F.pad(entropy, (first, 0))
+        return common.trained_log_probs(logits, mb, first, self.temperature, self.cfg.algo.entropy_coef != 0)
 
     # -- the algorithm ---------------------------------------------------------------------
     def train(self, rollout_id: int, samples: list[Sample]) -> dict:

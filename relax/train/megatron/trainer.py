@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from relax.algo import masked_sum, token_log_probs
+from relax.algo import masked_sum
 from relax.model import save_hf_dir
 from relax.sample import Sample, log_prob_temperature
 from relax.train import common
@@ -151,9 +151,15 @@ class MegatronTrainer(DistributedWeightSync):
             dist.all_reduce(total, group=self.layout.cp_group)
         return total
 
+    def _log_probs(self, logits: torch.Tensor, mb: MicroBatch):
+        """Megatron's output layer covers every position; the softmax only the trained ones
+        (under CP a rank's positions are not contiguous: all of them)."""
+        first = common.first_trained_position(mb) if self.layout.cp_size == 1 else 0
+        return common.trained_log_probs(logits, mb, first, self.temperature, self.cfg.algo.entropy_coef != 0)
+
     def _loss(self, mb: MicroBatch, whole: MicroBatch, logits: torch.Tensor):
         """`mb`: this CP rank's part of the micro-batch `whole` (the same object without CP)."""
-        log_probs, entropy = token_log_probs(logits, mb.targets, self.temperature)
+        log_probs, entropy = self._log_probs(logits, mb)
         loss, sums = common.objective(log_probs, entropy, mb, self.cfg.algo, self._seq_sum)
         if whole.old_log_probs is None:  # this forward's log-probs were the old ones: whole sequences
             whole.old_log_probs, whole.entropy = cp_full(mb.old_log_probs, self.layout), cp_full(
@@ -184,7 +190,7 @@ class MegatronTrainer(DistributedWeightSync):
     def _forward_log_probs(self, chunks, micro_batches: list[MicroBatch]):
         """Per-position log-probs and entropy of every micro-batch (last pipeline stage only)."""
         def collect(mb, whole, logits, non_loss_data=False):
-            return token_log_probs(logits, mb.targets, self.temperature)
+            return self._log_probs(logits, mb)
 
         for chunk in chunks:
             chunk.eval()
