@@ -70,7 +70,8 @@ SMOLLM2_ARITH_V1 = {**SMOLLM2, **WORD_PROBLEMS, "task.operations": ["plus", "min
 NEW_OPTIONS = {"cluster=local": ("algo=grpo", {}), "cluster=ray": ("algo=grpo", RAY),
                "logger=wandb": ("algo=grpo", {"logger.backends": ["wandb"]}),
                "model=smollm2": ("algo=grpo", SMOLLM2), "task=word_problems": ("algo=grpo", WORD_PROBLEMS),
-               "experiment=smollm2_arith_v1": ("algo=grpo", SMOLLM2_ARITH_V1)}
+               "experiment=smollm2_arith_v1": ("algo=grpo", SMOLLM2_ARITH_V1),
+               "parallel=tp3": ("parallel=tp2", {"parallel.name": "tp3", "parallel.tp": 3, "parallel.world_size": 3})}
 # Keys (or key prefixes) now carried only by the option that uses them: -> (key, value) of that option.
 OPTION_ONLY = {
     **{f"train.{k}": ("train._target_", MEGATRON)
