@@ -87,7 +87,7 @@ class RolloutConfig:
 
 @dataclass
 class SGLangRolloutGroup(RolloutConfig):  # rollout=sglang
-    mem_fraction_static: Optional[float] = None  # weights + KV cache memory share (null: GPU 0.8, CPU 0.05)
+    mem_fraction_static: Optional[float] = None  # weights + KV cache memory share (null: GPU 0.8, CPU from the model size)
     max_total_tokens: int = 8192  # KV-cache capacity in tokens (used on CPU)
     sglang_server_args: dict[str, Any] = field(default_factory=dict)  # other ServerArgs, passed through
 

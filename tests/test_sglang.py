@@ -22,7 +22,7 @@ from relax.rollout.torch_engine import TorchEngine  # noqa: E402
 from relax.task import build_task  # noqa: E402
 from relax.train import make_trainer  # noqa: E402
 
-from .conftest import make_cfg, relax_cli  # noqa: E402
+from .conftest import REPO, make_cfg, relax_cli  # noqa: E402
 from .families import FAMILIES  # noqa: E402
 from .test_engine import chat_prompts  # noqa: E402
 
@@ -310,3 +310,25 @@ def test_sglang_engine_as_a_ray_actor(tmp_path):
     assert report["passed"] and [(c["stage"], c["rollout_id"]) for c in report["checks"]] == [
         ("load", None), ("sync", None), ("sync", 0), ("sync", 1)]
     assert sglang_processes() == already
+
+
+def test_the_real_model_on_sglang_strict_weight_check_after_every_sync(tmp_path, smollm2_path):
+    """SmolLM2 (30 layers, tied embeddings: the output layer must follow the embedding) served by
+    SGLang: first-step log_probs == ref_log_probs exactly, the engine equal to the trainer's
+    weights at load and after every sync, and the engine's log-probs near the trainer's."""
+    from .test_real_model import REAL
+
+    proc = relax_cli(*REAL, "rollout=sglang", "rollout.num_rollout=2", "debug.check_weight_update_equal=true",
+                     "debug.check_weight_update_every_sync=true", "debug.strict_checks=true",
+                     "hydra.run.dir=outputs/real", cwd=tmp_path, entry=[sys.executable, "-m", "relax"],
+                     env={"PYTHONPATH": str(REPO)}, timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "outputs" / "real"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    first = next(r for r in records if "step" not in r)
+    assert first["rollout/log_probs"] == first["rollout/ref_log_probs"] and first["rollout/kl"] == 0.0
+    steps = [r for r in records if "step" in r]
+    assert len(steps) == 2 and all(s["train/grad_norm"] > 0 for s in steps)
+    assert steps[0]["train/train_rollout_logprob_abs_diff"] < 1e-3  # two fp32 implementations, 30 layers
+    report = json.loads((run / "weight_check.json").read_text())
+    assert report["passed"] and [c["stage"] for c in report["checks"]] == ["load", "sync", "sync", "sync"]

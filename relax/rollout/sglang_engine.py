@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 from relax import faults
 from relax.targets import require_extra
 from relax.errors import ConfigError
-from relax.model import read_hf_config
+from relax.model import read_hf_config, torch_dtype
 from relax.rollout import Generation, SamplingParams, engine_dtype, num_engines, prompt_seeds
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ def engine_args(cfg, model_path: Path, base_gpu_id: int = 0) -> dict:
     if not GPU and tp > 1:
         raise ConfigError(f"rollout=sglang on CPU runs without tensor parallelism; "
                           f"got rollout_num_gpus_per_engine={tp}")
-    memory = r.mem_fraction_static or (0.8 if GPU else 0.05)
+    memory = r.mem_fraction_static or (0.8 if GPU else cpu_mem_fraction(cfg, model_path))
     common = dict(model_path=str(model_path), dtype=engine_dtype(cfg), tp_size=tp,
                   mem_fraction_static=memory, skip_tokenizer_init=True,
                   random_seed=cfg.seed, log_level="error")
@@ -60,6 +60,22 @@ def engine_args(cfg, model_path: Path, base_gpu_id: int = 0) -> dict:
     common["custom_weight_loader"] = [EXPORT_TENSORS, CPU_KERNELS, faults.SGLANG_DROP_BUFFER,
                                       *(common.get("custom_weight_loader") or [])]
     return {**common, "base_gpu_id": base_gpu_id} if GPU else common
+
+
+def cpu_mem_fraction(cfg, model_path: Path) -> float:
+    """On CPU SGLang sizes weights + KV cache as a share of the memory available when it starts:
+    twice what this model needs (its weights in the engine dtype, bounded by reading the files as
+    16-bit, and max_total_tokens of KV cache), at least 0.05. A fixed share that fits a tiny model leaves a real one no KV cache
+    (SmolLM2-135M: 0.54 GB of fp32 weights + 0.38 GB of KV cache for 8192 tokens)."""
+    hf = read_hf_config(model_path)
+    width = torch.finfo(torch_dtype(engine_dtype(cfg))).bits // 8
+    weights = sum(f.stat().st_size for f in Path(model_path).glob("*.safetensors")) * width / 2
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    kv_heads = hf.get("num_key_value_heads") or hf["num_attention_heads"]
+    kv_cache = cfg.rollout.max_total_tokens * 2 * hf["num_hidden_layers"] * kv_heads * head_dim * width
+    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    available = int(meminfo["MemAvailable"].split()[0]) * 1024
+    return min(0.9, max(0.05, 2 * (weights + kv_cache) / available))
 
 
 def sglang_to_hf(name: str, tensor: torch.Tensor, hf_config: dict) -> dict[str, torch.Tensor]:
