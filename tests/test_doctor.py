@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from relax.debug.checks import diagnose, strict_first_step
+from relax.debug.checks import Check, diagnose, strict_first_step
 from relax.debug.run_data import RunData, load_run
 from relax.debug.weights import compare_tensors
 from relax.errors import CheckFailed
@@ -32,6 +32,11 @@ def clean_run(tmp_path_factory, tiny_path):
 
 def test_clean_run_passes_every_check(clean_run):
     assert verdicts(clean_run) == dict.fromkeys(range(1, 8), "PASS")
+    run = load_run(clean_run)  # what the model-relative levels read (config.yaml: the run's own dump)
+    assert (run.vocab_size, run.lr, run.samples_per_rollout, run.top_p) == (32, 3e-4, 8 * 8, 1.0)
+    check3 = next(c for c in diagnose(run) if c.id == 3)
+    assert check3.evidence["config_error_limit"] == math.log(32)
+    assert check3.evidence["tokens"] == len([t for r in run.first_train_data for t in r["log_probs"]])
     report = json.loads((clean_run / "weight_check.json").read_text())
     assert report["passed"] and [c["stage"] for c in report["checks"]][:2] == ["load", "sync"]
     assert len(report["checks"]) == 2 + 6  # load, first sync, then one per rollout
@@ -201,7 +206,8 @@ def healthy_run(rollouts: int = 6) -> RunData:
         path=Path("."),
         rollouts=[{"rollout_id": i, "rollout/raw_reward": 0.5, "rollout/invalid_token_ratio": 0.0,
                    "rollout/repetition_ratio": 0.0, "rollout/format_ok_ratio": 1.0,
-                   "rollout/log_probs": -0.4, "rollout/ref_log_probs": -0.4} for i in range(rollouts)],
+                   "rollout/truncated_ratio": 0.0, "rollout/log_probs": -0.4, "rollout/entropy": 0.4,
+                   "rollout/ref_log_probs": -0.4, "rollout/kl": 0.0} for i in range(rollouts)],
         steps=[{"rollout_id": i, "step": 0, "train/loss": 0.0, "train/grad_norm": 1.0, "train/ppo_kl": 0.0,
                 "train/kl_loss": 0.0, "train/train_rollout_logprob_abs_diff": 1e-7} for i in range(rollouts)],
         num_steps_per_rollout=1,
@@ -211,11 +217,14 @@ def healthy_run(rollouts: int = 6) -> RunData:
 # (check, where the NaN goes, the metric): every threshold of relax/debug/checks.py, fed a NaN
 NAN_CASES = [
     (1, "rollout 0", "rollout/invalid_token_ratio"), (1, "rollout 0", "rollout/repetition_ratio"),
-    (1, "rollout 0", "rollout/format_ok_ratio"),
+    (1, "rollout 0", "rollout/format_ok_ratio"), (1, "rollout 0", "rollout/truncated_ratio"),
     (2, "rollout 3", "rollout/invalid_token_ratio"), (2, "rollout 4", "rollout/repetition_ratio"),
     (2, "rollout 5", "rollout/format_ok_ratio"),
     (2, "rollout 1", "rollout/raw_reward"), (2, "rollout 4", "rollout/raw_reward"),
+    (2, "rollout 1", "rollout/entropy"), (2, "rollout 0", "rollout/entropy"), (2, "rollout 2", "rollout/kl"),
+    (2, "step 2", "train/ppo_kl"),  # a later rollout's step: check 4 reads only the first
     (3, "rollout 0", "rollout/log_probs"), (3, "rollout 0", "rollout/ref_log_probs"),
+    (3, "rollout 0", "rollout/entropy"),
     (3, "token 1", "log_probs"),  # not the first token: max() keeps a NaN only when it comes first
     (4, "step 0", "train/ppo_kl"), (4, "step 0", "train/kl_loss"), (4, "step 0", "train/grad_norm"),
     (5, "step 0", "train/train_rollout_logprob_abs_diff"),
@@ -240,3 +249,237 @@ def test_nan_fails_every_threshold_check(check, where, metric):
     verdict = {c.id: c for c in diagnose(run)}[check]
     assert verdict.verdict == "FAIL", verdict.summary
     assert "nan" in verdict.summary
+
+
+# -- a real model's numbers, by hand (SmolLM2-135M-Instruct, model=smollm2) --------------------------
+
+ALL_PASS = {**dict.fromkeys((1, 2, 3, 4, 5, 7), "PASS"), 6: "SKIP"}  # 6: no weight check recorded
+
+
+def rollout(i: int, reward: float, entropy: float | None, **extra) -> dict:
+    """A rollout record as the loop and trainer write it; log_probs = -entropy (on-policy)."""
+    record = {"rollout_id": i, "rollout/raw_reward": reward, "rollout/invalid_token_ratio": 0.0,
+              "rollout/repetition_ratio": 0.0, "rollout/format_ok_ratio": 0.5, "rollout/truncated_ratio": 0.5,
+              "rollout/response_len": 13.4}
+    if entropy is not None:
+        record |= {"rollout/entropy": entropy, "rollout/log_probs": -entropy}
+    if i == 0:  # the reference pass runs at the first step
+        record |= {"rollout/ref_log_probs": record.get("rollout/log_probs", -1.0), "rollout/kl": 0.0}
+    return record | extra
+
+
+def step(i: int, grad_norm: float, n: int = 0, **extra) -> dict:
+    record = {"rollout_id": i, "step": n, "train/loss": 0.0, "train/grad_norm": grad_norm,
+              "train/ppo_kl": 0.0, "train/train_rollout_logprob_abs_diff": 2e-6}
+    return record | ({"train/kl_loss": 0.0} if i == 0 else {}) | extra
+
+
+def real_run(rollouts: list[dict], steps: list[dict], lr: float, **fields) -> RunData:
+    fields = {"num_steps_per_rollout": 1, "samples_per_rollout": 32, "vocab_size": 49152, **fields}
+    return RunData(path=Path("."), rollouts=rollouts, steps=steps, lr=lr, **fields)
+
+
+def by_id(run: RunData) -> dict:
+    return {c.id: c for c in diagnose(run)}
+
+
+def smollm2_collapse(entropy=(2.11, 0.87, 0.80)) -> RunData:
+    """train.lr=3e-4 (the tiny model's) on SmolLM2, as issue 20 measured it: reward 0.31 -> 0.25 ->
+    0.00, entropy 2.11 -> 0.87, then every advantage 0 (grad_norm 0)."""
+    rewards, norms = (0.31, 0.25, 0.0), (2.5, 3.7, 0.0)
+    return real_run([rollout(i, r, h) for i, (r, h) in enumerate(zip(rewards, entropy))],
+                    [step(i, g) for i, g in enumerate(norms)], lr=3e-4)
+
+
+def test_a_collapse_is_named_with_the_learning_rate_within_3_rollouts():
+    checks = by_id(smollm2_collapse())
+    check = checks[2]
+    assert check.verdict == "FAIL"
+    assert check.summary == ("training collapsed at rollout 1: entropy 2.11 -> 0.87 within one rollout "
+                             "while the reward did not rise (0.310 -> 0.250)")
+    assert "learning rate is too high" in check.causes[0] and "train.lr=0.0003" in check.causes[0]
+    assert check.next_steps[0].startswith("relax <your overrides> train.lr=3e-05  # a tenth")
+    assert check.evidence["turn_rollout_id"] == 1 and check.evidence["train.lr"] == 3e-4
+    assert [r["rollout/entropy"] for r in check.evidence["trajectory"]] == [2.11, 0.87, 0.80]
+    # the other checks see a healthy run: only the trend tells
+    assert {i: c.verdict for i, c in checks.items()} == {**ALL_PASS, 2: "FAIL"}
+
+
+def test_without_entropy_the_dead_reward_still_names_the_collapse():
+    """Runs from before rollout/entropy: a reward of exactly 0 with grad_norm 0, which a policy that
+    scored 0.31 draws with chance 0.69^32."""
+    check = by_id(smollm2_collapse(entropy=(None, None, None)))[2]
+    assert check.verdict == "FAIL"
+    assert check.summary.startswith("training collapsed at rollout 2: the reward fell from 0.310 to 0 "
+                                    "with grad_norm 0")
+    assert f"<= {0.69 ** 32:.0e}" in check.summary and "7e-06" in check.summary
+    assert "train.lr=3e-05" in check.next_steps[0]
+    # a policy that scored 0.03 draws 32 zeros with chance 0.38: no evidence of anything
+    weak = smollm2_collapse(entropy=(None, None, None))
+    weak.rollouts[0]["rollout/raw_reward"] = weak.rollouts[1]["rollout/raw_reward"] = 0.03
+    assert by_id(weak)[2].verdict == "PASS"
+    unknown = smollm2_collapse(entropy=(None, None, None))  # nor without the samples to weigh it by
+    unknown.samples_per_rollout = None
+    assert by_id(unknown)[2].verdict == "PASS"
+
+
+def test_kl_to_the_reference_or_a_steps_ppo_kl_jumping_names_the_collapse():
+    """Measured on SmolLM2 at train.lr=3e-4 with algo.use_kl_loss=true (the reference every rollout)
+    and 2 steps a rollout: rollout/kl 0 -> 1.08, step 1's ppo_kl 1.64; here each signal alone."""
+    rollouts = [rollout(0, 0.219, 1.70), rollout(1, 0.0, 1.50, **{"rollout/kl": 1.08}),
+                rollout(2, 0.0, 1.45, **{"rollout/kl": 1.00})]
+    steps = [step(i, g) for i, g in enumerate((3.6, 0.06, 0.05))]
+    check = by_id(real_run(rollouts, steps, lr=3e-4))[2]
+    assert check.verdict == "FAIL" and "KL to the reference 0.00 -> 1.08 within one rollout" in check.summary
+    rollouts = [rollout(0, 0.219, 1.70), rollout(1, 0.0, 1.50), rollout(2, 0.0, 1.45)]
+    steps = [step(0, 3.6), step(0, 1.2, n=1, **{"train/ppo_kl": 1.64}), step(1, 0.06), step(1, 0.1, n=1),
+             step(2, 0.05), step(2, 0.2, n=1)]
+    run = real_run(rollouts, steps, lr=3e-4, num_steps_per_rollout=2)
+    check = by_id(run)[2]
+    assert check.verdict == "FAIL" and "train/ppo_kl 1.64 at rollout 0 step 1" in check.summary
+    run.use_rollout_log_probs = True  # then ppo_kl is the engine/trainer mismatch, not a move
+    assert by_id(run)[2].verdict == "PASS"
+    steps[1]["train/ppo_kl"] = 0.15  # under PPO's clip range
+    assert by_id(real_run(rollouts, steps, lr=3e-4, num_steps_per_rollout=2))[2].verdict == "PASS"
+
+
+@pytest.mark.parametrize(("rewards", "verdict"), [((0.22, 0.35, 0.5), "PASS"), ((0.22, 0.2, 0.15), "FAIL")],
+                         ids=["reward-rising", "reward-falling"])
+def test_the_same_fast_sharpening_is_learning_when_the_reward_rises(rewards, verdict):
+    rollouts = [rollout(i, r, h) for i, (r, h) in enumerate(zip(rewards, (2.05, 1.4, 0.9)))]
+    check = by_id(real_run(rollouts, [step(i, 3.0) for i in range(3)], lr=1e-5))[2]
+    assert check.verdict == verdict, check.summary
+    if verdict == "FAIL":  # halved within two rollouts, not one
+        assert "entropy 2.05 -> 0.90 within two rollouts" in check.summary
+        assert "train.lr=1e-06" in check.next_steps[0]
+
+
+def healthy_smollm2(n: int = 30) -> RunData:
+    """A healthy SmolLM2 run as issue 20 measured it: reward 0.22 -> 1.0 and entropy 2.05 -> 0.13
+    over 30 rollouts, with a 4-prompt rollout's noise (reward +-0.1, entropy +-12%); the first
+    rollout's mean |log_prob| 1.97 against entropy 2.05."""
+    import random
+
+    rng = random.Random(20)
+    rollouts, steps = [], []
+    for i in range(n):
+        entropy = 2.05 * (0.13 / 2.05) ** (i / (n - 1)) * (1 + rng.uniform(-0.12, 0.12)) if i else 2.05
+        reward = min(1.0, max(0.0, 0.22 + 0.78 * i / (n - 1) + rng.uniform(-0.1, 0.1))) if i else 0.22
+        rollouts.append(rollout(i, reward, entropy))
+        steps.append(step(i, rng.uniform(2.0, 4.5)))
+    rollouts[0]["rollout/log_probs"] = rollouts[0]["rollout/ref_log_probs"] = -1.97
+    return real_run(rollouts, steps, lr=1e-5)
+
+
+def test_a_healthy_real_model_run_that_learns_passes_every_check():
+    run = healthy_smollm2()
+    rewards = [r["rollout/raw_reward"] for r in run.rollouts]
+    entropy = [r["rollout/entropy"] for r in run.rollouts]
+    # the hard parts are in it: the reward falls now and then while the entropy keeps falling, and
+    # the entropy ends at a sixteenth of its start
+    assert sum(rewards[i + 1] < rewards[i] and entropy[i + 1] < entropy[i] for i in range(29)) >= 5
+    assert entropy[-1] < 0.2 and rewards[-1] > 0.9
+    checks = by_id(run)
+    assert {i: c.verdict for i, c in checks.items()} == ALL_PASS, {i: c.summary for i, c in checks.items()}
+    assert checks[3].summary == "equal (|Δ| 0.0e+00), mean |log_prob| 1.970 vs mean entropy 2.050"
+    assert checks[2].summary.startswith("no collapse over 30 rollouts (reward 0.")
+    # issue 20's false alarm: the old fixed WARN level (mean |log_prob| > 1) read 1.97 as off-template
+    assert checks[3].evidence["mean_abs_log_prob"] > 1.0
+
+
+def check3(lp: float, entropy: float, **fields) -> Check:
+    first = rollout(0, 0.2, entropy) | {"rollout/log_probs": lp, "rollout/ref_log_probs": lp}
+    return by_id(real_run([first], [step(0, 2.5)], lr=1e-5, **fields))[3]
+
+
+def test_log_probs_far_above_the_entropy_warn_with_the_guides_causes():
+    # 32 samples x 13.4 tokens: sampling noise 4 * sqrt(4 / 429) = 0.39 nats
+    check = check3(-4.0, 1.0)
+    assert check.verdict == "WARN"
+    assert check.summary == ("mean |log_prob| 4.00 is above the policy's mean entropy 1.00 (at most 2.39 for "
+                             "its own samples): the trained tokens are not what this policy samples")
+    assert any("chat template" in c for c in check.causes) and any("temperature" in c for c in check.causes)
+    assert any("relax inspect" in n for n in check.next_steps)
+    assert not any("parallel=" in n for n in check.next_steps)  # a layout sweep is for KL != 0
+    assert check.evidence["slack"] == pytest.approx(4 * math.sqrt(4.0 / (32 * 13.4)))
+    assert check3(-2.3, 1.0).verdict == "PASS"  # inside the noise
+
+
+def test_log_probs_far_below_the_entropy_warn_unless_top_p_says_why():
+    check = check3(-0.3, 1.5)
+    assert check.verdict == "WARN" and "below the policy's mean entropy 1.50 (at least 0.36" in check.summary
+    assert "lower temperature" in check.causes[0]
+    check = check3(-0.3, 1.5, top_p=0.9)
+    assert check.verdict == "PASS" and "by design: rollout.top_p=0.9" in check.summary
+
+
+def test_the_config_error_level_is_log_vocab_size():
+    check = check3(-11.5, 2.0)
+    assert check.verdict == "FAIL" and "exceeds log(vocab_size 49152) = 10.80" in check.summary
+    assert check.evidence["config_error_limit"] == pytest.approx(math.log(49152))
+    assert check3(-10.5, 9.0).verdict == "PASS"  # a near-uniform policy is check 1's business
+    # the tiny model's 32 ids: 4 nats is more than a uniform guess (the old fixed 5.0 passed it)
+    assert check3(-4.0, 3.0, vocab_size=32).verdict == "FAIL"
+    assert check3(-4.0, 3.0, vocab_size=None).verdict == "PASS"  # unknown vocabulary: 5.0
+
+
+def test_the_slack_is_the_sampling_noise_of_the_tokens_there_are():
+    # |log_prob| 3x the entropy: within the noise of 8 tokens, far outside that of 1024
+    assert check3(-0.9, 0.3, samples_per_rollout=1).verdict == "PASS"
+    few = check3(-0.9, 0.3, samples_per_rollout=1)
+    assert few.evidence["tokens"] == pytest.approx(13.4) and few.evidence["slack"] > 2
+    assert check3(-0.9, 0.3, samples_per_rollout=100).verdict == "WARN"
+    # a dump's own varentropy: tokens whose surprisal equals their entropy leave only the floor
+    rows = [{"log_probs": [-0.5, -0.1], "ref_log_probs": [-0.5, -0.1], "entropy": [0.5, 0.1]}]
+    check = check3(-0.9, 0.3, samples_per_rollout=1, first_train_data=rows)
+    assert check.evidence["varentropy"] == 0.0 and check.evidence["slack"] == 0.25
+    assert check.verdict == "WARN"
+
+
+def test_a_chat_model_cut_at_max_new_tokens_is_not_garbage():
+    """SmolLM2 at rollout.max_new_tokens=8 explains before it answers: 16% of its responses end in a
+    number, 94% are cut. Responses that END outside the format are the garbage signal."""
+    explains = rollout(0, 0.0, 1.46, **{"rollout/format_ok_ratio": 0.16, "rollout/truncated_ratio": 0.94})
+    assert by_id(real_run([explains], [step(0, 0.0)], lr=1e-5))[1].verdict == "PASS"
+    ends_badly = rollout(0, 0.0, 1.46, **{"rollout/format_ok_ratio": 0.1, "rollout/truncated_ratio": 0.05})
+    check = by_id(real_run([ends_badly], [step(0, 0.0)], lr=1e-5))[1]
+    assert check.verdict == "FAIL"
+    assert "only 10% of responses in the task's format (5% cut at rollout.max_new_tokens)" in check.summary
+
+
+def test_the_train_rollout_mismatch_is_read_at_each_rollouts_first_step():
+    """With 2 steps a rollout, step 1's weights moved by step 0 (SmolLM2 at 3e-4: 1.86 at step 1)."""
+    rollouts = [rollout(i, 0.3, 1.7) for i in range(2)]
+    steps = [step(i, 2.5, n=n, **{"train/train_rollout_logprob_abs_diff": 1.86 if n else 2e-6})
+             for i in range(2) for n in range(2)]
+    assert by_id(real_run(rollouts, steps, lr=1e-5, num_steps_per_rollout=2))[5].verdict == "PASS"
+    steps[2]["train/train_rollout_logprob_abs_diff"] = 0.2  # rollout 1's first step
+    check = by_id(real_run(rollouts, steps, lr=1e-5, num_steps_per_rollout=2))[5]
+    assert check.verdict == "FAIL" and check.summary == "abs diff reaches 0.2 > 0.1"
+
+
+# -- the real model, for real (slow tier) ------------------------------------------------------------
+
+# the test geometry for 2 cores; 16 new tokens, not 8: at 8 SmolLM2's answers are all cut short
+# (reward 0.0 in each of 3 rollouts, grad_norm 0: nothing to learn, nothing to collapse; measured)
+SMOLLM2 = ["model=smollm2", "task=word_problems", "task.operations=[plus]", "task.max_operand=20",
+           "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=8", "rollout.max_new_tokens=16",
+           "train.num_threads=2", "checkpoint.save_interval=null", "rollout.num_rollout=3"]
+
+
+@pytest.mark.slow
+def test_smollm2_collapse_at_the_tiny_models_lr_is_named_and_a_healthy_run_passes(tmp_path, smollm2_path):
+    """Measured: at train.lr=3e-4 reward 0.219 -> 0.125 -> 0.0 and entropy 1.70 -> 0.46 -> 0.50
+    (grad_norm 0 at rollout 2); at 1e-5 reward 0.219 -> 0.094 -> 0.344, entropy 1.70 -> 1.60 -> 1.49."""
+    rollouts, _ = run_loop(tmp_path / "collapse", *SMOLLM2, "train.lr=3e-4")
+    assert rollouts[0]["rollout/raw_reward"] > 0.1  # a signal to learn from
+    assert rollouts[1]["rollout/entropy"] < 0.5 * rollouts[0]["rollout/entropy"]  # the collapse itself
+    check = by_id(load_run(tmp_path / "collapse"))[2]
+    assert check.verdict == "FAIL" and check.summary.startswith("training collapsed at rollout 1: entropy")
+    assert "train.lr=3e-05" in check.next_steps[0]
+    proc = relax_cli("doctor", str(tmp_path / "collapse"), cwd=tmp_path)
+    assert proc.returncode == 1 and "train.lr=3e-05" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    run_loop(tmp_path / "healthy", *SMOLLM2, "train.lr=1e-5")
+    checks = by_id(load_run(tmp_path / "healthy"))
+    assert {i: c.verdict for i, c in checks.items()} == ALL_PASS, {i: c.summary for i, c in checks.items()}
+    assert checks[3].evidence["vocab_size"] == 49152

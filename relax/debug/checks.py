@@ -16,26 +16,70 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from relax.debug.run_data import RunData, chat_template_parts
+from relax.debug.run_data import RunData, chat_template_parts, samples_of
 from relax.errors import CheckFailed
 
 PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
 SEVERITY = {PASS: 0, SKIP: 0, WARN: 1, FAIL: 2}
 
 
+# Every level below was re-derived for a real model (SmolLM2-135M-Instruct, 1000x the tiny
+# model's 134k parameters); the measurements are in docs/debugging.md ("How the thresholds
+# were set"). A level that depends on the model is expressed relative to the run itself.
 @dataclass
 class Thresholds:
+    # exactness, not a tolerance: the same weights through the same deterministic forward give
+    # bit-equal log-probs at any size (SmolLM2's 30 layers: |log_probs - ref_log_probs| = 0.0)
     kl_tol: float = 1e-8                  # first-step KL and |log_probs - ref_log_probs|
-    logprob_magnitude: float = 1.0        # mean |log_prob| above this is suspicious (WARN)
-    logprob_config_error: float = 5.0     # ... and above this a configuration error (FAIL)
-    grad_norm_max: float = 10.0           # first-step grad_norm
-    train_rollout_diff_max: float = 0.1   # train/train_rollout_logprob_abs_diff
-    drift_ratio: float = 2.0              # last third vs first third of that diff
+    # check 3. The trainer's log_probs are of the policy's own samples at the sampling
+    # temperature, so E[-log p(x)] over sampled tokens IS the mean entropy at those positions,
+    # for a model of any size (SmolLM2: 1.61 vs 1.70, tiny: 0.40 vs 0.34). WARN when mean
+    # |log_prob| leaves [H / ratio - slack, ratio * H + slack]; slack is the larger of the floor
+    # below and 4 standard errors of the mean difference, sqrt(varentropy / tokens) (the terms
+    # -log p(x_t) - H_t have conditional mean 0, so they are uncorrelated: the variance of
+    # their mean is exact, not a bound); see logprob_slack()
+    logprob_entropy_ratio: float = 2.0
+    logprob_entropy_slack: float = 0.25   # nats: the floor of that slack
+    # mean |log_prob| above log(vocab_size) (+ slack) is impossible for the policy's own samples:
+    # their mean is the entropy, and no distribution over V tokens has more than log V (the
+    # uniform guess): the tokens were scored by another model, tokenizer or temperature (FAIL).
+    # None: log(vocab_size) of the run's model (SmolLM2 10.8, tiny 3.47), 5.0 when unknown
+    logprob_config_error: float | None = None
+    # first-step grad_norm (before clipping at train.clip_grad): the token-mean GRPO gradient of
+    # std-normalised advantages through normalised layers does not grow with the model: tiny
+    # 1.8-2.1, SmolLM2 2.5-3.6 (1000x the parameters, 1.3-1.7x the norm); 10 is 3-5x both, and a
+    # gradient scaled by a layout bug shows in `relax compare` long before it reaches 10
+    grad_norm_max: float = 10.0
+    # train/train_rollout_logprob_abs_diff at each rollout's first step (the weights the engine
+    # sampled with): rounding only for the same code in fp32, at any depth (SmolLM2 2e-6, tiny
+    # 2e-7); a bf16 engine against the fp32 trainer, a real mismatch, grows with depth (SmolLM2's
+    # 30 layers: 0.030, 3x under this); a dropped or corrupted tensor gives far more
+    train_rollout_diff_max: float = 0.1
+    drift_ratio: float = 2.0              # last third vs first third of that diff (relative: any size)
     drift_floor: float = 1e-3             # ... once it is at least this large
+    # garbage signals are shares of responses or tokens, not of the model: SmolLM2 and the tiny
+    # model both score 0.0 on the first two at the first rollout
     invalid_token_ratio: float = 0.2      # garbage: undecodable / special tokens mid-response
     repetition_ratio: float = 0.5         # garbage: responses dominated by one token
-    format_ok_min: float = 0.2            # garbage: share of responses in the task's format
+    # a chat model explains before it answers and is cut at rollout.max_new_tokens (SmolLM2 at 8
+    # tokens: 16% in format, 94% cut): a cut response is unfinished, not garbage, so the floor
+    # is on the responses in format or cut; below it, most responses ENDED outside the format
+    format_ok_min: float = 0.2
     collapse_fraction: float = 0.25       # reward falling below this share of its start
+    # check 2, a collapse within one or two rollouts: the policy moved fast (any of the three
+    # below) while the reward did not rise. Learning also sharpens the policy, but then the
+    # reward rises with it (SmolLM2 healthy: entropy 2.05 -> 0.13 over 30 rollouts, reward
+    # 0.22 -> 1.0). Prompts alone move a 4-prompt rollout's entropy by up to 0.25x (SmolLM2 at
+    # grad_norm 0: 1.46 -> 1.99 -> 1.55); train.lr=3e-4 on SmolLM2: 1.70 -> 0.46 in one update
+    entropy_collapse_ratio: float = 0.5   # rollout/entropy below this share of 1-2 rollouts before
+    # ... and by at least this share of the run's first entropy: a sharp policy losing its last
+    # bits is not collapsing (SmolLM2 healthy, late: 0.26 -> 0.13, under 0.25 x 2.05), and the
+    # level follows the model (tiny: 0.36 at the start, SmolLM2 1.70-2.05)
+    entropy_collapse_min_share: float = 0.25
+    kl_jump: float = 0.5                  # rollout/kl (to the reference) up by this many nats in 1-2 rollouts
+    # the mean log-ratio of a later step within a rollout (num_steps_per_rollout > 1) as large
+    # as PPO's clip range (algo.eps_clip 0.2): the average token left the trust region
+    ppo_kl_max: float = 0.2
 
 
 @dataclass
@@ -81,8 +125,10 @@ def garbage_signals(record: dict, th: Thresholds) -> list[str]:
                        f"special mid-response")
     if over(record.get("rollout/repetition_ratio", 0), th.repetition_ratio):
         signals.append(f"{record['rollout/repetition_ratio']:.0%} of responses repeat one token")
-    if below(record.get("rollout/format_ok_ratio", 1), th.format_ok_min):
-        signals.append(f"only {record['rollout/format_ok_ratio']:.0%} of responses in the task's format")
+    fmt, cut = record.get("rollout/format_ok_ratio", 1), record.get("rollout/truncated_ratio", 0)
+    if below(fmt + cut, th.format_ok_min):  # a response cut short has not reached its answer yet
+        signals.append(f"only {fmt:.0%} of responses in the task's format ({cut:.0%} cut at "
+                       f"rollout.max_new_tokens)")
     return signals
 
 
@@ -112,12 +158,10 @@ def check_first_responses(run: RunData, th: Thresholds) -> Check:
 
 
 def find_collapse(rollouts: list[dict], th: Thresholds) -> tuple[int, str] | None:
-    """(index, why) of the first rollout whose reward is not a number, whose responses turn to
-    garbage, or from which the reward collapses; None if there is none."""
+    """(index, why) of the first rollout from the fourth on whose responses turn to garbage
+    or from which the reward collapses (its next three against the first three); None if
+    there is none. Non-finite rewards are check_later_responses's, before this."""
     rewards = [r["rollout/raw_reward"] for r in rollouts]
-    for i, reward in enumerate(rewards):
-        if not math.isfinite(reward):  # before the mean below, which a NaN would make NaN
-            return i, f"the mean reward is {reward}"
     early = sum(rewards[:3]) / 3
     for i in range(3, len(rollouts)):
         signals = garbage_signals(rollouts[i], th)
@@ -129,29 +173,125 @@ def find_collapse(rollouts: list[dict], th: Thresholds) -> tuple[int, str] | Non
     return None
 
 
+DEAD_CHANCE = 1e-3  # a reward of exactly 0 the earlier policy would draw less often than this
+
+
+def policy_moves(run: RunData, j: int, i: int, th: Thresholds) -> list[str]:
+    """How far the policy moved from rollout j to rollout i (1-2 later), where that is fast."""
+    prev, cur = run.rollouts[j], run.rollouts[i]
+    moved = []
+    if "rollout/entropy" in prev and "rollout/entropy" in cur:
+        h0, h1 = prev["rollout/entropy"], cur["rollout/entropy"]
+        start = next(r["rollout/entropy"] for r in run.rollouts if "rollout/entropy" in r)
+        if below(h1, th.entropy_collapse_ratio * h0) and over(h0 - h1, th.entropy_collapse_min_share * start):
+            moved.append(f"entropy {h0:.2f} -> {h1:.2f}")
+    if "rollout/kl" in prev and "rollout/kl" in cur:  # rollouts that ran the reference pass
+        k0, k1 = prev["rollout/kl"], cur["rollout/kl"]
+        if over(k1 - k0, th.kl_jump):
+            moved.append(f"KL to the reference {k0:.2f} -> {k1:.2f}")
+    if not run.use_rollout_log_probs:  # else ppo_kl holds the engine/trainer mismatch (check 5)
+        ids = {r["rollout_id"] for r in run.rollouts[j:i]}  # the updates that made rollout i's policy
+        ppo = [(s["rollout_id"], s.get("step"), s["train/ppo_kl"]) for s in run.steps
+               if s.get("rollout_id") in ids and "train/ppo_kl" in s]
+        if ppo:
+            rid, step, largest = max(ppo, key=lambda x: math.inf if math.isnan(x[2]) else abs(x[2]))
+            if over(abs(largest), th.ppo_kl_max):
+                moved.append(f"train/ppo_kl {largest:.2f} at rollout {rid} step {step}")
+    return moved
+
+
+def find_fast_collapse(run: RunData, th: Thresholds) -> tuple[int, str] | None:
+    """(index, why) of the first rollout at which the policy collapsed within one or two
+    rollouts: it moved fast (entropy more than halved, KL to the reference or a step's ppo_kl
+    jumped) while the reward did not rise, or its reward fell to exactly 0 with grad_norm 0
+    (every advantage 0: nothing left to learn from) where the earlier policy would almost never
+    score 0. Learning sharpens a policy too, but its reward rises."""
+    rewards = [r["rollout/raw_reward"] for r in run.rollouts]
+    for i in range(1, len(run.rollouts)):
+        for j in (i - 1, i - 2):
+            if j < 0 or rewards[i] > rewards[j]:
+                continue
+            moved = policy_moves(run, j, i, th)
+            if moved:
+                span = "one rollout" if i - j == 1 else "two rollouts"
+                return i, (f"{'; '.join(moved)} within {span} while the reward did not rise "
+                           f"({rewards[j]:.3f} -> {rewards[i]:.3f})")
+        rid = run.rollouts[i]["rollout_id"]
+        norms = [s["train/grad_norm"] for s in run.steps if s.get("rollout_id") == rid]
+        best = min(max(max(rewards[:i]), 0.0), 1.0)
+        n = samples_of(run, rid)
+        if rewards[i] == 0 and norms and all(g == 0 for g in norms) and n and (1 - best) ** n < DEAD_CHANCE:
+            return i, (f"the reward fell from {best:.3f} to 0 with grad_norm 0 (every advantage 0): a "
+                       f"policy scoring {best:.3f} draws {n} unrewarded samples with chance "
+                       f"<= {(1 - best) ** n:.0e}")
+    return None
+
+
+def lower_lr(run: RunData) -> str:
+    """The override that a tenth of the run's learning rate is."""
+    return f"train.lr={run.lr / 10:.3g}" if run.lr else "train.lr=<a tenth of yours>"
+
+
 def check_later_responses(run: RunData, th: Thresholds) -> Check:
-    name = "responses turning to garbage later"
-    if len(run.rollouts) < 4:
-        return Check(2, name, SKIP, f"{len(run.rollouts)} rollouts: too few to see a trend")
+    name = "training collapse (reward, entropy, KL; garbage later)"
+    if len(run.rollouts) < 2:
+        return Check(2, name, SKIP, f"{len(run.rollouts)} rollout: too few to see a trend")
     if garbage_signals(run.rollouts[0], th):
         return Check(2, name, SKIP, "the first rollout is already garbage (check 1)")
-    turn, why = find_collapse(run.rollouts, th) or (None, "")
-    trajectory = [{k: r.get(k) for k in ("rollout_id", "rollout/raw_reward", "rollout/kl",
-                                         "rollout/format_ok_ratio", "rollout/truncated_ratio")}
+    rewards = [r["rollout/raw_reward"] for r in run.rollouts]
+    nonfinite = next((i for i, x in enumerate(rewards) if not math.isfinite(x)), None)
+    found = [f for f in (find_fast_collapse(run, th), find_collapse(run.rollouts, th)) if f]
+    if nonfinite is not None:  # before any mean, which a NaN would make NaN
+        found = [(nonfinite, f"the mean reward is {rewards[nonfinite]}")]
+    turn, why = min(found) if found else (None, "")
+    keys = ("rollout_id", "rollout/raw_reward", "rollout/entropy", "rollout/kl", "rollout/format_ok_ratio",
+            "rollout/truncated_ratio")
+    trajectory = [{k: r.get(k) for k in keys}
                   for r in run.rollouts[max(0, (turn or 0) - 3):(turn or 0) + 4]]
     if turn is None:
-        rewards = [r["rollout/raw_reward"] for r in run.rollouts]
-        return Check(2, name, PASS, f"no collapse over {len(run.rollouts)} rollouts "
-                     f"(reward {sum(rewards[:3]) / 3:.3f} -> {sum(rewards[-3:]) / 3:.3f})")
+        entropy = [r["rollout/entropy"] for r in run.rollouts if "rollout/entropy" in r]
+        trend = f", entropy {entropy[0]:.2f} -> {entropy[-1]:.2f}" if entropy else ""
+        head, tail = rewards[:3], rewards[-3:]
+        return Check(2, name, PASS, f"no collapse over {len(run.rollouts)} rollouts (reward "
+                     f"{sum(head) / len(head):.3f} -> {sum(tail) / len(tail):.3f}{trend})")
     rid = run.rollouts[turn]["rollout_id"]
+    lr = f"train.lr={run.lr:g}" if run.lr else "train.lr"
     return Check(
         2, name, FAIL, f"training collapsed at rollout {rid}: {why}",
-        {"turn_rollout_id": rid, "trajectory": trajectory, "sample": example_sample(run, rid)},
-        causes=["the policy update is too large (learning rate, clip range, KL coefficient)",
+        {"turn_rollout_id": rid, "trajectory": trajectory, "sample": example_sample(run, rid),
+         "train.lr": run.lr},
+        causes=[f"the learning rate is too high for this model ({lr}): one update moves the policy "
+                f"further than its reward justifies (3e-4 suits the 134k-parameter tiny model; "
+                f"SmolLM2-135M collapses at it in two rollouts and learns at 1e-5)",
                 "a reward computation that is not what you expect at some step"],
-        next_steps=[f"relax inspect <dump dir> --rollout {rid}  # look at rewards around the turn "
-                    f"(run with debug=dump)", "lower train.lr or raise algo.kl_loss_coef "
-                    "(algo.use_kl_loss=true) and compare the reward/KL curves"])
+        next_steps=[f"relax <your overrides> {lower_lr(run)}  # a tenth of the learning rate; then "
+                    f"compare the reward, rollout/entropy and rollout/kl curves",
+                    f"relax inspect <dump dir> --rollout {rid}  # look at rewards around the turn "
+                    f"(run with debug=dump)"])
+
+
+def logprob_slack(run: RunData, first: dict, th: Thresholds) -> tuple[float, dict]:
+    """The sampling noise check 3 allows around the entropy: the floor, or 4 standard errors
+    of the mean of -log p(x_t) - H_t, sqrt(varentropy / tokens). The varentropy is the first
+    rollout's own when its train data was dumped, else VARENTROPY (the largest measured)."""
+    rows = [r for r in run.first_train_data if isinstance(r.get("entropy"), list)
+            and len(r["entropy"]) == len(r["log_probs"])]
+    terms = [-a - h for r in rows for a, h in zip(r["log_probs"], r["entropy"])]
+    n_samples = samples_of(run, first["rollout_id"])
+    tokens = len(terms) if len(terms) > 1 else (
+        first.get("rollout/response_len", 0) * n_samples if n_samples else 0)
+    if len(terms) > 1:
+        mean = sum(terms) / len(terms)
+        varentropy = sum((x - mean) ** 2 for x in terms) / (len(terms) - 1)
+    else:
+        varentropy = VARENTROPY
+    noise = 4 * math.sqrt(varentropy / tokens) if tokens >= 1 else 0.0
+    return max(th.logprob_entropy_slack, noise), {"tokens": tokens, "varentropy": varentropy}
+
+
+# Var[-log p(x)] at a sampled position, measured on first rollouts: SmolLM2-135M 3.7 nats^2
+# (429 tokens), the tiny model 0.83 (216 tokens); used when the run dumped no train data
+VARENTROPY = 4.0
 
 
 def check_logprobs_vs_ref(run: RunData, th: Thresholds) -> Check:
@@ -170,6 +310,7 @@ def check_logprobs_vs_ref(run: RunData, th: Thresholds) -> Check:
         evidence["max_token_abs_diff"] = worst(abs(a - b) for row in run.first_train_data
                                                for a, b in zip(row["log_probs"], row["ref_log_probs"]))
     findings: list[tuple[str, str, list[str]]] = []
+    not_checked: list[str] = []
     largest = worst([evidence["abs_diff"], evidence.get("max_token_abs_diff", 0.0)])
     if over(largest, th.kl_tol):
         findings.append((FAIL, f"log_probs differ from ref_log_probs by {largest:.3g} (KL != 0)", [
@@ -177,13 +318,47 @@ def check_logprobs_vs_ref(run: RunData, th: Thresholds) -> Check:
             "train=megatron set train.attention_backend=flash and train.deterministic=true",
             "dropout or another random op left on in the trainer's forward"]))
     magnitude = abs(lp)
-    evidence["mean_abs_log_prob"] = magnitude
-    if over(magnitude, th.logprob_config_error):
-        findings.append((FAIL, f"mean |log_prob| {magnitude:.2f} is very large", [
-            "a training configuration error (wrong model, tokenizer or temperature)"]))
-    elif over(magnitude, th.logprob_magnitude):
-        findings.append((WARN, f"mean |log_prob| {magnitude:.2f} is above the SFT regime", [
-            "data not in the model's chat template, or off its cold-start distribution"]))
+    slack, noise = logprob_slack(run, first, th)
+    limit = th.logprob_config_error
+    if limit is None:
+        limit = math.log(run.vocab_size) if run.vocab_size else 5.0
+    evidence |= {"mean_abs_log_prob": magnitude, "slack": slack, **noise,
+                 "config_error_limit": limit, "vocab_size": run.vocab_size}
+    rescore = ("the engine samples with another tokenizer or temperature than the trainer scores with "
+               "(check 5's train/train_rollout_logprob_abs_diff shows it too)")
+    if over(magnitude, limit + slack):
+        what = f"log(vocab_size {run.vocab_size})" if th.logprob_config_error is None and run.vocab_size \
+            else "the limit"
+        findings.append((FAIL, f"mean |log_prob| {magnitude:.2f} exceeds {what} = {limit:.2f}: more than "
+                         f"a uniform guess, so the trained tokens are not this policy's samples", [
+                             "a training configuration error (wrong model, tokenizer or temperature)",
+                             rescore]))
+    if "rollout/entropy" in first:  # runs since the trainer logged it
+        entropy = first["rollout/entropy"]
+        evidence["mean_entropy"] = entropy
+        high = th.logprob_entropy_ratio * entropy + slack
+        low = entropy / th.logprob_entropy_ratio - slack
+        if not math.isfinite(entropy):
+            findings.append((FAIL, f"the mean entropy is {entropy}", ["a non-finite forward (check 7)"]))
+        elif over(magnitude, high) and not over(magnitude, limit + slack):
+            findings.append((WARN, f"mean |log_prob| {magnitude:.2f} is above the policy's mean entropy "
+                             f"{entropy:.2f} (at most {high:.2f} for its own samples): the trained tokens "
+                             f"are not what this policy samples", [
+                                 rescore,
+                                 "data the policy did not sample: rollouts replayed from another model or "
+                                 "run, or SFT-style data not in the model's chat template or off its "
+                                 "cold-start distribution"]))
+        elif below(magnitude, low) and run.top_p >= 1:
+            findings.append((WARN, f"mean |log_prob| {magnitude:.2f} is below the policy's mean entropy "
+                             f"{entropy:.2f} (at least {low:.2f} for its own samples): the engine samples "
+                             f"more sharply than the trainer scores", [
+                                 "the engine samples at a lower temperature, greedily, or from a truncated "
+                                 "distribution (top-k / top-p) that rollout.temperature and rollout.top_p "
+                                 "do not tell the trainer", rescore]))
+        elif below(magnitude, low):
+            not_checked = [f"below the entropy {entropy:.2f} by design: rollout.top_p={run.top_p:g}"]
+    else:
+        not_checked = ["no rollout/entropy (runs before the trainer logged it): magnitude not compared"]
     if run.chat_template_parts and run.prompts:
         prefix, suffix = run.chat_template_parts
         ok = sum(p.startswith(prefix) and p.endswith(suffix) for p in run.prompts) / len(run.prompts)
@@ -192,18 +367,25 @@ def check_logprobs_vs_ref(run: RunData, th: Thresholds) -> Check:
             findings.append((FAIL, f"only {ok:.0%} of prompts follow the tokenizer's chat template", [
                 "prompts are not formatted with the chat template the model was trained on "
                 "(task.apply_chat_template)"]))
-    not_checked = []
     if run.chat_template_parts and not run.prompts and run.samples_missing:
-        not_checked = [f"chat template not checked: {run.samples_missing} and no rollout dump"]
-        evidence["prompts_in_chat_template"] = not_checked[0]
+        not_checked.append(f"chat template not checked: {run.samples_missing} and no rollout dump")
+        evidence["prompts_in_chat_template"] = not_checked[-1]
     if not findings:
+        versus = f" vs mean entropy {evidence['mean_entropy']:.3f}" if "mean_entropy" in evidence else ""
         return Check(3, name, PASS, "; ".join([f"equal (|Δ| {largest:.1e}), mean |log_prob| "
-                                               f"{magnitude:.3f}", *not_checked]), evidence)
+                                               f"{magnitude:.3f}{versus}", *not_checked]), evidence)
     verdict = max((f[0] for f in findings), key=SEVERITY.get)
+    next_steps = []
+    if over(largest, th.kl_tol):
+        next_steps.append("relax -m debug=train_only debug.load_rollout_data=<dump>/rollout_data/"
+                          "{rollout_id}.pt parallel=single,<layout>  # then relax compare")
+    if any(cause == rescore for f in findings for cause in f[2]):
+        next_steps.append("relax debug=dump rollout.num_rollout=1 <your overrides>; relax inspect <run dir>  "
+                          "# per-token log_probs against rollout_log_probs and entropy: which tokens")
+    if any("chat template" in f[1] for f in findings):
+        next_steps.append("relax task.apply_chat_template=true <your overrides>")
     return Check(3, name, verdict, "; ".join([*(f[1] for f in findings), *not_checked]), evidence,
-                 causes=[c for f in findings for c in f[2]],
-                 next_steps=["relax -m debug=train_only debug.load_rollout_data=<dump>/rollout_data/"
-                             "{rollout_id}.pt parallel=single,<layout>  # then relax compare"])
+                 causes=[c for f in findings for c in f[2]], next_steps=next_steps)
 
 
 def check_first_step(run: RunData, th: Thresholds) -> Check:
@@ -238,8 +420,11 @@ def check_train_rollout_diff(run: RunData, th: Thresholds) -> Check:
     # train.async: a rollout generated by an older policy differs from the trainer's by that
     # policy's updates too; only rollouts from the weights being trained show the mismatch
     stale = {r["rollout_id"] for r in run.rollouts if r.get("rollout/staleness", 0) > 0}
+    # and only a rollout's first step: with train.num_steps_per_rollout > 1 the later steps' weights
+    # have moved by this rollout's own updates (SmolLM2 at train.lr=3e-4: 1.86 at step 1, 0.0 at 0)
     diffs = [s["train/train_rollout_logprob_abs_diff"] for s in run.steps
-             if "train/train_rollout_logprob_abs_diff" in s and s.get("rollout_id") not in stale]
+             if "train/train_rollout_logprob_abs_diff" in s and s.get("rollout_id") not in stale
+             and s.get("step", 0) == 0]
     left_out = f" ({len(stale)} stale rollouts of train.async left out)" if stale else ""
     if not diffs:
         return Check(5, name, SKIP, "no train steps" + left_out)
@@ -314,7 +499,9 @@ def strict_first_step(record: dict, steps: list[dict], cfg, prompts: list[str], 
     run = RunData(path=Path("."), rollouts=[record], steps=steps, prompts=prompts,
                   num_steps_per_rollout=cfg.train.num_steps_per_rollout, backend=cfg.train._target_,
                   use_rollout_log_probs=cfg.algo.use_rollout_log_probs,
-                  chat_template_parts=chat_template_parts(tokenizer))
+                  chat_template_parts=chat_template_parts(tokenizer), lr=cfg.train.lr,
+                  top_p=cfg.rollout.top_p, samples_per_rollout=len(prompts) or None,
+                  vocab_size=len(tokenizer) if tokenizer is not None else None)
     failed = [c for c in (check_logprobs_vs_ref(run, Thresholds()), check_first_step(run, Thresholds()),
                           check_train_rollout_diff(run, Thresholds()), check_finite(run, Thresholds()))
               if c.verdict == FAIL]

@@ -5,8 +5,12 @@ dumps) and reports PASS / WARN / FAIL / SKIP per check, with the evidence, the l
 causes and the next command:
 
 1. responses at the first rollout: coherent or garbage?
-2. responses turning to garbage later (training collapse)
-3. first-rollout log_probs vs ref_log_probs: exactly equal? plausible magnitude? chat template?
+2. training collapse: within 1-2 rollouts the entropy halves, the KL to the reference or a
+   step's ppo_kl jumps while the reward does not rise, or the reward falls to 0 with grad_norm
+   0 (names train.lr=<a tenth of yours>); later, garbage or the reward below 25% of its start
+3. first-rollout log_probs vs ref_log_probs: exactly equal? mean |log_prob| within sampling
+   noise of the policy's mean entropy (what it is for its own samples), under log(vocab_size)?
+   chat template?
 4. first-step KL and grad_norm (with num_steps_per_rollout == 1)
 5. train vs rollout log-prob mismatch: level and drift
 6. engine weights vs checkpoint (when the run recorded debug.check_weight_update_equal)
@@ -97,8 +101,10 @@ def main(argv: list[str]) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("path", type=Path, help="a run dir (or a dump dir inside one)")
     ap.add_argument("--json", action="store_true", help="machine-readable output")
-    for f in fields(Thresholds):
-        ap.add_argument(f"--{f.name.replace('_', '-')}", type=float, default=f.default)
+    for f in fields(Thresholds):  # each level's reason: the comments of Thresholds (relax/debug/checks.py)
+        ap.add_argument(f"--{f.name.replace('_', '-')}", type=float, default=f.default, metavar="X",
+                        help="default: log(vocab_size) of the run's model (5 if unknown)"
+                        if f.default is None else f"default: {f.default:g}")
     args = ap.parse_args(argv)
     if not args.path.is_dir():
         print(f"relax doctor: error: {args.path} is not a directory", file=sys.stderr)

@@ -6,6 +6,7 @@ built.json, weight_check.json, the composed config, and the dumps when the run m
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +31,16 @@ class RunData:
     weight_check: dict | None = None
     backend: str = ""  # train._target_: the trainer class
     use_rollout_log_probs: bool = False  # algo.use_rollout_log_probs: the engine's were PPO's old policy
+    lr: float | None = None  # train.lr (the collapse check names a tenth of it)
+    top_p: float = 1.0  # rollout.top_p: < 1 samples a nucleus, below the entropy by design
+    samples_per_rollout: int | None = None  # rollout_batch_size x n_samples_per_prompt (see samples_of)
+    vocab_size: int | None = None  # the model's output vocabulary (config.json, else the tokenizer)
+
+
+def samples_of(run: RunData, rollout_id: int) -> int | None:
+    """How many samples a rollout drew: its samples.jsonl line says, else the config."""
+    n = run.samples.get(rollout_id, {}).get("num_samples")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else run.samples_per_rollout
 
 
 def chat_template_parts(tokenizer) -> tuple[str, str] | None:
@@ -50,16 +61,24 @@ def read_config(path: Path) -> dict:
     try:
         cfg = OmegaConf.to_container(OmegaConf.load(path))
         train, parallel, algo = cfg.get("train", {}), cfg.get("parallel", {}), cfg.get("algo", {})
+        rollout = cfg.get("rollout", {})
+        per_rollout = rollout.get("rollout_batch_size"), rollout.get("n_samples_per_prompt")
         keys = {"train._target_": train.get("_target_", train.get("backend", "?")),  # (backend: older runs)
                 "parallel.name": parallel.get("name", "?"),
                 "parallel.noise_ulp": parallel.get("noise_ulp", 0),
                 "train.num_steps_per_rollout": train.get("num_steps_per_rollout"),
-                "algo.use_rollout_log_probs": algo.get("use_rollout_log_probs", False)}
+                "algo.use_rollout_log_probs": algo.get("use_rollout_log_probs", False),
+                "train.lr": train.get("lr"), "rollout.top_p": rollout.get("top_p", 1.0),
+                "samples_per_rollout": per_rollout[0] * per_rollout[1]
+                if all(isinstance(n, int) for n in per_rollout) else None}
     except Exception as e:  # YAML errors, a list or scalar where a mapping belongs
         reason = str(e).splitlines()[0] if str(e) else ""
         raise ReplayError(f"{path}: not a Relax config ({type(e).__name__}: {reason})") from None
     if not isinstance(keys["train.num_steps_per_rollout"], (int, type(None))):
         raise ReplayError(f"{path}: train.num_steps_per_rollout is not an integer")
+    for key in ("train.lr", "rollout.top_p"):
+        if not isinstance(keys[key], (int, float, type(None))) or isinstance(keys[key], bool):
+            raise ReplayError(f"{path}: {key} is not a number")
     return keys
 
 
@@ -100,6 +119,11 @@ def load_run(path: Path) -> RunData:
         cfg = read_config(config)
         run.num_steps_per_rollout, run.backend = cfg["train.num_steps_per_rollout"], cfg["train._target_"]
         run.use_rollout_log_probs = cfg["algo.use_rollout_log_probs"]
+        run.lr, run.samples_per_rollout = cfg["train.lr"], cfg["samples_per_rollout"]
+        run.top_p = 1.0 if cfg["rollout.top_p"] is None else cfg["rollout.top_p"]
+    first_lr = steps[0].get("train/lr") if steps else None
+    if run.lr is None and isinstance(first_lr, (int, float)) and not isinstance(first_lr, bool):
+        run.lr = first_lr  # an in-process run (no .hydra/): the rate its first step logged
     if (path / SAMPLES_FILE).is_file():
         samples = read_jsonl(path / SAMPLES_FILE)
         if not all(isinstance(s.get("rollout_id"), int) for s in samples):
@@ -124,7 +148,17 @@ def load_run(path: Path) -> RunData:
     if tokenizer_dir and Path(tokenizer_dir).is_dir():
         from relax.model import load_tokenizer
 
-        run.chat_template_parts = chat_template_parts(load_tokenizer(Path(tokenizer_dir)))
+        tokenizer = load_tokenizer(Path(tokenizer_dir))
+        run.chat_template_parts = chat_template_parts(tokenizer)
+        run.vocab_size = len(tokenizer)
+    model_config = Path(built["model_path"]) / "config.json" if built.get("model_path") else None
+    if model_config and model_config.is_file():  # the softmax's support: the model's rows, padding included
+        try:
+            vocab = json.loads(model_config.read_text()).get("vocab_size")
+        except (UnicodeDecodeError, ValueError, AttributeError):
+            vocab = None
+        if isinstance(vocab, int) and vocab > 0:
+            run.vocab_size = vocab
     if (path / "weight_check.json").is_file():
         run.weight_check = read_json(path / "weight_check.json")
     return run
