@@ -83,13 +83,15 @@ class TorchTrainer(DistributedWeightSync):
         return contextlib.nullcontext()
 
     def _log_probs(self, model, mb: MicroBatch):
-        """Per-token log-probs and entropy, [b, T]; the output layer runs only from the first
-        trained position on (a prompt's positions predict nothing that is trained: for a chat
-        model with a system prompt that is most of the sequence, and each of those positions
-        costs a vocabulary-wide matmul and softmax), zeros before it (masked out)."""
-        first = common.first_trained_position(mb)
-        logits = model(input_ids=mb.tokens, logits_to_keep=mb.tokens.shape[1] - first).logits
-        return common.trained_log_probs(logits, mb, first, self.temperature, self.cfg.algo.entropy_coef != 0)
+        """Per-token log-probs and entropy, [b, T]; the softmax runs only from the first trained
+        position on (a prompt's positions predict nothing that is trained: for a chat model
+        with a system prompt that is most of the sequence), zeros before it (masked out). The
+        output layer still covers every position: cut to the trained ones (HF's
+        logits_to_keep), its matmul on a sliced view gave the actor and the frozen reference
+        log-probs 1e-7 apart at the first kept position, and first-step KL must be exactly 0."""
+        logits = model(input_ids=mb.tokens).logits
+        return common.trained_log_probs(logits, mb, common.first_trained_position(mb), self.temperature,
+                                        self.cfg.algo.entropy_coef != 0)
 
     # -- the algorithm ---------------------------------------------------------------------
     def train(self, rollout_id: int, samples: list[Sample]) -> dict:
