@@ -6,130 +6,28 @@ the evidence, the likely causes and the next command, in the guide's terms. `rel
 loop runs 3-5 and 7 at the first step (`strict_first_step`) and 6 after the first sync
 (`strict_weights`) and stops the run with the same explanation. A NaN never passes: every
 threshold is tested with `over` (`not value <= limit`) or `below` (`not value >= limit`), as
-`nan > limit` and `nan < limit` are both False; `relax compare` uses them too.
+`nan > limit` and `nan < limit` are both False; `relax compare` uses them too. The verdicts,
+thresholds and comparisons are in verdicts.py, check 2's trend readers in collapse.py.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from relax.debug.collapse import garbage_signals, find_collapse, find_fast_collapse, lower_lr
 from relax.debug.run_data import RunData, chat_template_parts, samples_of
+from relax.debug.verdicts import PASS, WARN, FAIL, SKIP, SEVERITY, Thresholds, Check, over, below, worst
 from relax.errors import CheckFailed
-
-PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
-SEVERITY = {PASS: 0, SKIP: 0, WARN: 1, FAIL: 2}
-
-
-# Every level below was re-derived for a real model (SmolLM2-135M-Instruct, 1000x the tiny
-# model's 134k parameters); the measurements are in docs/debugging.md ("How the thresholds
-# were set"). A level that depends on the model is expressed relative to the run itself.
-@dataclass
-class Thresholds:
-    # exactness, not a tolerance: the same weights through the same deterministic forward give
-    # bit-equal log-probs at any size (SmolLM2's 30 layers: |log_probs - ref_log_probs| = 0.0)
-    kl_tol: float = 1e-8                  # first-step KL and |log_probs - ref_log_probs|
-    # check 3. The trainer's log_probs are of the policy's own samples at the sampling
-    # temperature, so E[-log p(x)] over sampled tokens IS the mean entropy at those positions,
-    # for a model of any size (SmolLM2: 1.61 vs 1.70, tiny: 0.40 vs 0.34). WARN when mean
-    # |log_prob| leaves [H / ratio - slack, ratio * H + slack]; slack is the larger of the floor
-    # below and 4 standard errors of the mean difference, sqrt(varentropy / tokens) (the terms
-    # -log p(x_t) - H_t have conditional mean 0, so they are uncorrelated: the variance of
-    # their mean is exact, not a bound); see logprob_slack()
-    logprob_entropy_ratio: float = 2.0
-    logprob_entropy_slack: float = 0.25   # nats: the floor of that slack
-    # mean |log_prob| above log(vocab_size) (+ slack) is impossible for the policy's own samples:
-    # their mean is the entropy, and no distribution over V tokens has more than log V (the
-    # uniform guess): the tokens were scored by another model, tokenizer or temperature (FAIL).
-    # None: log(vocab_size) of the run's model (SmolLM2 10.8, tiny 3.47), 5.0 when unknown
-    logprob_config_error: float | None = None
-    # first-step grad_norm (before clipping at train.clip_grad): the token-mean GRPO gradient of
-    # std-normalised advantages through normalised layers does not grow with the model: tiny
-    # 1.8-2.1, SmolLM2 2.5-3.6 (1000x the parameters, 1.3-1.7x the norm); 10 is 3-5x both, and a
-    # gradient scaled by a layout bug shows in `relax compare` long before it reaches 10
-    grad_norm_max: float = 10.0
-    # train/train_rollout_logprob_abs_diff at each rollout's first step (the weights the engine
-    # sampled with): rounding only for the same code in fp32, at any depth (SmolLM2 2e-6, tiny
-    # 2e-7); a bf16 engine against the fp32 trainer, a real mismatch, grows with depth (SmolLM2's
-    # 30 layers: 0.030, 3x under this); a dropped or corrupted tensor gives far more
-    train_rollout_diff_max: float = 0.1
-    drift_ratio: float = 2.0              # last third vs first third of that diff (relative: any size)
-    drift_floor: float = 1e-3             # ... once it is at least this large
-    # garbage signals are shares of responses or tokens, not of the model: SmolLM2 and the tiny
-    # model both score 0.0 on the first two at the first rollout
-    invalid_token_ratio: float = 0.2      # garbage: undecodable / special tokens mid-response
-    repetition_ratio: float = 0.5         # garbage: responses dominated by one token
-    # a chat model explains before it answers and is cut at rollout.max_new_tokens (SmolLM2 at 8
-    # tokens: 16% in format, 94% cut): a cut response is unfinished, not garbage, so the floor
-    # is on the responses in format or cut; below it, most responses ENDED outside the format
-    format_ok_min: float = 0.2
-    collapse_fraction: float = 0.25       # reward falling below this share of its start
-    # check 2, a collapse within one or two rollouts: the policy moved fast (any of the three
-    # below) while the reward did not rise. Learning also sharpens the policy, but then the
-    # reward rises with it (SmolLM2 healthy: entropy 2.05 -> 0.13 over 30 rollouts, reward
-    # 0.22 -> 1.0). Prompts alone move a 4-prompt rollout's entropy by 22-36% (SmolLM2 at
-    # grad_norm 0: 1.46 -> 1.99 -> 1.55); train.lr=3e-4 on SmolLM2: 1.70 -> 0.46 in one update
-    entropy_collapse_ratio: float = 0.5   # rollout/entropy below this share of 1-2 rollouts before
-    # ... and by at least this share of the run's first entropy: a sharp policy losing its last
-    # bits is not collapsing (SmolLM2 healthy, late: 0.26 -> 0.13, under 0.25 x 2.05), and the
-    # level follows the model (tiny: 0.36 at the start, SmolLM2 1.70-2.05)
-    entropy_collapse_min_share: float = 0.25
-    kl_jump: float = 0.5                  # rollout/kl (to the reference) up by this many nats in 1-2 rollouts
-    # the mean log-ratio of a later step within a rollout (num_steps_per_rollout > 1) as large
-    # as PPO's clip range (algo.eps_clip 0.2): the average token left the trust region
-    ppo_kl_max: float = 0.2
-
-
-@dataclass
-class Check:
-    id: int
-    name: str
-    verdict: str
-    summary: str
-    evidence: dict = field(default_factory=dict)
-    causes: list[str] = field(default_factory=list)
-    next_steps: list[str] = field(default_factory=list)
 
 
 # -- the checks -----------------------------------------------------------------------------
-
-def over(value: float, limit: float) -> bool:
-    """value beyond limit, NaN included (a plain `value > limit` passes NaN)."""
-    return not value <= limit
-
-
-def below(value: float, limit: float) -> bool:
-    """value under limit, NaN included (a plain `value < limit` passes NaN)."""
-    return not value >= limit
-
-
-def worst(values: Iterable[float], default: float = 0.0) -> float:
-    """The largest value, NaN if any is NaN: max() keeps a NaN only when it comes first."""
-    values = list(values)
-    return math.nan if any(math.isnan(v) for v in values) else max(values, default=default)
-
 
 def example_sample(run: RunData, rollout_id: int) -> dict | str | None:
     """The rollout's example sample, or why there is none."""
     if rollout_id in run.samples:
         return run.samples[rollout_id]
     return f"not recorded: {run.samples_missing}" if run.samples_missing else None
-
-
-def garbage_signals(record: dict, th: Thresholds) -> list[str]:
-    signals = []
-    if over(record.get("rollout/invalid_token_ratio", 0), th.invalid_token_ratio):
-        signals.append(f"{record['rollout/invalid_token_ratio']:.0%} of tokens undecodable or "
-                       f"special mid-response")
-    if over(record.get("rollout/repetition_ratio", 0), th.repetition_ratio):
-        signals.append(f"{record['rollout/repetition_ratio']:.0%} of responses repeat one token")
-    fmt, cut = record.get("rollout/format_ok_ratio", 1), record.get("rollout/truncated_ratio", 0)
-    if below(fmt + cut, th.format_ok_min):  # a response cut short has not reached its answer yet
-        signals.append(f"only {fmt:.0%} of responses in the task's format ({cut:.0%} cut at "
-                       f"rollout.max_new_tokens)")
-    return signals
 
 
 def check_first_responses(run: RunData, th: Thresholds) -> Check:
@@ -155,81 +53,6 @@ def check_first_responses(run: RunData, th: Thresholds) -> Check:
                 "a base (pretrained) model: try the instruct variant of the same architecture"],
         next_steps=["relax debug=rollout_only rollout.num_rollout=1 debug.check_weight_update_equal=true "
                     "<your model/rollout overrides>  # compares every engine tensor with the checkpoint"])
-
-
-def find_collapse(rollouts: list[dict], th: Thresholds) -> tuple[int, str] | None:
-    """(index, why) of the first rollout from the fourth on whose responses turn to garbage
-    or from which the reward collapses (its next three against the first three); None if
-    there is none. Non-finite rewards are check_later_responses's, before this."""
-    rewards = [r["rollout/raw_reward"] for r in rollouts]
-    early = sum(rewards[:3]) / 3
-    for i in range(3, len(rollouts)):
-        signals = garbage_signals(rollouts[i], th)
-        window = rewards[i:i + 3]
-        if signals:
-            return i, "; ".join(signals)
-        if early >= 0.05 and len(window) == 3 and below(sum(window) / 3, th.collapse_fraction * early):
-            return i, f"mean reward {sum(window) / 3:.3f} vs {early:.3f} at the start"
-    return None
-
-
-DEAD_CHANCE = 1e-3  # a reward of exactly 0 the earlier policy would draw less often than this
-
-
-def policy_moves(run: RunData, j: int, i: int, th: Thresholds) -> list[str]:
-    """How far the policy moved from rollout j to rollout i (1-2 later), where that is fast."""
-    prev, cur = run.rollouts[j], run.rollouts[i]
-    moved = []
-    if "rollout/entropy" in prev and "rollout/entropy" in cur:
-        h0, h1 = prev["rollout/entropy"], cur["rollout/entropy"]
-        start = next(r["rollout/entropy"] for r in run.rollouts if "rollout/entropy" in r)
-        if below(h1, th.entropy_collapse_ratio * h0) and over(h0 - h1, th.entropy_collapse_min_share * start):
-            moved.append(f"entropy {h0:.2f} -> {h1:.2f}")
-    if "rollout/kl" in prev and "rollout/kl" in cur:  # rollouts that ran the reference pass
-        k0, k1 = prev["rollout/kl"], cur["rollout/kl"]
-        if over(k1 - k0, th.kl_jump):
-            moved.append(f"KL to the reference {k0:.2f} -> {k1:.2f}")
-    if not run.use_rollout_log_probs:  # else ppo_kl holds the engine/trainer mismatch (check 5)
-        ids = {r["rollout_id"] for r in run.rollouts[j:i]}  # the updates that made rollout i's policy
-        ppo = [(s["rollout_id"], s.get("step"), s["train/ppo_kl"]) for s in run.steps
-               if s.get("rollout_id") in ids and "train/ppo_kl" in s]
-        if ppo:
-            rid, step, largest = max(ppo, key=lambda x: math.inf if math.isnan(x[2]) else abs(x[2]))
-            if over(abs(largest), th.ppo_kl_max):
-                moved.append(f"train/ppo_kl {largest:.2f} at rollout {rid} step {step}")
-    return moved
-
-
-def find_fast_collapse(run: RunData, th: Thresholds) -> tuple[int, str] | None:
-    """(index, why) of the first rollout at which the policy collapsed within one or two
-    rollouts: it moved fast (entropy more than halved, KL to the reference or a step's ppo_kl
-    jumped) while the reward did not rise, or its reward fell to exactly 0 with grad_norm 0
-    (every advantage 0: nothing left to learn from) where the earlier policy would almost never
-    score 0. Learning sharpens a policy too, but its reward rises."""
-    rewards = [r["rollout/raw_reward"] for r in run.rollouts]
-    for i in range(1, len(run.rollouts)):
-        for j in (i - 1, i - 2):
-            if j < 0 or rewards[i] > rewards[j]:
-                continue
-            moved = policy_moves(run, j, i, th)
-            if moved:
-                span = "one rollout" if i - j == 1 else "two rollouts"
-                return i, (f"{'; '.join(moved)} within {span} while the reward did not rise "
-                           f"({rewards[j]:.3f} -> {rewards[i]:.3f})")
-        rid = run.rollouts[i]["rollout_id"]
-        norms = [s["train/grad_norm"] for s in run.steps if s.get("rollout_id") == rid]
-        best = min(max(max(rewards[:i]), 0.0), 1.0)
-        n = samples_of(run, rid)
-        if rewards[i] == 0 and norms and all(g == 0 for g in norms) and n and (1 - best) ** n < DEAD_CHANCE:
-            return i, (f"the reward fell from {best:.3f} to 0 with grad_norm 0 (every advantage 0): a "
-                       f"policy scoring {best:.3f} draws {n} unrewarded samples with chance "
-                       f"<= {(1 - best) ** n:.0e}")
-    return None
-
-
-def lower_lr(run: RunData) -> str:
-    """The override that a tenth of the run's learning rate is."""
-    return f"train.lr={run.lr / 10:.3g}" if run.lr else "train.lr=<a tenth of yours>"
 
 
 def check_later_responses(run: RunData, th: Thresholds) -> Check:

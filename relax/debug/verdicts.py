@@ -1,0 +1,98 @@
+"""What a check returns and how it compares: the verdicts, the thresholds (re-derived for a
+real model, docs/debugging.md), and NaN-safe comparisons that `relax doctor` and `relax
+compare` share (`nan > limit` and `nan < limit` are both False)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
+SEVERITY = {PASS: 0, SKIP: 0, WARN: 1, FAIL: 2}
+
+
+# Every level below was re-derived for a real model (SmolLM2-135M-Instruct, 1000x the tiny
+# model's 134k parameters); the measurements are in docs/debugging.md ("How the thresholds
+# were set"). A level that depends on the model is expressed relative to the run itself.
+@dataclass
+class Thresholds:
+    # exactness, not a tolerance: the same weights through the same deterministic forward give
+    # bit-equal log-probs at any size (SmolLM2's 30 layers: |log_probs - ref_log_probs| = 0.0)
+    kl_tol: float = 1e-8                  # first-step KL and |log_probs - ref_log_probs|
+    # check 3. The trainer's log_probs are of the policy's own samples at the sampling
+    # temperature, so E[-log p(x)] over sampled tokens IS the mean entropy at those positions,
+    # for a model of any size (SmolLM2: 1.61 vs 1.70, tiny: 0.40 vs 0.34). WARN when mean
+    # |log_prob| leaves [H / ratio - slack, ratio * H + slack]; slack is the larger of the floor
+    # below and 4 standard errors of the mean difference, sqrt(varentropy / tokens) (the terms
+    # -log p(x_t) - H_t have conditional mean 0, so they are uncorrelated: the variance of
+    # their mean is exact, not a bound); see logprob_slack()
+    logprob_entropy_ratio: float = 2.0
+    logprob_entropy_slack: float = 0.25   # nats: the floor of that slack
+    # mean |log_prob| above log(vocab_size) (+ slack) is impossible for the policy's own samples:
+    # their mean is the entropy, and no distribution over V tokens has more than log V (the
+    # uniform guess): the tokens were scored by another model, tokenizer or temperature (FAIL).
+    # None: log(vocab_size) of the run's model (SmolLM2 10.8, tiny 3.47), 5.0 when unknown
+    logprob_config_error: float | None = None
+    # first-step grad_norm (before clipping at train.clip_grad): the token-mean GRPO gradient of
+    # std-normalised advantages through normalised layers does not grow with the model: tiny
+    # 1.8-2.1, SmolLM2 2.5-3.6 (1000x the parameters, 1.3-1.7x the norm); 10 is 3-5x both, and a
+    # gradient scaled by a layout bug shows in `relax compare` long before it reaches 10
+    grad_norm_max: float = 10.0
+    # train/train_rollout_logprob_abs_diff at each rollout's first step (the weights the engine
+    # sampled with): rounding only for the same code in fp32, at any depth (SmolLM2 2e-6, tiny
+    # 2e-7); a bf16 engine against the fp32 trainer, a real mismatch, grows with depth (SmolLM2's
+    # 30 layers: 0.030, 3x under this); a dropped or corrupted tensor gives far more
+    train_rollout_diff_max: float = 0.1
+    drift_ratio: float = 2.0              # last third vs first third of that diff (relative: any size)
+    drift_floor: float = 1e-3             # ... once it is at least this large
+    # garbage signals are shares of responses or tokens, not of the model: SmolLM2 and the tiny
+    # model both score 0.0 on the first two at the first rollout
+    invalid_token_ratio: float = 0.2      # garbage: undecodable / special tokens mid-response
+    repetition_ratio: float = 0.5         # garbage: responses dominated by one token
+    # a chat model explains before it answers and is cut at rollout.max_new_tokens (SmolLM2 at 8
+    # tokens: 16% in format, 94% cut): a cut response is unfinished, not garbage, so the floor
+    # is on the responses in format or cut; below it, most responses ENDED outside the format
+    format_ok_min: float = 0.2
+    collapse_fraction: float = 0.25       # reward falling below this share of its start
+    # check 2, a collapse within one or two rollouts: the policy moved fast (any of the three
+    # below) while the reward did not rise. Learning also sharpens the policy, but then the
+    # reward rises with it (SmolLM2 healthy: entropy 2.05 -> 0.13 over 30 rollouts, reward
+    # 0.22 -> 1.0). Prompts alone move a 4-prompt rollout's entropy by 22-36% (SmolLM2 at
+    # grad_norm 0: 1.46 -> 1.99 -> 1.55); train.lr=3e-4 on SmolLM2: 1.70 -> 0.46 in one update
+    entropy_collapse_ratio: float = 0.5   # rollout/entropy below this share of 1-2 rollouts before
+    # ... and by at least this share of the run's first entropy: a sharp policy losing its last
+    # bits is not collapsing (SmolLM2 healthy, late: 0.26 -> 0.13, under 0.25 x 2.05), and the
+    # level follows the model (tiny: 0.36 at the start, SmolLM2 1.70-2.05)
+    entropy_collapse_min_share: float = 0.25
+    kl_jump: float = 0.5                  # rollout/kl (to the reference) up by this many nats in 1-2 rollouts
+    # the mean log-ratio of a later step within a rollout (num_steps_per_rollout > 1) as large
+    # as PPO's clip range (algo.eps_clip 0.2): the average token left the trust region
+    ppo_kl_max: float = 0.2
+
+
+@dataclass
+class Check:
+    id: int
+    name: str
+    verdict: str
+    summary: str
+    evidence: dict = field(default_factory=dict)
+    causes: list[str] = field(default_factory=list)
+    next_steps: list[str] = field(default_factory=list)
+
+
+def over(value: float, limit: float) -> bool:
+    """value beyond limit, NaN included (a plain `value > limit` passes NaN)."""
+    return not value <= limit
+
+
+def below(value: float, limit: float) -> bool:
+    """value under limit, NaN included (a plain `value < limit` passes NaN)."""
+    return not value >= limit
+
+
+def worst(values: Iterable[float], default: float = 0.0) -> float:
+    """The largest value, NaN if any is NaN: max() keeps a NaN only when it comes first."""
+    values = list(values)
+    return math.nan if any(math.isnan(v) for v in values) else max(values, default=default)
