@@ -35,7 +35,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from relax.debug.checks import over, worst
+from relax.debug.verdicts import over, worst
 from relax.debug.run_data import read_config
 from relax.errors import ConfigError, ReplayError
 from relax.files import safe_load
@@ -279,8 +279,8 @@ def maybe_noise(value: float, limit: float, noise: Noise) -> str:
     is orders of magnitude larger."""
     if noise.twin is not None or not value <= noise.margin * limit:
         return ""
-    return (f"; within {noise.margin:g}x the tolerance: may be the rounding noise of a deep model, "
-            f"add parallel=twin to the sweep to measure it")
+    return (f"; within {noise.margin:g}x the tolerance: may be rounding noise (of a deep model, or "
+            f"grown over many steps), add parallel=twin to the sweep to measure it")
 
 
 def first_divergence(job: Job, base: Job, noise: Noise) -> tuple[int, str] | None:
