@@ -15,7 +15,7 @@ import pytest
 from relax.debug.checks import diagnose
 from relax.debug.run_data import load_run
 
-from .conftest import only_run_dir, relax_cli, run_loop
+from .conftest import REPO, relax_cli, run_loop
 
 pytestmark = pytest.mark.slow
 
@@ -93,10 +93,12 @@ def test_the_real_model_replays_equivalently_through_every_trainer_and_layout_ki
     run, _ = dumped
     data = f"{run}/rollout_data/{{rollout_id}}.pt"
     dirs = []
-    for train, parallel in jobs:
+    for train, parallel in jobs:  # through the CLI: relax compare reads each run's .hydra/
         dirs.append(tmp_path / f"{train}-{parallel}")
-        run_loop(dirs[-1], *REAL, "rollout.num_rollout=2", f"debug.load_rollout_data={data}",
-                 f"train={train}", f"parallel={parallel}")
+        proc = relax_cli(*REAL, "rollout.num_rollout=2", f"debug.load_rollout_data={data}", f"train={train}",
+                         f"parallel={parallel}", f"hydra.run.dir={dirs[-1]}", cwd=tmp_path,
+                         env={"PYTHONPATH": str(REPO)}, timeout=1500)
+        assert proc.returncode == 0, proc.stderr[-3000:]
     proc = relax_cli("compare", *map(str, dirs), "--json", cwd=tmp_path)
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
