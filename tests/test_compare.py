@@ -225,6 +225,12 @@ def test_the_step_0_tolerances_are_scaled_by_the_twin():
     assert deep.reasons[0] == ("max |Δ log_prob| 2.00e-05 > 1.00e-05 (first step); within 10x the "
                                "tolerance: may be rounding noise (of a deep model, or grown over many "
                                "steps), add parallel=twin to the sweep to measure it")
+    # a deep model's twin may be beyond the fixed log_prob tolerance by itself (SmolLM2-135M:
+    # 1.24e-5): that is the noise's scale, not a departure that would end judging at step 0
+    deep_twin = job([0.0] * 3, [1.0] * 3, "twin", {0: [-1.0, -2.0 + 2e-5]}, "twin", noise_ulp=1)
+    noise = noise_model(base, TOL, deep_twin)
+    assert noise.twin_departed_at_step is None and noise.judged_steps == 3
+    assert noise.floor["logprob"] == pytest.approx(2e-4)
     beyond = job([0.0] * 3, [1.0] * 3, "beyond", {0: [-1.0 + 4e-5, -2.0]})
     judge(beyond, base, TOL, twin)
     assert beyond.verdict == "DIVERGED" and beyond.diverged_at_step == 0 == beyond.departed_at_step

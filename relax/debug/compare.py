@@ -107,7 +107,9 @@ class Noise:
     twin's step-0 difference) (`floor`), a step's limit is max(floor, margin x the twin's
     running-max difference by then), and steps are judged by size only up to the twin's
     departure (its first step beyond `floor`): past it fp32 rounding differences have grown
-    chaotic, so their size says nothing about a layout."""
+    chaotic, so their size says nothing about a layout. The departure counts loss and
+    grad_norm only: the twin's step-0 log_probs set their tolerance's scale (on SmolLM2-135M
+    they alone are 1.24e-5 from the baseline's, beyond the fixed 1e-5), they cannot leave it."""
     floor: dict[str, float]  # logprob, grad_norm, loss: the step-0 tolerances
     judged_steps: int  # steps 0..judged_steps-1 are judged by size (all: NaN/Inf)
     twin: Job | None = None
