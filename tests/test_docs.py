@@ -274,7 +274,7 @@ def test_the_command_checks_refuse_bad_commands(monkeypatch):
     assert command_lines(text) == [["a=1", "b=2"], ["compare", "x"], ["c=3"], ["--dump-details", "/x"]]
     assert jobs(["-m", "parallel=single,tp2", "--debug-rollout-only"]) == [
         ["parallel=single", "debug.rollout_only=true"], ["parallel=tp2", "debug.rollout_only=true"]]
-    for bad in (["train.lrr=1"], ["-m", "parallel=single,tp3"], ["parallel=single,tp2"], ["model=nope"]):
+    for bad in (["train.lrr=1"], ["-m", "parallel=single,tp5"], ["parallel=single,tp2"], ["model=nope"]):
         with pytest.raises(ConfigCompositionException):
             for job in jobs(bad):
                 make_cfg(*job)

@@ -30,7 +30,7 @@ def runs(tmp_path_factory):
     trained = run_loop(root / "train", *SMALL, "eval.interval=2", "rollout.num_rollout=5", "train.lr=1e-2")[0]
     jsonl = root / "sums.jsonl"  # the arithmetic eval questions again, as a JSONL dataset
     jsonl.write_text("".join(json.dumps({"prompt": q, "label": a}) + "\n"
-                             for q, a in questions("arithmetic", make_cfg(*SMALL))))
+                             for q, a in questions("arithmetic", make_cfg(*SMALL), task=None)))
     rollout_only = run_loop(root / "rollout_only", *SMALL, "debug=rollout_only", "eval.interval=3",
                             "rollout.num_rollout=5", f"eval.datasets=[arithmetic,{jsonl}]",
                             f"debug.save_rollout_data={root}/data/{{rollout_id}}.pt")[0]
@@ -62,7 +62,7 @@ def test_greedy_eval_is_the_policys_answers(runs, tiny_path, tokenizer):
     cfg = make_cfg(*SMALL)
     model = AutoModelForCausalLM.from_pretrained(tiny_path, torch_dtype=torch.float32).eval()
     rewards, lengths = [], []
-    for question in build_task(cfg).to_prompts(questions("arithmetic", cfg), tokenizer, "test"):
+    for question in build_task(cfg).to_prompts(questions("arithmetic", cfg, task=None), tokenizer, "test"):
         with torch.no_grad():
             out = model.generate(torch.tensor([question.tokens]), do_sample=False, max_new_tokens=8,
                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
