@@ -6,6 +6,7 @@ Used by replay, train dumps and checkpoints alike, so it sits below all of them.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -118,3 +119,12 @@ def read_json(path: Path) -> dict:
     if not isinstance(data, dict):
         raise ReplayError(f"{path}: expected a JSON object, found {type(data).__name__}")
     return data
+
+
+def sha256(path: Path) -> str:
+    """The file's sha256, read in 1 MiB blocks (model weights are hundreds of MB)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

@@ -71,6 +71,8 @@ EXTRAS = {
     "ray": RAY_EXTRA,
     "hydra_plugins.hydra_ray_launcher": RAY_EXTRA,
     "megatron.core": "the [megatron] extra: pip install -c constraints.txt -e '.[megatron]'",
+    "gguf": "the [real] extra: pip install -c constraints.txt -e '.[real]'",
+    "accelerate": "the [real] extra: pip install -c constraints.txt -e '.[real]'",
     "sglang": ("SGLang, which runs from an environment of its own: build it with "
                "scripts/setup_sglang_cpu.sh (CPU; on GPU pip install sglang), then run "
                ".venv-sglang/bin/relax"),

@@ -25,34 +25,19 @@ import zipfile
 from pathlib import Path
 
 from relax.errors import ConfigError
+from relax.files import sha256
+from relax.targets import require_extra
 
 log = logging.getLogger(__name__)
 
 FORMAT = 1  # bump when the conversion below changes, so old caches are not reused
-EXTRA = "pip install -e '.[real]'"  # what reads GGUF: the `real` extra (setup.cfg)
-
-
-def check_extra() -> None:
-    import importlib.util
-
-    missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
-    if missing:
-        raise ConfigError(f"reading GGUF files needs the {', '.join(missing)} package(s), which the "
-                          f"`real` extra installs: {EXTRA}")
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+READS_GGUF = ("gguf", "accelerate")  # what transformers needs to read GGUF: the [real] extra
 
 
 def convert(gguf_path: Path, out_dir: Path) -> dict:
     """Write the HF directory of a GGUF file into `out_dir` (which must not exist); returns
     what relax_model.json records."""
-    check_extra()
+    require_extra("reading a GGUF file (model=smollm2, relax convert-gguf)", *READS_GGUF)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -101,7 +86,7 @@ def ensure_packaged_model(model_cfg) -> Path:
     target = packaged_model_dir(model_cfg)
     if (target / "relax_model.json").is_file():
         return target
-    check_extra()
+    require_extra(f"model={model_cfg.name} (converting its GGUF on first use)", *READS_GGUF)
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="relax-gguf-", dir=target.parent) as tmp:
         gguf_path = download(model_cfg.package, model_cfg.gguf_file, Path(tmp))
@@ -146,7 +131,8 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="relax convert-gguf",
         description="Convert a GGUF model (Llama, Qwen2, Qwen3 and their MoE variants) into a Hugging "
-                    "Face directory Relax runs with model=hf model.path=OUT_DIR (weights de-quantized to fp32).")
+                    "Face directory Relax runs with model=hf model.path=OUT_DIR (weights de-quantized "
+                    "to fp32).")
     parser.add_argument("gguf", type=Path, help="the .gguf file")
     parser.add_argument("out_dir", type=Path, help="the HF directory to write (must not exist)")
     args = parser.parse_args(argv)

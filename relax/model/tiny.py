@@ -24,11 +24,13 @@ import shutil
 from pathlib import Path
 
 from relax.errors import ConfigError
+from relax.files import sha256
 
 log = logging.getLogger(__name__)
 
 SHIPPED = Path(__file__).with_name("tiny_qwen2")  # the default recipe, built once, shipped
-SHIPPED_SHA256 = "5431869146292c62b29576f5376c7fc772fed1dcb5e15e0ef73c52fc3414c222"  # of SHIPPED/model.safetensors
+# the sha256 of SHIPPED/model.safetensors
+SHIPPED_SHA256 = "5431869146292c62b29576f5376c7fc772fed1dcb5e15e0ef73c52fc3414c222"
 
 FORMAT = 1  # bump when the recipe below changes, so old caches are not reused
 SPECIAL_TOKENS = ["<|pad|>", "<|end|>", "<|user|>", "<|assistant|>", "<|unk|>"]
@@ -144,10 +146,6 @@ def tiny_config(model_cfg) -> dict:
     if cached.is_file():
         return json.loads(cached.read_text())
     return build_config(model_cfg.tiny, build_tokenizer()).to_dict()
-
-
-def sha256(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def shipped_recipe() -> dict:
