@@ -20,7 +20,6 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import II, MISSING, OmegaConf
 
-from relax.errors import ConfigError
 
 
 @dataclass
@@ -87,7 +86,7 @@ class RolloutConfig:
 
 @dataclass
 class SGLangRolloutGroup(RolloutConfig):  # rollout=sglang
-    mem_fraction_static: Optional[float] = None  # weights + KV cache memory share (null: GPU 0.8, CPU from the model size)
+    mem_fraction_static: Optional[float] = None  # weights + KV share (null: GPU 0.8, CPU by model size)
     max_total_tokens: int = 8192  # KV-cache capacity in tokens (used on CPU)
     sglang_server_args: dict[str, Any] = field(default_factory=dict)  # other ServerArgs, passed through
 

@@ -21,7 +21,8 @@ from relax.model import tiny
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--write", action="store_true", help="replace relax/model/tiny_qwen2/ with the build")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")

@@ -6,7 +6,8 @@ is answered eval.n_samples_per_prompt times per prompt at eval.temperature (0: g
 through the run's rollout.generate_fn, and scored with the task's rewards;
 `eval/<name>/reward` and `eval/<name>/response_len` join that rollout's metrics. A dataset is
 `arithmetic` (the built-in problems, in task=arithmetic's operand range when that is the
-task), `task` (the run's task's held-out questions, which training never draws) or a JSONL file of {"prompt", "label"} rows, named after the file; each evaluation asks
+task), `task` (the run's task's held-out questions, which training never draws) or a JSONL
+file of {"prompt", "label"} rows, named after the file; each evaluation asks
 the same eval.num_prompts prompts (a JSONL file's first rows). A run that builds no engine
 (debug=train_only) evaluates nothing and says so once.
 """
@@ -71,7 +72,8 @@ class Evaluator:
             raise ConfigError(f"eval.datasets={list(e.datasets)}: expected one or more datasets with "
                               f"distinct names (arithmetic, or JSONL files named after their stem)")
         self.cfg, self.task, self.tokenizer, self.last = cfg, task, tokenizer, last_rollout_id
-        self.prompts = {name: task.to_prompts(questions(entry, cfg, task), tokenizer, f"eval.datasets {entry!r}")
+        self.prompts = {name: task.to_prompts(questions(entry, cfg, task), tokenizer,
+                                              f"eval.datasets {entry!r}")
                         for name, entry in zip(names, e.datasets, strict=True)}
 
     def due(self, rollout_id: int) -> bool:

@@ -65,7 +65,8 @@ def engine_args(cfg, model_path: Path, base_gpu_id: int = 0) -> dict:
 def cpu_mem_fraction(cfg, model_path: Path) -> float:
     """On CPU SGLang sizes weights + KV cache as a share of the memory available when it starts:
     twice what this model needs (its weights in the engine dtype, bounded by reading the files as
-    16-bit, and max_total_tokens of KV cache), at least 0.05. A fixed share that fits a tiny model leaves a real one no KV cache
+    16-bit, and max_total_tokens of KV cache), at least 0.05. A fixed share that fits a tiny
+    model leaves a real one no KV cache
     (SmolLM2-135M: 0.54 GB of fp32 weights + 0.38 GB of KV cache for 8192 tokens)."""
     hf = read_hf_config(model_path)
     width = torch.finfo(torch_dtype(engine_dtype(cfg))).bits // 8

@@ -180,7 +180,8 @@ class WordProblemsTask(Task):
         super().__init__(**common)
         unknown = sorted(set(operations) - set(word_problems.TEMPLATES))
         if unknown or not operations or not 0 <= min_operand <= max_operand:
-            raise ConfigError(f"task.operations={list(operations)} (each of {sorted(word_problems.TEMPLATES)}), "
+            raise ConfigError(f"task.operations={list(operations)} (each of "
+                              f"{sorted(word_problems.TEMPLATES)}), "
                               f"task.min_operand={min_operand} <= task.max_operand={max_operand} (>= 0)")
         self.problem = dict(operations=list(operations), min_operand=min_operand, max_operand=max_operand,
                             instruction=instruction)
