@@ -1,4 +1,4 @@
-"""`relax`: the Hydra app, the debugging guide's `--flags`, and the inspect/compare/doctor tools.
+"""`relax`: the Hydra app, the debugging guide's `--flags`, and the inspect/compare/doctor/bugreport tools.
 
 `relax [overrides]`, `python -m relax` and `python3 relax/entrypoints/train.py` all land in
 `main()`. The guide's flags (`--debug-rollout-only`, `--load-debug-rollout-data PATH`, ...)
@@ -56,6 +56,7 @@ SUBCOMMANDS = {
     "inspect": "relax.debug.inspect",
     "compare": "relax.debug.compare",
     "doctor": "relax.debug.doctor",
+    "bugreport": "relax.debug.bugreport",
     "convert-gguf": "relax.model.gguf",
 }
 

@@ -1,0 +1,250 @@
+"""`relax bugreport`: one archive of a run (config, versions, machine, source revision, doctor,
+the first rollout's replay data, logs, MANIFEST), no secrets, clear errors; and the archive
+alone replays the run's first rollout."""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import hashlib
+import importlib.metadata
+import io
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from relax.cli import main as relax_main
+from relax.debug import bugreport as br
+
+from .conftest import REPO, only_run_dir, relax_cli, run_loop
+
+RUN = ["rollout.num_rollout=2", "rollout.rollout_batch_size=4", "checkpoint.save_interval=null"]
+SECRET = "wandb-key-3f9c2e7a51d04b8e"  # long and random-looking: no chance match in gzip bytes
+PRIVATE = "private-note-8d1e6b0c2a"  # in a variable whose name looks harmless
+SHOWN = "shown-value-17"
+
+
+def bugreport(*args: str) -> tuple[int, str, str]:
+    """`relax bugreport ...` through relax.cli.main, in this process: (exit code, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exit_:
+        relax_main(["bugreport", *map(str, args)])
+    return exit_.value.code, out.getvalue(), err.getvalue()
+
+
+def members(archive: Path) -> dict[str, bytes]:
+    """The archive's files, by path below its one folder."""
+    with tarfile.open(archive) as tar:
+        tops = {m.name.split("/")[0] for m in tar.getmembers()}
+        assert len(tops) == 1, tops
+        return {m.name.split("/", 1)[1]: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, tiny_path) -> Path:
+    """A real two-rollout debug=dump run, with secrets in its environment."""
+    root = tmp_path_factory.mktemp("bugreport")
+    proc = relax_cli(*RUN, "debug=dump", f"hydra.run.dir={root}/run", cwd=root,
+                     env={"WANDB_API_KEY": SECRET, "RELAX_NOTE": PRIVATE})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return root / "run"
+
+
+@pytest.fixture(scope="module")
+def archive(run) -> Path:
+    out = run.parent / "report" / "bug.tar.gz"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("WANDB_API_KEY", SECRET)
+        mp.setenv("RELAX_NOTE", PRIVATE)
+        mp.setenv("RELAX_BUGREPORT_SHOWN", SHOWN)
+        code, stdout, stderr = bugreport(run, "-o", out, "--env", "RELAX_BUGREPORT_SHOWN",
+                                         "--env", "NOT_SET_X")
+    assert code == 0, stderr
+    assert stdout.startswith(f"wrote {out} (")
+    assert "relax bugreport: running relax doctor" in stderr and "relax bugreport: writing" in stderr
+    return out
+
+
+def layer_files(run: Path) -> set[str]:
+    """What the run's layer dump holds (debug=dump writes one where the trainer supports it)."""
+    return {f"layers/{p.name}" for p in (run / "layers").glob("*")}
+
+
+def test_the_archive_holds_the_run_and_a_manifest_of_it(run, archive):
+    files = members(archive)
+    assert set(files) == layer_files(run) | {
+        ".hydra/config.yaml", ".hydra/overrides.yaml", "config.yaml", "built.json", "status.json",
+        "metrics.jsonl", "samples.jsonl", "relax.log", "first_step_log_probs.pt", "doctor.md",
+        "rollout_data/0.pt", "train_data/0_0.pt", "tokenizer/tokenizer.json",
+        "tokenizer/tokenizer_config.json", "tokenizer/chat_template.jinja",
+        "doctor.txt", "system.json", "environment.json", "MANIFEST.json"}
+    for name in (".hydra/overrides.yaml", "metrics.jsonl", "rollout_data/0.pt", "train_data/0_0.pt",
+                 *layer_files(run)):
+        assert files[name] == (run / name).read_bytes(), name
+    manifest = json.loads(files["MANIFEST.json"])
+    listed = {e["path"]: e for e in manifest["files"]}
+    assert set(listed) == set(files) - {"MANIFEST.json"}
+    for name, data in files.items():
+        if name != "MANIFEST.json":
+            entry = listed[name]
+            assert (entry["size"], entry["sha256"]) == (len(data), hashlib.sha256(data).hexdigest())
+    assert manifest["not_found"] == ([] if layer_files(run) else
+                                     [{"part": "layers/", "why": "no layer dump (debug.dump_layers)"}])
+    assert manifest["doctor"] == {"command": f"relax doctor {run}", "exit_code": 0}
+    assert "[PASS] 1. responses at the first rollout" in files["doctor.txt"].decode()
+    assert [p.name for p in archive.parent.iterdir()] == ["bug.tar.gz"]  # the temp file was renamed
+
+
+def test_versions_machine_and_source_revision(archive):
+    system = json.loads(members(archive)["system.json"])
+    versions = system["versions"]
+    assert list(versions) == ["python", *br.PACKAGES]
+    assert versions["python"].startswith(f"{sys.version_info.major}.{sys.version_info.minor}.")
+    for name in br.PACKAGES:
+        try:
+            assert versions[name] == importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            assert versions[name] == "not installed"
+    assert versions["torch"] == torch.__version__
+    m = system["machine"]
+    assert m["cpu_count"] == os.cpu_count() and m["cpu"] and m["platform"]
+    assert m["memory"]["MemTotal"].endswith("GiB")
+    if not torch.cuda.is_available() and not shutil.which("nvidia-smi"):
+        assert m["gpu"]["gpus"] == "none"
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
+    head = head.strip()
+    source = system["relax_source"]
+    assert source["revision"] == head and isinstance(source["dirty"], bool) and source["source"] == str(REPO)
+    assert all((REPO / f).exists() or f.endswith(".py") for f in source.get("changed_files", []))
+    outside = br.source_revision(Path("/"))  # not Relax's checkout
+    assert outside["revision"] == "unknown" and outside["dirty"] == "unknown"
+
+
+def test_versions_import_neither_sglang_nor_megatron():
+    code = ("import sys; from relax.debug.bugreport import versions; versions(); "
+            "print([m for m in sys.modules if m.split('.')[0] in ('sglang', 'megatron', 'torch')])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "[]", out.stderr
+
+
+def test_no_secret_reaches_the_archive(run, archive, tmp_path, monkeypatch):
+    raw = archive.read_bytes()
+    for data in (raw, gzip.decompress(raw)):
+        assert SECRET.encode() not in data and PRIVATE.encode() not in data
+    files = members(archive)
+    assert json.loads(files["environment.json"]) == {"RELAX_BUGREPORT_SHOWN": SHOWN, "NOT_SET_X": None}
+    manifest = json.loads(files["MANIFEST.json"])
+    assert manifest["environment_variables"] == ["RELAX_BUGREPORT_SHOWN", "NOT_SET_X"]
+    # a secret that reached a run's file (a config value read from ${oc.env:...}) is redacted
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    with open(copy / "relax.log", "a") as f:
+        f.write(f"logger: api_key={SECRET}\n")
+    monkeypatch.setenv("WANDB_API_KEY", SECRET)
+    code, _, err = bugreport(copy, "-o", tmp_path / "b.tar.gz")
+    assert code == 0, err
+    raw = (tmp_path / "b.tar.gz").read_bytes()
+    assert SECRET.encode() not in gzip.decompress(raw)
+    files = members(tmp_path / "b.tar.gz")
+    assert "api_key=<redacted $WANDB_API_KEY>" in files["relax.log"].decode()
+    assert "environment.json" not in files
+    redacted = json.loads(files["MANIFEST.json"])["redacted"]
+    assert redacted == [{"path": "relax.log", "variable": "WANDB_API_KEY"}]
+
+
+def test_a_failing_doctor_does_not_stop_the_report(run, tmp_path, monkeypatch):
+    def broken(argv):
+        raise RuntimeError("doctor exploded")
+
+    monkeypatch.setattr("relax.debug.doctor.main", broken)
+    code, out, err = bugreport(run, "-o", tmp_path)  # a dir: the default name inside it
+    assert code == 0, err
+    archive = tmp_path / f"bugreport-{run.name}.tar.gz"
+    assert f"wrote {archive}" in out and "relax doctor failed on the run" in out
+    files = members(archive)
+    manifest = json.loads(files["MANIFEST.json"])
+    assert manifest["doctor"]["error"] == "RuntimeError: doctor exploded"
+    assert "RuntimeError: doctor exploded" in files["doctor.txt"].decode() and "rollout_data/0.pt" in files
+
+
+def test_a_run_without_hydra_saved_elsewhere_and_with_layers(tmp_path, tiny_path):
+    """An in-process run (no .hydra/), its rollouts saved by a template outside the run dir, a
+    layer dump in it: the lowest rollout id is taken from the template, layers/ whole."""
+    run_dir = tmp_path / "run"
+    run_loop(run_dir, "debug=rollout_only", "rollout.num_rollout=2", "rollout.rollout_batch_size=4",
+             "checkpoint.save_interval=null", f"debug.save_rollout_data={tmp_path}/saved/r_{{rollout_id}}.pt")
+    (run_dir / "layers").mkdir()
+    (run_dir / "layers" / "0_train.pt").write_bytes(b"layer tensors")
+    code, out, err = bugreport(run_dir)
+    assert code == 0, err
+    archive = run_dir / "bugreport-run.tar.gz"  # the default name
+    files = members(archive)
+    assert files["rollout_data/0.pt"] == (tmp_path / "saved" / "r_0.pt").read_bytes()
+    assert "rollout_data/1.pt" not in files and files["layers/0_train.pt"] == b"layer tensors"
+    manifest = json.loads(files["MANIFEST.json"])
+    assert {m["part"] for m in manifest["not_found"]} >= {".hydra/config.yaml", ".hydra/overrides.yaml"}
+    assert manifest["replay"]["command"] == (
+        "relax debug=train_only 'debug.load_rollout_data=bugreport-run/rollout_data/{rollout_id}.pt' "
+        "rollout.num_rollout=1")
+
+
+def test_bad_inputs_exit_2_with_one_clear_line(run, tmp_path):
+    multirun = tmp_path / "multi"
+    shutil.copytree(run / ".hydra", multirun / "parallel=tp2" / ".hydra")
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "file").write_text("x")
+    cases = [
+        ([tmp_path / "nope"], f"{tmp_path / 'nope'}: no such directory"),
+        ([tmp_path / "file"], f"{tmp_path / 'file'} is a file, not a run dir"),
+        ([tmp_path / "plain"], f"{tmp_path / 'plain'} is not a run dir (no .hydra/, status.json or "
+                               "metrics.jsonl in it): expected the folder a run wrote, "
+                               "outputs/runs/<date>_<time>"),
+        ([multirun], f"{multirun} is a multirun dir: pass one of its jobs, e.g. {multirun / 'parallel=tp2'}"),
+        ([run, "-o", tmp_path / "file" / "b.tar.gz"],
+         f"cannot write {tmp_path / 'file' / 'b.tar.gz'}: {tmp_path / 'file'} is a file, not a directory"),
+    ]
+    if os.geteuid() != 0:  # root writes anywhere
+        (tmp_path / "ro").mkdir(mode=0o500)
+        cases.append(([run, "-o", tmp_path / "ro" / "b.tar.gz"],
+                      f"cannot write {tmp_path / 'ro' / 'b.tar.gz'}: permission denied in {tmp_path / 'ro'}"))
+    for args, message in cases:
+        code, out, err = bugreport(*args)
+        assert (code, out, err) == (2, "", f"relax bugreport: error: {message}\n"), args
+    def disk_full(path, mode="wb"):
+        raise OSError(28, "No space left on device")
+
+    with pytest.MonkeyPatch.context() as mp:  # a failure while writing: the same one line
+        mp.setattr("relax.files.atomic_open", disk_full)
+        code, out, err = bugreport(run, "-o", tmp_path / "b.tar.gz")
+    assert code == 2 and "Traceback" not in err  # after the progress lines:
+    full = f"relax bugreport: error: writing {tmp_path / 'b.tar.gz'}: No space left on device"
+    assert err.splitlines()[-1] == full
+    proc = relax_cli("bugreport", str(tmp_path / "nope"), cwd=tmp_path)  # the real CLI
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr == f"relax bugreport: error: {tmp_path / 'nope'}: no such directory\n"
+    assert not list(tmp_path.rglob("*.tar.gz")) and not list(tmp_path.rglob(".*.tmp"))
+
+
+def test_the_archive_alone_replays_the_first_rollout(run, archive, tmp_path):
+    with tarfile.open(archive) as tar:
+        tar.extractall(tmp_path, filter="data")
+    manifest = json.loads((tmp_path / f"bugreport-{run.name}" / "MANIFEST.json").read_text())
+    command = manifest["replay"]["command"]
+    assert command == ("relax rollout.rollout_batch_size=4 debug=train_only 'debug.load_rollout_data="
+                       f"bugreport-{run.name}/rollout_data/{{rollout_id}}.pt' rollout.num_rollout=1")
+    proc = relax_cli(*shlex.split(command)[1:], cwd=tmp_path)  # where the archive was extracted
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    replay, original = ([json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+                        for d in (only_run_dir(tmp_path), run))
+    steps = [r for r in replay if "step" in r]
+    assert len(steps) == 1 and "train/loss" in steps[0]
+    first = next(r for r in original if "step" in r)
+    assert steps[0]["train/grad_norm"] == first["train/grad_norm"]  # the same step, bit for bit
