@@ -1,6 +1,6 @@
 """The guide's precision checklist as pure functions of what a run left behind.
 
-Each check (1-7, listed in `relax doctor --help`) returns PASS / WARN / FAIL / SKIP with
+Each check (1-8, listed in `relax doctor --help`) returns PASS / WARN / FAIL / SKIP with
 the evidence, the likely causes and the next command, in the guide's terms. `relax doctor`
 (relax/debug/doctor.py) runs them on a finished run; with `debug.strict_checks=true` the
 loop runs 3-5 and 7 at the first step (`strict_first_step`) and 6 after the first sync
@@ -245,9 +245,9 @@ def check_train_rollout_diff(run: RunData, th: Thresholds) -> Check:
     stale = {r["rollout_id"] for r in run.rollouts if r.get("rollout/staleness", 0) > 0}
     # and only a rollout's first step: with train.num_steps_per_rollout > 1 the later steps' weights
     # have moved by this rollout's own updates (SmolLM2 at train.lr=3e-4: 1.86 at step 1, 0.0 at 0)
-    diffs = [s["train/train_rollout_logprob_abs_diff"] for s in run.steps
-             if "train/train_rollout_logprob_abs_diff" in s and s.get("rollout_id") not in stale
-             and s.get("step", 0) == 0]
+    read = [s for s in run.steps if "train/train_rollout_logprob_abs_diff" in s
+            and s.get("rollout_id") not in stale and s.get("step", 0) == 0]
+    diffs = [s["train/train_rollout_logprob_abs_diff"] for s in read]
     left_out = f" ({len(stale)} stale rollouts of train.async left out)" if stale else ""
     if not diffs:
         return Check(5, name, SKIP, "no train steps" + left_out)
@@ -258,7 +258,11 @@ def check_train_rollout_diff(run: RunData, th: Thresholds) -> Check:
                 "worst_step": diffs.index(largest), "stale_rollouts_left_out": len(stale)}
     causes = ["weight sync into the engine drops or corrupts a tensor",
               "engine and trainer compute differently (dtype, kernels, temperature)"]
-    next_steps = ["relax debug.check_weight_update_equal=true debug.check_weight_update_every_sync=true "
+    rid = read[diffs.index(largest)].get("rollout_id", 0)
+    per_token = f"relax inspect {run.dump_dir or '<dump dir>'} --rollout {rid}"
+    next_steps = [f"{per_token}  # plots/token_logprobs_{rid}.png: the worst samples' per-token train vs "
+                  f"rollout log-probs" + ("" if run.dump_dir else " (run with debug=dump)"),
+                  "relax debug.check_weight_update_equal=true debug.check_weight_update_every_sync=true "
                   "<your overrides>",
                   "a mismatch the engine really has (e.g. rollout.dtype=bfloat16 against an fp32 trainer): "
                   "correct for it with algo.tis=token (truncated IS) or algo.mis=token (masked IS) and "
@@ -269,7 +273,8 @@ def check_train_rollout_diff(run: RunData, th: Thresholds) -> Check:
     if len(diffs) >= 6 and over(last, th.drift_floor) and over(last, th.drift_ratio * first):
         return Check(5, name, WARN, f"steady upward drift: {first:.2e} -> {last:.2e}",
                      evidence, causes, next_steps)
-    return Check(5, name, PASS, f"max {max(diffs):.2e}, no upward drift{left_out}", evidence)
+    worst_tokens = f"; worst tokens: {per_token}" if run.dump_dir else ""
+    return Check(5, name, PASS, f"max {max(diffs):.2e}, no upward drift{left_out}{worst_tokens}", evidence)
 
 
 def check_engine_weights(run: RunData, th: Thresholds) -> Check:
@@ -307,8 +312,30 @@ def check_finite(run: RunData, th: Thresholds) -> Check:
                     "# replays the offending samples"])
 
 
+def check_batch_invariance(run: RunData, th: Thresholds) -> Check:
+    name = "batch invariance of the first step's log-probs"
+    key = "debug/batch_invariance_max_abs_diff"
+    step = next((s for s in run.steps if key in s), None)
+    if step is None:
+        return Check(8, name, SKIP, "not recorded (run with debug.check_batch_invariance=true)")
+    diff = step[key]
+    evidence = {key: diff, "rollout_id": step.get("rollout_id"), "tolerance": th.batch_invariance_tol}
+    if not over(diff, th.batch_invariance_tol):
+        return Check(8, name, PASS, f"max |Δ| {diff:.2e} (tolerance {th.batch_invariance_tol:g}) with one "
+                     f"sample per micro-batch and extra padding", evidence)
+    return Check(
+        8, name, WARN, f"max |Δ| {diff:.3g} > {th.batch_invariance_tol:g}: a sample's log-probs change "
+        f"with the samples batched with it or with its padding", evidence,
+        causes=["a forward that reads other rows or padding: an attention mask or position ids built "
+                "from the batch, packing without sequence boundaries, a batch-wide normalisation",
+                "batch-size-dependent kernels (split reductions, GEMM tiling): rounding, which bf16 makes "
+                "large (see docs/debugging.md)"],
+        next_steps=["relax debug.check_batch_invariance=true train.micro_batch_size=1 <your overrides>  "
+                    "# a difference that stays comes from the padding, one that goes from the other rows"])
+
+
 CHECKS = [check_first_responses, check_later_responses, check_logprobs_vs_ref, check_first_step,
-          check_train_rollout_diff, check_engine_weights, check_finite]
+          check_train_rollout_diff, check_engine_weights, check_finite, check_batch_invariance]
 
 
 def diagnose(run: RunData, th: Thresholds | None = None) -> list[Check]:

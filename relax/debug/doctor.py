@@ -15,6 +15,8 @@ causes and the next command:
 5. train vs rollout log-prob mismatch: level and drift
 6. engine weights vs checkpoint (when the run recorded debug.check_weight_update_equal)
 7. non-finite metrics: any NaN or Inf in a rollout or step record (NaN fails every check)
+8. batch invariance: the first step's log-probs recomputed one sample per micro-batch with
+   extra padding (when the run recorded debug.check_batch_invariance)
 
 Writes doctor.md with curves next to the run; exit code 1 if a check FAILs. The checks
 themselves are in relax/debug/checks.py (the run's `debug.strict_checks` uses them too).

@@ -3,7 +3,8 @@
 Shows a per-rollout summary, one sample in full with its per-token log-probs (tool tokens,
 loss_mask 0, shown as masked), and, where
 train data exists, rollout and train data joined sample by sample: which rank trained it,
-its advantage, and the trainer's log_probs against the engine's rollout_log_probs.
+its advantage, and the trainer's log_probs against the engine's rollout_log_probs, with the
+worst samples' per-token log-probs drawn in <dir>/plots/token_logprobs_<rollout>.png.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from relax.debug import token_views
 from relax.debug.run_data import train_rows
 from relax.errors import ConfigError, ReplayError
 from relax.process import describe, read_status
@@ -74,7 +76,9 @@ def join_train(root: Path, rollout_id: int) -> dict[int, dict]:
     return joined
 
 
-def inspect(root: Path, rollout_id: int | None, sample_index: int) -> dict:
+def inspect(root: Path, rollout_id: int | None, sample_index: int, worst: int = 3,
+            threshold: float = 0.1) -> dict:
+    """`worst` > 0: the plot of that many worst samples (tokens with |Δ| over `threshold` marked)."""
     files = find_rollout_files(root)
     if not files:
         raise ReplayError(f"{root}: no rollout data (*.pt, or rollout_data/*.pt) found")
@@ -97,12 +101,16 @@ def inspect(root: Path, rollout_id: int | None, sample_index: int) -> dict:
                           f"{len(train[sample_index]['log_probs'])} per-token log_probs, but the rollout "
                           f"file {files[chosen]} gives it {trained_tokens} trained tokens: the files are "
                           f"truncated or from different runs")
+    tokenizer = None
     if (Path(root) / "tokenizer").is_dir():  # a dump carries its tokenizer
         from relax.model import load_tokenizer
 
         tokenizer = load_tokenizer(Path(root) / "tokenizer")
         response = sample["tokens"][len(sample["tokens"]) - sample["response_length"]:]
         sample = {**sample, "response_token_texts": tokenizer.convert_ids_to_tokens(response)}
+    worst_samples = token_views.worst_samples(train, worst, tokenizer) if worst > 0 else []
+    plot = token_views.plot(worst_samples, threshold, chosen, Path(root) / "plots" /
+                            f"token_logprobs_{chosen}.png") if worst_samples else None
     status = read_status(root) if Path(root).is_dir() else None
     return {
         "root": str(root), "run_status": describe(status) if status else None,
@@ -116,6 +124,11 @@ def inspect(root: Path, rollout_id: int | None, sample_index: int) -> dict:
                             "advantage": row["advantage"], "reward": row["reward"],
                             "max_abs_diff_vs_rollout": row["max_abs_diff_vs_rollout"]}
                            for i, row in sorted(train.items())],
+            "worst_samples": [{k: w[k] for k in ("index", "max_abs_diff", "position", "token", "token_text",
+                                                 "log_prob", "rollout_log_prob")}
+                              | {"over_threshold": token_views.over_threshold(w, threshold)}
+                              for w in worst_samples],
+            "threshold": threshold, "token_plot": str(plot) if plot else None,
         } if train else None,
     }
 
@@ -168,6 +181,12 @@ def render(report: dict, console: Console) -> None:
         worst = max(join["per_sample"], key=lambda r: r["max_abs_diff_vs_rollout"])
         console.print(f"largest |log_probs - rollout_log_probs|: {worst['max_abs_diff_vs_rollout']:.3g} "
                       f"(sample {worst['index']}, dp rank {worst['dp_rank']})")
+        if join["token_plot"]:
+            console.print(f"worst samples by max |log_probs - rollout_log_probs| (tokens over "
+                          f"{join['threshold']:g} marked): {join['token_plot']}",
+                          highlight=False, soft_wrap=True)
+            for w in join["worst_samples"]:
+                console.print(f"  {token_views.describe(w)}", highlight=False, soft_wrap=True)
         if train:
             console.print(f"sample {s['index']} was trained by dp rank {train['dp_rank']} "
                           f"(rank {train['rank']}) with advantage {train['advantage']:.4f}")
@@ -179,10 +198,13 @@ def main(argv: list[str]) -> int:
     ap.add_argument("path", type=Path, help="dump dir, run dir, replay dir or one rollout file")
     ap.add_argument("--rollout", type=int, default=None, help="rollout to show in detail")
     ap.add_argument("--sample", type=int, default=0, help="sample index to show in full")
+    ap.add_argument("--worst", type=int, default=3, metavar="K",
+                    help="plot the K samples with the largest max |log_probs - rollout_log_probs| (0: none)")
+    ap.add_argument("--threshold", type=float, default=0.1, help="mark tokens whose |Δ| is over this")
     ap.add_argument("--json", action="store_true", help="machine-readable output")
     args = ap.parse_args(argv)
     try:
-        report = inspect(args.path, args.rollout, args.sample)
+        report = inspect(args.path, args.rollout, args.sample, args.worst, args.threshold)
     except (ReplayError, ConfigError) as e:
         print(f"relax inspect: error: {e}", file=sys.stderr)
         return 2

@@ -35,6 +35,7 @@ class RunData:
     top_p: float = 1.0  # rollout.top_p: < 1 samples a nucleus, below the entropy by design
     samples_per_rollout: int | None = None  # rollout_batch_size x n_samples_per_prompt (see samples_of)
     vocab_size: int | None = None  # the model's output vocabulary (config.json, else the tokenizer)
+    dump_dir: Path | None = None  # where the run's train data was dumped (relax inspect reads it)
 
 
 def samples_of(run: RunData, rollout_id: int) -> int | None:
@@ -144,6 +145,7 @@ def load_run(path: Path) -> RunData:
         run.prompts = [run.samples[first_id].get("prompt", "")]
     for train_file in sorted((dump / "train_data").glob(f"{first_id}_*.pt")):
         run.first_train_data += train_rows(train_file)
+        run.dump_dir = dump
     tokenizer_dir = dump / "tokenizer" if (dump / "tokenizer").is_dir() else built.get("model_path")
     if tokenizer_dir and Path(tokenizer_dir).is_dir():
         from relax.model import load_tokenizer

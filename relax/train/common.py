@@ -27,8 +27,8 @@ from relax.train.parallel import dp_all_gather, dp_all_reduce
 FIRST_STEP_SAMPLES = 16  # per-token log-probs of these sample indices go to layout comparisons
 STEP_KEYS = ("train/loss", "train/pg_loss", "train/pg_clipfrac", "train/pg_clipfrac_lower", "train/ppo_kl",
              "train/kl_loss", "train/entropy_loss", "train/train_rollout_logprob_abs_diff",
-             "train/mismatch_kl", "train/mismatch_residual", "train/tis_weight_mean", "train/tis_clipfrac",
-             "train/mis_dropfrac")
+             "train/token_mult_prob_error", "train/mismatch_kl", "train/mismatch_residual",
+             "train/tis_weight_mean", "train/tis_clipfrac", "train/mis_dropfrac")
 
 
 @dataclass
@@ -76,6 +76,8 @@ def trained_log_probs(logits: torch.Tensor, mb: MicroBatch, first: int, temperat
     positions, then cut there): the vocabulary-wide softmax runs only where something is
     trained, zeros before (masked out)."""
     logits = logits[:, first - mb.tokens.shape[1] + logits.shape[1]:]
+    if faults.active("batch_variant"):  # a forward whose result depends on the batch's size
+        logits = logits * (1 + 1e-4 * logits.shape[0])
     log_probs, entropy = token_log_probs(logits, mb.targets[:, first:], temperature, entropy_grad)
     return F.pad(log_probs, (first, 0)), F.pad(entropy, (first, 0))
 
@@ -187,6 +189,9 @@ def objective(log_probs: torch.Tensor, entropy: torch.Tensor, mb: MicroBatch, al
         loss = loss + algo.kl_loss_coef * kl
     with torch.no_grad():
         diff = (log_probs - mb.rollout_log_probs).abs()
+        # NeMo-RL's token_mult_prob_error (1.0: identical); where() keeps exp() of an untrained
+        # position's difference out of the sum (inf x 0 would be NaN)
+        mult = torch.where(mb.mask > 0, diff, 0.0).exp()
         mismatch = mismatch_kl(mb.old_log_probs, mb.rollout_log_probs)
         # the part of pi_train/pi_rollout the update leaves uncorrected: its bias is
         # E_rollout[(weight - ratio) * A * grad log pi]
@@ -194,7 +199,8 @@ def objective(log_probs: torch.Tensor, entropy: torch.Tensor, mb: MicroBatch, al
         residual = (is_weights - ratio).abs()
         sums = torch.stack([masked_sum(loss.detach(), mb.loss_weights)] + [
             masked_sum(x.detach(), mb.mask) for x in (pg, clipfrac, clipfrac_lower, ppo_kl, kl, entropy, diff,
-                                                      mismatch, residual, is_weights, truncated, dropped)])
+                                                      mult, mismatch, residual, is_weights, truncated,
+                                                      dropped)])
     return loss, sums
 
 

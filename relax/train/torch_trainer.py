@@ -21,7 +21,7 @@ from relax import faults
 from relax.model import load_causal_lm, save_hf_dir
 from relax.files import atomic_save, safe_load
 from relax.sample import Sample, log_prob_temperature
-from relax.train import common
+from relax.train import batch_invariance, common
 from relax.train.common import MicroBatch
 from relax.train.weight_sync import DistributedWeightSync
 from relax.train.parallel import (
@@ -112,6 +112,8 @@ class TorchTrainer(DistributedWeightSync):
                     mb.old_log_probs, mb.entropy = self._log_probs(self.actor, mb)
         if old:  # (without this pass, each training forward attaches its own)
             common.attach_is_weights(micro_batches, self.cfg.algo)
+        invariance = batch_invariance.check(self.cfg, self.first_step, micro_batches, lambda mbs: [
+            self._log_probs(self.actor, mb)[0] for mb in mbs], self.pad_id, self.layout)
 
         log = common.TrainLog(self.layout, ref)
         for step, step_mbs in enumerate(steps):
@@ -142,6 +144,7 @@ class TorchTrainer(DistributedWeightSync):
                 break
         out = log.result(micro_batches, self.first_step, self.save_train_data, rollout_id, samples,
                          advantages, self.cfg.algo.kl_loss_type)
+        out["steps"][0].update(invariance)
         self.first_step = False
         return out
 

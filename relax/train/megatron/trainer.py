@@ -22,7 +22,7 @@ import torch.distributed as dist
 from relax.algo import masked_sum
 from relax.model import save_hf_dir
 from relax.sample import Sample, log_prob_temperature
-from relax.train import common
+from relax.train import batch_invariance, common
 from relax.train.common import MicroBatch
 from relax.train.megatron import checks
 from relax.train.megatron.context_parallel import cp_full, cp_local
@@ -99,6 +99,10 @@ class MegatronTrainer(DistributedWeightSync):
                     mb.old_log_probs, mb.entropy = old_out[k]
             if old:  # (without this pass, each training forward attaches its own)
                 common.attach_is_weights(micro_batches, self.cfg.algo)
+        invariance = batch_invariance.check(
+            self.cfg, self.first_step, micro_batches,
+            lambda mbs: [lp for lp, _ in self._forward_log_probs(self.actor, mbs)], self.pad_id, layout,
+            holds_results=last, length_multiple=layout.length_multiple)
         log = common.TrainLog(layout, ref)
         for step, step_mbs in enumerate(steps):
             t0 = time.perf_counter()
@@ -122,6 +126,7 @@ class MegatronTrainer(DistributedWeightSync):
         if last:
             result = log.result(micro_batches, self.first_step, self.save_train_data, rollout_id, samples,
                                 advantages, self.cfg.algo.kl_loss_type)
+            result["steps"][0].update(invariance)
         self.first_step = False
         return self._from_last_stage(result)
 
