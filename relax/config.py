@@ -206,6 +206,10 @@ class DebugConfig:  # what each key means: docs/debugging.md; interpreted in rel
     check_weight_update_equal: bool = False  # compare the engine's tensors with the checkpoint on disk
     check_weight_update_every_sync: bool = False  # repeat that check after every weight sync
     strict_checks: bool = False  # the run asserts the doctor's checks 3-5 at the first step
+    dump_layers: Optional[str] = None  # a dir: per-layer tensors and gradients for relax compare --layers
+    dump_layers_rollouts: Optional[list[int]] = None  # rollouts whose first step is dumped (null: the first)
+    dump_layers_samples: list[int] = field(default_factory=lambda: [0, 1, 2, 3])  # sample indices dumped
+    check_batch_invariance: bool = False  # recompute the first step's log-probs with another batching
 
 
 @dataclass

@@ -25,7 +25,7 @@ from relax.checkpoint import (
 from relax.cluster import check_cluster, open_cluster
 from relax.debug import checks
 from relax.debug.health import SAMPLES_FILE, response_health, sample_record
-from relax.debug.plan import Plan, check_dump_dir, resolve
+from relax.debug.plan import Plan, check_dump_dir, check_dump_samples, resolve
 from relax.debug.weights import WeightCheck
 from relax.eval import Evaluator, build_evaluator
 from relax.errors import (CheckFailed, ConfigError, DiskFull, Interrupted, NonFiniteError, ReplayError,
@@ -115,6 +115,8 @@ def prepare(cfg, run_dir: Path) -> Run:
                                     cfg.debug.load_rollout_data_subsample, cfg.seed)
         for rollout_id, n in counts.items():
             check_batch_split(cfg, n, f"the replay file {plan.replay_files[rollout_id]}")
+            if rollout_id in plan.dump_layers_rollouts:
+                check_dump_samples(cfg.debug, n, f"the replay file {plan.replay_files[rollout_id]}")
     evaluator = build_evaluator(cfg, task, tokenizer, plan)
     check_cluster(cfg)  # with the other checks: a refused cluster leaves the dump dir as it was
     if plan.dump_dir:  # with the rollout/train data, enough to reproduce the run
@@ -190,6 +192,28 @@ def rollout(run: Run, rollouts: Rollouts, rollout_id: int) -> tuple[list[Sample]
         save_rollout(fill(run.plan.save_rollout_data, rollout_id), rollout_id, samples, run.manifest)
     log_finish_rollout(run, rollout_id, samples)
     return samples, record
+
+
+def dump_layers(run: Run, trainer, engine, rollout_id: int, samples: list[Sample]) -> None:
+    """debug.dump_layers: the trainer's view of the dumped samples before the rollout's first
+    step, and the engine's of the same sequences (relax/debug/layers.py)."""
+    from relax.rollout import engine_dtype
+    from relax.train import layer_dump
+
+    cfg, indices = run.cfg, list(run.cfg.debug.dump_layers_samples)
+    manifest = {"model_fingerprint": run.manifest["model_fingerprint"], "layout": cfg.parallel.name,
+                "noise_ulp": cfg.parallel.noise_ulp}
+    trainer.dump_layers(run.plan.dump_layers, rollout_id, samples, indices,
+                        {**manifest, "backend": cfg.train._target_, "dtype": cfg.model.dtype})
+    if engine:
+        chosen = [samples[i] for i in indices]
+        records = hasattr(load_target(cfg, "rollout"), "record_layers")  # (rollout=sglang: log-probs only)
+        forward = engine.record_layers([s.tokens for s in chosen]) if records else {}
+        generated = [torch.tensor([lp for lp, m in zip(s.rollout_log_probs, s.loss_mask, strict=True) if m])
+                     for s in chosen]
+        layer_dump.save_dump(run.plan.dump_layers, rollout_id, "engine",
+                             {**manifest, "backend": cfg.rollout._target_, "dtype": engine_dtype(cfg)},
+                             indices, forward, generated)
 
 
 def train(run: Run, trainer, engine, rollout_id: int, samples: list[Sample]) -> dict:
@@ -269,6 +293,8 @@ def rl_loop(cfg, run_dir: Path, stop: Stop | None = None) -> None:
             samples, record = rollout(run, rollouts, rollout_id)
             if trainer:
                 t0 = time.perf_counter()
+                if rollout_id in run.plan.dump_layers_rollouts:
+                    dump_layers(run, trainer, engine, rollout_id, samples)
                 out = train(run, trainer, engine, rollout_id, samples)
                 if engine:
                     rollouts.wait()  # train.async: the next rollout is generated on the weights it began with

@@ -23,6 +23,7 @@ import torch
 
 from relax.cli import main as relax_main
 from relax.debug import bugreport as br
+from relax.debug import system_info
 
 from .conftest import REPO, only_run_dir, relax_cli, run_loop
 
@@ -106,9 +107,9 @@ def test_the_archive_holds_the_run_and_a_manifest_of_it(run, archive):
 def test_versions_machine_and_source_revision(archive):
     system = json.loads(members(archive)["system.json"])
     versions = system["versions"]
-    assert list(versions) == ["python", *br.PACKAGES]
+    assert list(versions) == ["python", *system_info.PACKAGES]
     assert versions["python"].startswith(f"{sys.version_info.major}.{sys.version_info.minor}.")
-    for name in br.PACKAGES:
+    for name in system_info.PACKAGES:
         try:
             assert versions[name] == importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
@@ -124,7 +125,7 @@ def test_versions_machine_and_source_revision(archive):
     source = system["relax_source"]
     assert source["revision"] == head and isinstance(source["dirty"], bool) and source["source"] == str(REPO)
     assert all((REPO / f).exists() or f.endswith(".py") for f in source.get("changed_files", []))
-    outside = br.source_revision(Path("/"))  # not Relax's checkout
+    outside = system_info.source_revision(Path("/"))  # not Relax's checkout
     assert outside["revision"] == "unknown" and outside["dirty"] == "unknown"
 
 

@@ -46,7 +46,10 @@ ADDED = {"logger._target_": "relax.logger.MetricsLogger",
          "logger.wandb_project": "relax", "logger.wandb_entity": None,
          "eval.interval": None, "eval.datasets": ["arithmetic"], "eval.num_prompts": 64,
          "eval.n_samples_per_prompt": 1, "eval.temperature": 0.0,
-         "task.format_reward": 0.0}
+         "task.format_reward": 0.0,
+         # issue 22 (where runs part): layer dumps and the batch-invariance check, off
+         "debug.dump_layers": None, "debug.dump_layers_rollouts": None, "debug.dump_layers_samples": [0, 1, 2, 3],
+         "debug.check_batch_invariance": False}
 RAY = {"cluster._target_": "relax.cluster.ray_cluster.RayCluster", "cluster.address": None,
        "cluster.num_cpus_per_rank": 1.0, "cluster.num_gpus_per_rank": 0.0, "cluster.num_cpus_per_engine": 1.0,
        "cluster.num_gpus_per_engine": 0.0, "cluster.resources_per_rank": {},

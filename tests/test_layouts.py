@@ -52,7 +52,8 @@ def compare(*paths, args=()):
 
 
 def test_layout_sweep_is_equivalent_to_single(tmp_path, replay_dir):
-    proc, multirun = sweep(tmp_path, replay_dir, "single,dp2,tp2,fsdp2,dp2tp2")
+    proc, multirun = sweep(tmp_path, replay_dir, "single,dp2,tp2,fsdp2,dp2tp2",
+                           "debug.dump_layers=${hydra:runtime.output_dir}/layers")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(p.name for p in multirun.iterdir() if p.is_dir()) == [
         "parallel=dp2", "parallel=dp2tp2", "parallel=fsdp2", "parallel=single", "parallel=tp2"]
@@ -70,6 +71,11 @@ def test_layout_sweep_is_equivalent_to_single(tmp_path, replay_dir):
         assert len(job["loss"]) == 4
     assert {j["layout"] for j in jobs.values()} == {"dp2", "tp2", "fsdp2", "dp2tp2"}
     assert (multirun / "compare.png").stat().st_size > 1000
+    # layer by layer too: no module, gradient or weight of any layout leaves the fixed floor
+    code, report = compare(multirun, args=("--layers",))
+    assert code == 0, report
+    assert sorted(j["job"] for j in report["jobs"] if not j["departs"]) == sorted(jobs)
+    assert max(v for j in report["jobs"] for v in j["diffs"]["grads"].values()) > 0  # tp2: rounding, not 0
 
 
 @pytest.mark.slow

@@ -116,6 +116,10 @@ class EngineGroup:
             self.hosts.map("receive_weights", [(self._sync_metadata, f"relax_sync_{i}")], [i])
             trainer.collect()
 
+    def record_layers(self, sequences: list[list[int]]) -> dict:
+        """debug.dump_layers: engine 0's module outputs over `sequences` (engines hold the same weights)."""
+        return self.hosts.map("record_layers", [(sequences,)], [0])[0]
+
     def each_named_tensors(self) -> list[dict]:
         """Every engine's tensors by HF name (the engine-weights check compares each)."""
         return self._all("named_tensors")

@@ -163,6 +163,9 @@ class RankGroup:
     def named_weights(self):
         return self.call("named_weights")
 
+    def dump_layers(self, *args):
+        return self.call("dump_layers", *args)
+
     def save_checkpoint(self, path):
         return self.call("save_checkpoint", path)
 

@@ -144,6 +144,12 @@ class Noise:
                 f"grow chaotically (NaN/Inf checked at every step)"]
 
 
+def scaled_floor(fixed: float, twin_diff: float | None, margin: float) -> float:
+    """The noise rule of every comparison (steps here, layers in relax/debug/layers.py): a
+    difference is noise up to max(the fixed tolerance, margin x the twin's difference)."""
+    return fixed if twin_diff is None else max(fixed, margin * twin_diff)
+
+
 def noise_model(base: Job, tol: Tolerances, twin: Job | None = None) -> Noise:
     fixed = {"logprob": tol.logprob_atol, "grad_norm": tol.grad_norm_rtol, "loss": tol.loss_atol}
     steps = len(base.loss)
@@ -152,7 +158,7 @@ def noise_model(base: Job, tol: Tolerances, twin: Job | None = None) -> Noise:
                      departure_ratio=tol.departure_ratio)
     diffs = step_diffs(twin, base)
     step0 = {"logprob": max_logprob_diff(twin, base) or 0.0, **(diffs[0] if diffs else {})}
-    floor = {k: max(v, tol.envelope_margin * step0.get(k, 0.0)) for k, v in fixed.items()}
+    floor = {k: scaled_floor(v, step0.get(k), tol.envelope_margin) for k, v in fixed.items()}
     departed = departure(diffs, floor)
     judged = min(steps, max(tol.strict_steps, steps if departed is None else departed))
     return Noise(floor, judged, twin, envelope(twin, base), departed, tol.envelope_margin,
@@ -324,11 +330,18 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--departure-ratio", type=float, default=4.0,
                     help="a job leaving the step-0 tolerances before the twin's departure step / "
                          "this is DIVERGED")
+    ap.add_argument("--layers", action="store_true",
+                    help="compare the layer dumps (debug.dump_layers): where the runs part, module by module")
+    ap.add_argument("--rollout-id", type=int,
+                    help="--layers: the dumped rollout to compare (default: the first)")
+    ap.add_argument("--layer-eps-multiple", type=float, default=256.0,
+                    help="--layers without a twin: the floor is this many times the dtype's epsilon")
     ap.add_argument("--plot", type=Path, help="where to write the plot (default: next to the runs)")
     ap.add_argument("--json", action="store_true", help="machine-readable output")
     args = ap.parse_args(argv)
     bad = [f"--{k.replace('_', '-')} {v!r}" for k, v in vars(args).items()
-           if k in ("logprob_atol", "grad_norm_rtol", "loss_atol", "envelope_margin", "departure_ratio")
+           if k in ("logprob_atol", "grad_norm_rtol", "loss_atol", "envelope_margin", "departure_ratio",
+                    "layer_eps_multiple")
            and not (math.isfinite(v) and v >= (1 if k in ("envelope_margin", "departure_ratio") else 0))]
     bad += [f"--strict-steps {args.strict_steps}"] if args.strict_steps < 0 else []
     if bad:
@@ -339,6 +352,10 @@ def main(argv: list[str]) -> int:
         if not p.is_dir():
             print(f"relax compare: error: {p} is not a directory", file=sys.stderr)
             return 2
+    if args.layers:
+        from relax.debug.layers import compare_layers
+
+        return compare_layers(args)
     try:
         jobs = find_jobs(args.paths)
         if len(jobs) < 2:

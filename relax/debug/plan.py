@@ -24,6 +24,8 @@ class Plan:
     load_rollout_data: str | None = None
     save_train_data: str | None = None
     dump_dir: Path | None = None
+    dump_layers: str | None = None  # dir of the layer dumps (relax/debug/layers.py)
+    dump_layers_rollouts: list[int] = field(default_factory=list)
     replay_files: dict[int, Path] = field(default_factory=dict)
 
     @property
@@ -48,6 +50,7 @@ class Plan:
             "save_rollout_data": self.save_rollout_data,
             "save_train_data": self.save_train_data,
             "dump_dir": str(self.dump_dir) if self.dump_dir else None,
+            "dump_layers": self.dump_layers,
         }
 
 
@@ -71,7 +74,7 @@ def check_writable(key: str, template: str | None) -> None:
         raise ConfigError(f"{key}={template!r}: cannot write into {existing} (permission denied)")
 
 
-DUMP_PARTS = ("config.yaml", "tokenizer", "rollout_data", "train_data")  # what a dump writes
+DUMP_PARTS = ("config.yaml", "tokenizer", "rollout_data", "train_data", "layers")  # what a dump writes
 
 
 def check_dump_dir(dump_dir: Path | None, resumed_run: Path | None) -> None:
@@ -98,6 +101,38 @@ def check_replay_ids(template: str, ids: list[int], start_rollout_id: int) -> No
                           f"{missing[:10]}{' ...' if len(missing) > 10 else ''} between {low} and "
                           f"{ids[-1]}; restore them, or set rollout.num_rollout={missing[0]} to stop "
                           f"before the gap")
+
+
+def check_dump_samples(d, num_samples: int, source: str) -> None:
+    """debug.dump_layers_samples are sample indices of a rollout of `num_samples`."""
+    beyond = [i for i in d.dump_layers_samples if i >= num_samples]
+    if beyond:
+        raise ConfigError(f"debug.dump_layers_samples: sample index(es) {beyond} beyond the {num_samples} "
+                          f"samples per rollout of {source}")
+
+
+def check_dump_layers(cfg, dump_layers: str, rollout_ids: list[int], builds_train: bool) -> list[int]:
+    """The rollout ids whose first step debug.dump_layers records (default: the run's first)."""
+    d = cfg.debug
+    if not builds_train:
+        raise ConfigError(f"debug.dump_layers={dump_layers!r} records the trainer's first step of a "
+                          f"rollout, but debug.rollout_only builds no trainer")
+    from relax.targets import load_target
+
+    samples = list(d.dump_layers_samples)
+    if not samples or any(not isinstance(i, int) or i < 0 for i in samples) or \
+            len(set(samples)) < len(samples):
+        raise ConfigError(f"debug.dump_layers_samples={samples}: expected distinct sample indices >= 0")
+    if not hasattr(load_target(cfg, "train"), "dump_layers"):
+        raise ConfigError(f"debug.dump_layers: train._target_={cfg.train._target_} records no layer dump "
+                          f"(train=torch does)")
+    wanted = rollout_ids[:1] if d.dump_layers_rollouts is None else list(d.dump_layers_rollouts)
+    outside = sorted(set(wanted) - set(rollout_ids))
+    if outside:
+        raise ConfigError(f"debug.dump_layers_rollouts={wanted}: rollout id(s) {outside} are not among this "
+                          f"run's rollouts ({rollout_ids[0] if rollout_ids else '-'}.."
+                          f"{rollout_ids[-1] if rollout_ids else '-'})")
+    return sorted(set(wanted))
 
 
 def resolve(cfg, start_rollout_id: int = 0, hf_config: dict | None = None) -> Plan:
@@ -163,12 +198,15 @@ def resolve(cfg, start_rollout_id: int = 0, hf_config: dict | None = None) -> Pl
     if save_train and builds_train and "{rank}" not in save_train and cfg.parallel.dp > 1:
         raise ConfigError(f"debug.save_train_data={save_train!r} has no {{rank}} but "
                           f"{cfg.parallel.dp} data-parallel ranks would overwrite each other")
+    dump_layers = _abs_template(d.dump_layers) or (str(dump_dir / "layers") if dump_dir else None)
+    layer_rollouts = check_dump_layers(cfg, dump_layers, rollout_ids, builds_train) if dump_layers else []
     if load and save_rollout and load == save_rollout:
         raise ConfigError(f"debug.save_rollout_data and debug.load_rollout_data both point at "
                           f"{load!r}: the replay would overwrite its own input")
     check_writable("debug.save_rollout_data", save_rollout)
     check_writable("debug.save_train_data", save_train if builds_train else None)
     check_writable("debug.dump_details", f"{dump_dir}/" if dump_dir else None)
+    check_writable("debug.dump_layers", f"{dump_layers}/" if dump_layers else None)
     if builds_train:
         from relax.model import model_config
         from relax.train import check_batch_split, check_trainer
@@ -177,6 +215,9 @@ def resolve(cfg, start_rollout_id: int = 0, hf_config: dict | None = None) -> Pl
         if not load:  # a replay's sample counts are checked with its files (relax.loop.prepare)
             check_batch_split(cfg, r.rollout_batch_size * r.n_samples_per_prompt,
                               "rollout.rollout_batch_size x rollout.n_samples_per_prompt")
+            if dump_layers:
+                check_dump_samples(d, r.rollout_batch_size * r.n_samples_per_prompt,
+                                   "rollout.rollout_batch_size x rollout.n_samples_per_prompt")
     if not train_only:
         from relax.rollout import check_engine
 
@@ -184,4 +225,5 @@ def resolve(cfg, start_rollout_id: int = 0, hf_config: dict | None = None) -> Pl
     return Plan(builds_rollout=not train_only, builds_train=builds_train,
                 rollout_ids=rollout_ids, save_rollout_data=save_rollout,
                 load_rollout_data=load, save_train_data=save_train if builds_train else None,
-                dump_dir=dump_dir, replay_files=replay_files)
+                dump_dir=dump_dir, dump_layers=dump_layers, dump_layers_rollouts=layer_rollouts,
+                replay_files=replay_files)

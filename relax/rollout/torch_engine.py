@@ -75,6 +75,10 @@ class TorchEngine:
         self.pad_token_id = pad_token_id
         self.dtype = torch_dtype(engine_dtype(cfg))
         self.rotary = families.hf_rotary(c)
+        if faults.active("engine_rope_theta"):  # the engine's RoPE frequencies of twice the theta
+            d = self.rotary.inv_freq.numel()
+            theta = self.rotary.inv_freq[1].log() / (-1 / d)  # inv_freq[i] = theta^(-i/d)
+            self.rotary.inv_freq.copy_((2 * theta.exp()) ** (-torch.arange(d) / d))
         self.params = self._load(load_safetensors_dir(model_path))
         if faults.active("engine_weights"):  # a bad checkpoint load
             g = torch.Generator().manual_seed(0)
@@ -91,6 +95,9 @@ class TorchEngine:
             pre = f"model.layers.{i}."
             qkv = [pre + f"self_attn.{x}_proj" for x in "qkv"]
             fused_qkv = self._fuse(params, [n + ".weight" for n in qkv])
+            if faults.active(f"qkv_half_transposed:{i}"):  # a conversion that put q's two halves back swapped
+                q = params[qkv[0] + ".weight"]
+                q.copy_(q.roll(q.shape[0] // 2, dims=0))
             fused_bias = self._fuse(params, [n + ".bias" for n in qkv]) \
                 if qkv[0] + ".bias" in params else None
             qk_norm = (params[pre + "self_attn.q_norm.weight"], params[pre + "self_attn.k_norm.weight"]) \
@@ -177,14 +184,18 @@ class TorchEngine:
         self.layers.clear()
 
     # -- forward -----------------------------------------------------------------------
-    def _forward(self, ids, cos, sin, cache, start, mask):
+    def _forward(self, ids, cos, sin, cache, start, mask, record=None):
         """Logits at the last position of `ids`; writes K/V into cache[start:start+T].
-        cos/sin: [B, T, 1, D] rotary tables at each token's position (sin sign-folded)."""
+        cos/sin: [B, T, 1, D] rotary tables at each token's position (sin sign-folded).
+        `record(name, tensor)`, where given, receives every module output of
+        relax.debug.layers.module_names (the final norm at every position)."""
         B, T = ids.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        record = record or (lambda name, tensor: None)
         x = F.embedding(ids, self.params["model.embed_tokens.weight"])
+        record("model.embed_tokens", x)
         end = start + T
-        for layer, (keys, values) in zip(self.layers, cache):
+        for i, (layer, (keys, values)) in enumerate(zip(self.layers, cache)):
             qk, v = F.linear(rms_norm(x, layer.input_norm, self.eps), layer.qkv, layer.qkv_bias).split(
                 [(H + Hkv) * D, Hkv * D], dim=-1)
             qk = qk.view(B, T, H + Hkv, D)
@@ -197,10 +208,34 @@ class TorchEngine:
             a = F.scaled_dot_product_attention(
                 q, keys[:, :, :end], values[:, :, :end], attn_mask=mask,
                 is_causal=mask is None and T > 1, enable_gqa=True)
-            x = x + F.linear(a.transpose(1, 2).reshape(B, T, H * D), layer.o_proj)
-            x = x + layer.mlp(rms_norm(x, layer.post_norm, self.eps))
+            attn = F.linear(a.transpose(1, 2).reshape(B, T, H * D), layer.o_proj)
+            record(f"model.layers.{i}.self_attn", attn)
+            x = x + attn
+            mlp = layer.mlp(rms_norm(x, layer.post_norm, self.eps))
+            record(f"model.layers.{i}.mlp", mlp)
+            x = x + mlp
+            record(f"model.layers.{i}", x)
+        record("model.norm", rms_norm(x, self.params["model.norm.weight"], self.eps))
         x = rms_norm(x[:, -1], self.params["model.norm.weight"], self.eps)
         return F.linear(x, self.params["lm_head.weight"]).float()
+
+    @torch.inference_mode()
+    def record_layers(self, sequences: list[list[int]]) -> dict[str, list[torch.Tensor]]:
+        """debug.dump_layers: each sequence (prompt + response) prefilled alone, every module
+        output of relax.debug.layers.module_names recorded ([len, hidden] fp32 per sequence)."""
+        out: dict[str, list[torch.Tensor]] = {}
+        cos_table, sin_table = self.rotary(torch.empty(0, dtype=self.dtype),
+                                           torch.arange(max(map(len, sequences)))[None])
+        sin_table = sin_table.clone()
+        sin_table[..., :self.head_dim // 2] *= -1
+        for tokens in sequences:
+            T = len(tokens)
+            cache = [(torch.empty(1, self.num_kv_heads, T, self.head_dim, dtype=self.dtype),
+                      torch.empty(1, self.num_kv_heads, T, self.head_dim, dtype=self.dtype))
+                     for _ in range(self.num_layers)]
+            self._forward(torch.tensor([tokens]), cos_table[:, :T, None], sin_table[:, :T, None], cache, 0,
+                          None, lambda name, t: out.setdefault(name, []).append(t[0].float().clone()))
+        return out
 
     @staticmethod
     def _sample(logits, sp: SamplingParams, uniforms):

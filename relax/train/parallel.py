@@ -13,8 +13,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from relax import faults
 from relax.errors import ConfigError
 
 
@@ -90,6 +92,9 @@ def apply_layout(model: torch.nn.Module, layout: Layout, trainable: bool) -> tor
         }
         for layer in model.model.layers:
             parallelize_module(layer, layout.mesh["tp"], plan)
+        if faults.active("tp_no_allreduce:1") and trainable:  # layer 1's attention output: a partial sum
+            model.model.layers[1].self_attn.o_proj.register_forward_hook(
+                lambda m, args, out: F.linear(args[0].to_local(), m.weight.to_local()))
     if layout.fsdp:
         from torch.distributed.fsdp import fully_shard
 

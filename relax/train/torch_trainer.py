@@ -16,12 +16,12 @@ import torch
 from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 
-from relax.algo import masked_sum
+from relax.algo import masked_sum, sequence_loss_scales
 from relax import faults
 from relax.model import load_causal_lm, save_hf_dir
 from relax.files import atomic_save, safe_load
 from relax.sample import Sample, log_prob_temperature
-from relax.train import batch_invariance, common
+from relax.train import batch_invariance, common, layer_dump
 from relax.train.common import MicroBatch
 from relax.train.weight_sync import DistributedWeightSync
 from relax.train.parallel import (
@@ -57,11 +57,11 @@ class TorchTrainer(DistributedWeightSync):
         ref = load_causal_lm(Path(ref_model_path or model_path), cfg.model.dtype)
         ref.requires_grad_(False)
         common.nudge_ulps(self.model.parameters(), cfg.parallel.noise_ulp, cfg.seed)
-        if faults.active("trainer_dropout"):  # a noisy forward
-            self.model.config.attention_dropout = 0.5
-            for module in self.model.modules():
-                if hasattr(module, "attention_dropout"):
-                    module.attention_dropout = 0.5
+        noisy = [layer.self_attn for i, layer in enumerate(self.model.model.layers)
+                 if faults.active("trainer_dropout") or faults.active(f"trainer_dropout:{i}")]
+        if noisy:  # a noisy forward: attention dropout in every layer, or in layer i
+            for attention in noisy:
+                attention.attention_dropout = 0.5
             self.model.train()
         self.actor = apply_layout(self.model, self.layout, trainable=True)
         self.ref = apply_layout(ref, self.layout, trainable=False)
@@ -93,6 +93,11 @@ class TorchTrainer(DistributedWeightSync):
         return common.trained_log_probs(logits, mb, common.first_trained_position(mb), self.temperature,
                                         self.cfg.algo.entropy_coef != 0)
 
+    def _loss_scale(self, scale):
+        if faults.active(f"grad_scale:{self.cfg.parallel.name}") and self.layout.rank == 1:
+            return scale * 1.01  # one rank's gradient off by 1%
+        return scale
+
     # -- the algorithm ---------------------------------------------------------------------
     def train(self, rollout_id: int, samples: list[Sample]) -> dict:
         advantages = common.advantages_of(samples, self.cfg.algo)
@@ -121,9 +126,7 @@ class TorchTrainer(DistributedWeightSync):
             num_tokens = dp_all_reduce(sum(mb.mask.sum() for mb in step_mbs), self.layout)
             # DDP/FSDP average gradients over dp ranks; the loss weights make the result the
             # algo.loss_agg_mode aggregate once divided by the step's token count.
-            scale = self.layout.dp_size / num_tokens
-            if faults.active(f"grad_scale:{self.cfg.parallel.name}") and self.layout.rank == 1:
-                scale = scale * 1.01  # one rank's gradient off by 1%
+            scale = self._loss_scale(self.layout.dp_size / num_tokens)
             sums, mb_losses = torch.zeros(len(common.STEP_KEYS)), []
             self.optimizer.zero_grad(set_to_none=True)
             for mb in tqdm(step_mbs, desc="train", leave=False, delay=2, disable=self.layout.rank > 0):
@@ -147,6 +150,38 @@ class TorchTrainer(DistributedWeightSync):
         out["steps"][0].update(invariance)
         self.first_step = False
         return out
+
+    def dump_layers(self, path: str, rollout_id: int, samples: list[Sample], indices: list[int],
+                    manifest: dict) -> None:
+        """debug.dump_layers (relax/train/layer_dump.py): samples `indices` as one micro-batch
+        through the reference's forward and the training forward and backward, before the
+        rollout's first step; every rank runs the same micro-batch (DDP/FSDP average identical
+        gradients), rank 0 writes."""
+        algo = self.cfg.algo
+        chosen = [samples[i] for i in indices]
+        factors = sequence_loss_scales([sum(s.loss_mask) for s in chosen], algo.loss_agg_mode,
+                                       self.cfg.rollout.max_new_tokens)
+        mb = common.make_micro_batch(chosen, common.advantages_of(samples, algo), self.pad_id,
+                                     scales=dict(zip(indices, factors, strict=True)))
+        with torch.no_grad(), layer_dump.recording(self.ref, {}) as ref_outputs:
+            mb.ref_log_probs, _ = self._log_probs(self.ref, mb)
+        params = {n: full_tensor(p.detach()).float().clone() for n, p in self.model.named_parameters()}
+        self.optimizer.zero_grad(set_to_none=True)
+        with self._grad_sync(), layer_dump.recording(self.model, {}) as outputs:
+            log_probs, entropy = self._log_probs(self.actor, mb)
+            loss, _ = common.objective(log_probs, entropy, mb, algo)
+            (masked_sum(loss, mb.loss_weights) * self._loss_scale(1 / mb.mask.sum())).backward()
+        grads = {n: full_tensor(p.grad).float().clone() for n, p in self.model.named_parameters()
+                 if p.grad is not None}
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.layout.rank > 0:
+            return
+        lengths = [len(s.tokens) for s in chosen]
+        for source, forward, lp, extra in (("train", outputs, log_probs, (grads, params)),
+                                           ("ref", ref_outputs, mb.ref_log_probs, ())):
+            trained = [torch.tensor(x) for x in common.per_sample(lp.detach(), mb).values()]
+            layer_dump.save_dump(path, rollout_id, source, manifest, indices,
+                                 layer_dump.per_sample(forward, lengths), trained, *extra)
 
     # -- weights and checkpoints -------------------------------------------------------------
     def named_weights(self) -> dict[str, torch.Tensor]:

@@ -1,0 +1,361 @@
+"""Where two runs part, layer by layer: the layer dump (debug.dump_layers) and
+`relax compare --layers`.
+
+Record (relax/train/layer_dump.py). For the samples `debug.dump_layers_samples` of the
+rollouts `debug.dump_layers_rollouts` (default: the run's first), before that rollout's first
+optimizer step, the trainer runs those samples as one micro-batch through the training
+forward and backward and records, whole (gathered over ranks) and under HF names: every
+module output of `module_names` in forward order (embedding, per layer the attention and MLP
+outputs and the layer's, the final norm), the trained tokens' log-probs, every parameter's
+gradient and every parameter's value before the step; and the reference model's forward of
+the same micro-batch (first-step KL is 0 only if the two forwards agree). The engine records
+the same forward outputs for the same sequences (prompt + response, one prefill) where it
+can (the torch engine), and the log-probs it generated them with. Files:
+`<dir>/{rollout_id}_{source}.pt`, source `train`, `ref` or `engine`, with a manifest.
+
+Compare. Per tensor, the relative difference ||a - b|| / ||b|| over the dumped samples, judged
+against a floor: `--layer-eps-multiple` x the baseline dtype's epsilon, raised to
+`--envelope-margin` x the noise twin's difference where the sweep has a twin (the same rule
+as the step tolerances of relax/debug/compare.py: `scaled_floor`). The first module (forward
+order), the first gradient (backward order) and the first weight above their floors are named.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from relax.files import safe_load
+from relax.train.layer_dump import FORMAT_VERSION, LOG_PROBS
+
+# -- compare ----------------------------------------------------------------------------------
+
+EPS = {
+    "float32": torch.finfo(torch.float32).eps,
+    "bfloat16": torch.finfo(torch.bfloat16).eps,
+    "float16": torch.finfo(torch.float16).eps,
+}
+
+
+@dataclass
+class Dump:
+    path: Path
+    manifest: dict
+    forward: dict[str, list[torch.Tensor]]
+    log_probs: list[torch.Tensor]
+    grads: dict[str, torch.Tensor]
+    params: dict[str, torch.Tensor]
+
+    @property
+    def name(self) -> str:
+        return self.manifest.get("name", self.path.parent.name)
+
+
+def load_dump(path: Path) -> Dump:
+    """A layer dump, or ValueError naming the file and what is wrong with it."""
+    data = safe_load(path)
+    if not isinstance(data, dict) or data.get("format_version") != FORMAT_VERSION:
+        raise ValueError(
+            f"{path}: not a Relax layer dump of format {FORMAT_VERSION} "
+            f"(format_version {data.get('format_version') if isinstance(data, dict) else '?'})"
+        )
+    missing = [k for k in ("manifest", "forward", LOG_PROBS, "grads", "params") if k not in data]
+    if missing:
+        raise ValueError(f"{path}: layer dump without {', '.join(missing)}")
+    return Dump(path, data["manifest"], data["forward"], data[LOG_PROBS], data["grads"], data["params"])
+
+
+def comparable(a: Dump, b: Dump) -> list[str]:
+    """Why two dumps cannot be compared (the manifest check that comes before any number)."""
+    why = []
+    for key in ("model_fingerprint", "samples", "rollout_id"):
+        if a.manifest.get(key) != b.manifest.get(key):
+            why.append(f"{key}: {a.manifest.get(key)} in {a.path} vs {b.manifest.get(key)} in {b.path}")
+    return why
+
+
+def rel_diff(a, b) -> float:
+    """||a - b|| / ||b|| over one tensor or a list of per-sample tensors (inf: shapes differ)."""
+    a, b = (a, b) if isinstance(a, list) else ([a], [b])
+    if len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b)):
+        return math.inf
+    num = math.sqrt(sum(float((x.double() - y.double()).pow(2).sum()) for x, y in zip(a, b)))
+    den = math.sqrt(sum(float(y.double().pow(2).sum()) for y in b))
+    return num / den if den > 0 else (0.0 if num == 0 else math.inf)
+
+
+def diffs(a: Dump, b: Dump) -> dict[str, dict[str, float]]:
+    """Per part (forward, grads, params), per tensor in its order (forward order; backward
+    order for gradients), a's relative difference from b; a tensor only one side has is inf."""
+    forward = {**b.forward, LOG_PROBS: b.log_probs}
+    ours = {**a.forward, LOG_PROBS: a.log_probs}
+    out = {"forward": {n: rel_diff(ours[n], forward[n]) if n in ours else math.inf for n in forward}}
+    for part in ("grads", "params"):
+        theirs, mine = getattr(b, part), getattr(a, part)
+        names = list(theirs)[::-1] if part == "grads" else list(theirs)  # backward runs back to front
+        out[part] = (
+            {n: rel_diff(mine[n], theirs[n]) if n in mine else math.inf for n in names} if mine else {}
+        )
+    return out
+
+
+@dataclass
+class Departure:
+    job: str
+    diffs: dict[str, dict[str, float]]
+    floors: dict[str, dict[str, float]]
+    first: dict[str, tuple[str, float, float] | None] = field(
+        default_factory=dict
+    )  # part -> (name, rel, floor)
+
+    @property
+    def departs(self) -> bool:
+        return any(v is not None for v in self.first.values())
+
+    def line(self) -> str:
+        what = {
+            "forward": "forward departs at",
+            "grads": "gradients depart at",
+            "params": "weights depart at",
+        }
+        parts = [
+            f"{what[p]} {n} (rel {r:.1e}, floor {f:.1e})"
+            for p, v in self.first.items()
+            if v
+            for n, r, f in [v]
+        ]
+        return f"{self.job}: " + ("; ".join(parts) if parts else "departs nowhere")
+
+
+def judge_layers(
+    job: str,
+    d: dict[str, dict[str, float]],
+    fixed: float,
+    margin: float,
+    twin: dict[str, dict[str, float]] | None,
+) -> Departure:
+    """The first tensor of each part whose difference leaves its floor."""
+    from relax.debug.compare import scaled_floor
+    from relax.debug.verdicts import over
+
+    floors = {
+        part: {n: scaled_floor(fixed, (twin or {}).get(part, {}).get(n), margin) for n in values}
+        for part, values in d.items()
+    }
+    dep = Departure(job, d, floors)
+    for part, values in d.items():
+        dep.first[part] = next(
+            ((n, v, floors[part][n]) for n, v in values.items() if over(v, floors[part][n])), None
+        )
+    return dep
+
+
+# -- relax compare --layers -------------------------------------------------------------------
+
+
+def dump_dir_of(run: Path) -> Path:
+    """The layer dump dir a run wrote (built.json), or ValueError saying how to make one."""
+    from relax.files import read_json
+
+    built = read_json(run / "built.json") if (run / "built.json").is_file() else {}
+    if not built.get("dump_layers"):
+        raise ValueError(f"{run}: no layer dump (run it with debug=dump or debug.dump_layers=<dir>)")
+    return Path(built["dump_layers"])
+
+
+def load_source(run: Path, source: str, rollout_id: int | None) -> Dump:
+    """The run's `source` dump of `rollout_id` (default: its first dumped rollout)."""
+    directory = dump_dir_of(run)
+    found = sorted(
+        (int(p.name.split("_")[0]), p)
+        for p in directory.glob(f"*_{source}.pt")
+        if p.name.split("_")[0].isdigit()
+    )
+    if rollout_id is not None:
+        found = [(i, p) for i, p in found if i == rollout_id]
+    if not found:
+        which = f"rollout {rollout_id}" if rollout_id is not None else "any rollout"
+        raise ValueError(f"{run}: no {source} layer dump of {which} in {directory}")
+    dump = load_dump(found[0][1])
+    dump.manifest.setdefault("name", run.name)
+    return dump
+
+
+def floor_fixed(dump: Dump, eps_multiple: float) -> float:
+    """The floor without a twin: `eps_multiple` x the epsilon of the baseline's dtype."""
+    return eps_multiple * EPS.get(str(dump.manifest.get("dtype", "float32")), EPS["float32"])
+
+
+def plot_layers(departures: list[Departure], out: Path) -> None:
+    """Relative difference per module (forward order) and per gradient (backward order), one
+    line per job, each job's floor shaded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from relax.debug.doctor import save_figure
+
+    parts = [p for p in ("forward", "grads") if any(d.diffs.get(p) for d in departures)]
+    fig, axes = plt.subplots(1, len(parts), figsize=(7 * len(parts), 4.8), squeeze=False)
+    for ax, part in zip(axes[0], parts, strict=True):
+        for dep in departures:
+            names = list(dep.diffs[part])
+            if not names:
+                continue
+            tiny = 1e-12  # log axis: an exact match is drawn at the bottom
+            values = [max(dep.diffs[part][n], tiny) for n in names]
+            (line,) = ax.plot(range(len(names)), values, marker=".", label=dep.job)
+            ax.fill_between(
+                range(len(names)),
+                tiny,
+                [dep.floors[part][n] for n in names],
+                color=line.get_color(),
+                alpha=0.12,
+            )
+        ax.set_yscale("log")
+        labels = list(next(d.diffs[part] for d in departures if d.diffs.get(part)))
+        step = max(1, len(labels) // 24)
+        ax.set_xticks(
+            range(0, len(labels), step),
+            [labels[i].replace("model.", "") for i in range(0, len(labels), step)],
+            rotation=70,
+            fontsize=6,
+        )
+        ax.set(
+            title=f"{'module outputs (forward order)' if part == 'forward' else 'gradients (backward order)'}"
+            f": rel Δ, floor shaded",
+            ylabel="||a - b|| / ||b||",
+        )
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    save_figure(fig, out, dpi=100)
+    plt.close(fig)
+
+
+def within_run(
+    run: Path, rollout_id: int | None, eps_multiple: float, margin: float
+) -> tuple[list[Departure], str]:
+    """One run: its engine's and its reference model's forward against its trainer's, on the
+    same sequences (an engine that recorded no module outputs is compared on its log-probs)."""
+    base = load_source(run, "train", rollout_id)
+    deps, fixed = [], floor_fixed(base, eps_multiple)
+    for source in ("engine", "ref"):
+        if not any(dump_dir_of(run).glob(f"{base.manifest['rollout_id']}_{source}.pt")):
+            continue
+        other = load_source(run, source, base.manifest["rollout_id"])
+        check(other, base)
+        d = diffs(other, base)
+        if not other.forward:  # (rollout=sglang: docs/debugging.md)
+            d["forward"] = {LOG_PROBS: d["forward"][LOG_PROBS]}
+        deps.append(judge_layers(source, d, fixed, margin, None))
+    if not deps:
+        raise ValueError(f"{run}: a trainer layer dump, but no engine or reference dump to compare it with")
+    return deps, f"{run.name}: engine and reference against the trainer"
+
+
+def runs_of(paths: list[Path]) -> list[Path]:
+    """The run dirs to compare: the given ones, or a multirun dir's jobs in launch order."""
+    if len(paths) > 1 or (paths[0] / "built.json").is_file():
+        return paths
+    jobs = sorted(
+        (p for p in paths[0].iterdir() if (p / "built.json").is_file()),
+        key=lambda p: (p / "built.json").stat().st_mtime,
+    )
+    if not jobs:
+        raise ValueError(
+            f"{paths[0]}: neither a run dir nor a multirun dir (no built.json in it or its subdirs)"
+        )
+    return jobs
+
+
+def compare_runs(
+    paths: list[Path], baseline: str | None, rollout_id: int | None, eps_multiple: float, margin: float
+) -> tuple[list[Departure], str]:
+    """Departures of each job from the baseline (a sweep dir's jobs against --baseline, else its
+    `single` job; runs A B ..: each against A, or --baseline), or of one run's engine from its
+    trainer, and what was compared with what."""
+    runs = runs_of(paths)
+    if len(runs) == 1:
+        return within_run(runs[0], rollout_id, eps_multiple, margin)
+    from relax.files import read_json
+
+    layout = {r: read_json(r / "built.json").get("parallel") for r in runs}
+    if baseline is not None:
+        base_run = next((r for r in runs if baseline in (r.name, layout[r])), None)
+        if base_run is None:
+            raise ValueError(
+                f"--baseline {baseline!r}: no such job (jobs: {', '.join(r.name for r in runs)})"
+            )
+    else:  # a sweep: its single job; runs A B ...: A
+        base_run = next((r for r in runs if layout[r] == "single"), runs[0]) if len(paths) == 1 else runs[0]
+    base = load_source(base_run, "train", rollout_id)
+    dumps = [base if r == base_run else load_source(r, "train", base.manifest["rollout_id"]) for r in runs]
+    others = [d for d in dumps if d is not base]
+    for dump in others:
+        check(dump, base)
+    twin = next(
+        (
+            d
+            for d in others
+            if d.manifest.get("noise_ulp") and d.manifest.get("backend") == base.manifest.get("backend")
+        ),
+        None,
+    )
+    twin_diffs = diffs(twin, base) if twin else None
+    fixed = floor_fixed(base, eps_multiple)
+    deps = [judge_layers(d.name, diffs(d, base), fixed, margin, twin_diffs) for d in others]
+    noise = f"noise twin {twin.name}" if twin else f"no noise twin: floor {eps_multiple:g} x eps"
+    return deps, f"baseline {base.name}, rollout {base.manifest['rollout_id']}; {noise}"
+
+
+def check(a: Dump, b: Dump) -> None:
+    why = comparable(a, b)
+    if why:
+        raise ValueError("layer dumps that cannot be compared: " + "; ".join(why))
+
+
+def compare_layers(args) -> int:
+    """`--layers`: the first module, gradient and weight where each job departs from the baseline."""
+    import json
+    import sys
+
+    from relax.errors import ConfigError, ReplayError
+
+    try:
+        departures, what = compare_runs(
+            args.paths, args.baseline, args.rollout_id, args.layer_eps_multiple, args.envelope_margin
+        )
+    except (ConfigError, ReplayError, ValueError) as e:
+        print(f"relax compare: error: {e}", file=sys.stderr)
+        return 2
+    out = args.plot or (args.paths[0] / "compare_layers.png")
+    plot_layers(departures, out)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "compared": what,
+                    "plot": str(out),
+                    "jobs": [
+                        {
+                            "job": d.job,
+                            "departs": d.departs,
+                            "first": d.first,
+                            "diffs": d.diffs,
+                            "floors": d.floors,
+                        }
+                        for d in departures
+                    ],
+                }
+            )
+        )
+    else:
+        print(f"relax compare --layers ({what})")
+        for d in departures:
+            print(d.line())
+        print(f"plot: {out}")
+    return 1 if any(d.departs for d in departures) else 0

@@ -1,0 +1,187 @@
+"""Layer dumps (debug.dump_layers) and `relax compare --layers`: each injected fault is named at
+the module or parameter where it sits; a clean run departs nowhere."""
+
+import json
+
+import pytest
+import torch
+
+from relax.debug import layers
+from relax.train import layer_dump
+from relax.files import safe_load
+
+from .conftest import relax_cli, run_loop
+
+SMALL = ["rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4", "checkpoint.save_interval=null"]
+DUMP = "debug.dump_layers=${hydra:runtime.output_dir}/layers"  # (for the CLI: each job its own)
+
+
+def dumped(run_dir, *overrides):
+    """An in-process run with its layer dump in <run_dir>/layers."""
+    run_loop(run_dir, *overrides, *SMALL, f"debug.dump_layers={run_dir}/layers")
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def replay(tmp_path_factory, tiny_path):
+    root = tmp_path_factory.mktemp("layers_replay")
+    run_loop(
+        root / "run",
+        "debug=rollout_only",
+        "rollout.num_rollout=1",
+        *SMALL,
+        f"debug.save_rollout_data={root}/rollout_data/{{rollout_id}}.pt",
+    )
+    return ["debug=train_only", f"debug.load_rollout_data={root}/rollout_data/{{rollout_id}}.pt"]
+
+
+def compare_layers(*paths, args=()):
+    proc = relax_cli("compare", "--layers", *map(str, paths), "--json", *args, cwd=paths[0].parent)
+    assert proc.returncode in (0, 1), proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    return proc.returncode, {j["job"]: j for j in report["jobs"]}
+
+
+def first(job: dict, part: str) -> str | None:
+    return job["first"][part][0] if job["first"][part] else None
+
+
+def test_a_dump_holds_every_module_gradient_and_weight_under_hf_names(tmp_path, tiny_path):
+    dumped(tmp_path / "run", "rollout.num_rollout=2", "debug.dump_layers_samples=[1,5]")
+    files = sorted(p.name for p in (tmp_path / "run" / "layers").iterdir())
+    assert files == ["0_engine.pt", "0_ref.pt", "0_train.pt"]  # the run's first rollout only
+    train, engine = (safe_load(tmp_path / "run" / "layers" / f) for f in ("0_train.pt", "0_engine.pt"))
+    names = layer_dump.module_names(2)
+    assert list(train["forward"]) == names and list(engine["forward"]) == names
+    assert train["manifest"]["samples"] == [1, 5] and train["manifest"]["layout"] == "single"
+    lengths = [t.shape[0] for t in train["forward"]["model.layers.1"]]
+    assert lengths == [t.shape[0] for t in engine["forward"]["model.layers.1"]] and len(lengths) == 2
+    assert train["forward"]["model.norm"][0].shape[1] == 64  # hidden size of the tiny model
+    assert (
+        set(train["grads"]) == set(train["params"])
+        and "model.layers.0.self_attn.q_proj.weight" in train["grads"]
+    )
+    assert all(g.abs().sum() > 0 for g in train["grads"].values())
+    # the engine's prefill (one sequence at a time) reproduces the trainer's padded batch to rounding
+    for name in names:
+        assert layers.rel_diff(engine["forward"][name], train["forward"][name]) < 1e-6, name
+
+
+def test_a_clean_run_departs_nowhere_engine_against_trainer(tmp_path, tiny_path):
+    code, jobs = compare_layers(dumped(tmp_path / "run", "rollout.num_rollout=1"))
+    assert code == 0 and not jobs["engine"]["departs"] and not jobs["ref"]["departs"], jobs
+    assert max(jobs["ref"]["diffs"]["forward"].values()) == 0.0  # actor and reference: one forward twice
+    assert jobs["engine"]["diffs"]["forward"]["model.norm"] == 0.0
+    assert 0 < jobs["engine"]["diffs"]["forward"]["log_probs"] < 1e-5  # decode vs prefill rounding
+    assert (tmp_path / "run" / "compare_layers.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize(
+    "fault, where",
+    [
+        ("engine_rope_theta", "model.layers.0.self_attn"),
+        ("qkv_half_transposed:1", "model.layers.1.self_attn"),
+    ],
+)
+def test_an_engine_fault_is_named_at_its_module(tmp_path, tiny_path, monkeypatch, fault, where):
+    monkeypatch.setenv("RELAX_FAULT", fault)
+    code, jobs = compare_layers(dumped(tmp_path / "run", "rollout.num_rollout=1"))
+    assert code == 1 and first(jobs["engine"], "forward") == where, jobs["engine"]["first"]
+
+
+def test_a_bf16_engine_departs_at_the_embedding(tmp_path, tiny_path):
+    code, jobs = compare_layers(dumped(tmp_path / "run", "rollout.num_rollout=1", "rollout.dtype=bfloat16"))
+    assert code == 1 and first(jobs["engine"], "forward") == "model.embed_tokens"
+    assert 1e-4 < jobs["engine"]["first"]["forward"][1] < 1e-2  # bf16 rounding, not a bug's size
+
+
+def test_layout_faults_are_named_against_the_twins_floor(tmp_path, replay):
+    faults = "tp_no_allreduce:1,grad_scale:dp2,perturb_shard:fsdp2"
+    proc = relax_cli(
+        "-m",
+        *replay,
+        "parallel=single,twin,dp2,tp2,fsdp2",
+        *SMALL,
+        DUMP,
+        cwd=tmp_path,
+        env={"RELAX_FAULT": faults},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    multirun = next((tmp_path / "outputs" / "multiruns").iterdir())
+    code, jobs = compare_layers(multirun)
+    assert code == 1
+    assert not jobs["parallel=twin"]["departs"]
+    dp2, tp2, fsdp2 = jobs["parallel=dp2"], jobs["parallel=tp2"], jobs["parallel=fsdp2"]
+    # one DP rank's gradient scaled: the forward and the weights agree, every gradient is off
+    assert first(dp2, "forward") is None and first(dp2, "params") is None
+    assert first(dp2, "grads") == "lm_head.weight" and 4e-3 < dp2["first"]["grads"][1] < 6e-3
+    # layer 1's attention output never all-reduced over TP
+    assert first(tp2, "forward") == "model.layers.1.self_attn" and first(tp2, "params") is None
+    assert tp2["diffs"]["forward"]["model.layers.0"] < 1e-5
+    # one shard of one weight perturbed
+    assert first(fsdp2, "params") == "model.layers.0.self_attn.q_proj.weight"
+    assert first(fsdp2, "forward") == "model.layers.0.self_attn"
+    twin_floor = jobs["parallel=tp2"]["floors"]["grads"]
+    assert max(twin_floor.values()) > 256 * torch.finfo(torch.float32).eps  # the twin raised some floors
+
+
+def test_dropout_in_one_layer_is_named_run_against_run(tmp_path, replay, monkeypatch):
+    dumped(tmp_path / "a", *replay)
+    monkeypatch.setenv("RELAX_FAULT", "trainer_dropout:1")
+    code, jobs = compare_layers(tmp_path / "a", dumped(tmp_path / "b", *replay))
+    assert code == 1 and first(jobs["b"], "forward") == "model.layers.1.self_attn"
+    assert jobs["b"]["diffs"]["forward"]["model.layers.0"] == 0.0
+
+
+def test_a_noisy_actor_forward_is_named_against_the_reference(tmp_path, tiny_path, monkeypatch):
+    """First-step KL != 0 means the actor's and the reference's forwards differ: where they part."""
+    monkeypatch.setenv("RELAX_FAULT", "trainer_dropout:1")
+    code, jobs = compare_layers(dumped(tmp_path / "run", "rollout.num_rollout=1"))
+    assert code == 1 and first(jobs["ref"], "forward") == "model.layers.1.self_attn"
+    assert jobs["ref"]["diffs"]["forward"]["model.layers.0"] == 0.0
+
+
+def test_bad_layer_comparisons_exit_2_with_the_reason(tmp_path, tiny_path, replay):
+    run_loop(tmp_path / "plain", *replay, *SMALL)
+    proc = relax_cli("compare", "--layers", str(tmp_path / "plain"), cwd=tmp_path)
+    assert proc.returncode == 2 and "no layer dump (run it with debug=dump" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    dumped(tmp_path / "a", *replay)
+    dumped(tmp_path / "b", *replay, "debug.dump_layers_samples=[0,1]")
+    proc = relax_cli("compare", "--layers", str(tmp_path / "a"), str(tmp_path / "b"), cwd=tmp_path)
+    assert proc.returncode == 2 and "cannot be compared: samples: [0, 1] in" in proc.stderr, proc.stderr
+    (tmp_path / "a" / "layers" / "0_train.pt").write_bytes(b"not a dump")
+    proc = relax_cli("compare", "--layers", str(tmp_path / "a"), str(tmp_path / "b"), cwd=tmp_path)
+    assert proc.returncode == 2 and "0_train.pt" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("debug.dump_layers_samples=[0,99]", "sample index(es) [99] beyond the 16 samples per rollout"),
+        ("debug.dump_layers_samples=[]", "expected distinct sample indices >= 0"),
+        ("debug.dump_layers_rollouts=[7]", "rollout id(s) [7] are not among this run's rollouts"),
+    ],
+)
+def test_bad_dump_settings_are_refused_before_anything_runs(tmp_path, tiny_path, override, message):
+    proc = relax_cli(
+        "rollout.num_rollout=1",
+        *SMALL,
+        f"debug.dump_layers={tmp_path}/layers",
+        override,
+        f"hydra.run.dir={tmp_path}/run",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2 and message in proc.stdout + proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "layers").exists()
+
+
+def test_rollout_only_has_no_trainer_to_dump(tmp_path, tiny_path):
+    proc = relax_cli(
+        "debug=rollout_only",
+        "rollout.num_rollout=1",
+        f"debug.dump_layers={tmp_path}/l",
+        f"hydra.run.dir={tmp_path}/run",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2 and "debug.rollout_only builds no trainer" in proc.stdout + proc.stderr
