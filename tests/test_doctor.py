@@ -124,6 +124,29 @@ def test_dropout_left_on_in_the_trainer(tmp_path, monkeypatch):
     assert "KL != 0" in check3.summary and any("attention_backend=flash" in c for c in check3.causes)
 
 
+@pytest.mark.parametrize("fault, check, where", [
+    ("trainer_dropout:1", 4, "the reference model's forward departs from the trainer's at "
+                             "model.layers.1.self_attn"),
+    ("qkv_half_transposed:1", 5, "the engine's forward departs from the trainer's at "
+                                 "model.layers.1.self_attn"),
+])
+def test_a_failing_check_names_the_first_departing_module_from_the_layer_dump(tmp_path, monkeypatch, fault,
+                                                                              check, where):
+    monkeypatch.setenv("RELAX_FAULT", fault)
+    run_loop(tmp_path, *SHORT, "rollout.num_rollout=1", f"debug.dump_layers={tmp_path}/layers")
+    failed = next(c for c in diagnose(load_run(tmp_path)) if c.id == check)
+    assert failed.verdict == "FAIL"
+    assert failed.next_steps[0].startswith(f"relax compare --layers {tmp_path}  # layer dump: {where} (rel ")
+    assert failed.next_steps[0].endswith("floor 3.1e-05)"), failed.next_steps
+
+
+def test_without_a_layer_dump_the_next_steps_are_the_generic_ones(tmp_path, monkeypatch):
+    monkeypatch.setenv("RELAX_FAULT", "trainer_dropout:1")
+    run_loop(tmp_path, *SHORT, "rollout.num_rollout=1")
+    failed = next(c for c in diagnose(load_run(tmp_path)) if c.id == 4)
+    assert failed.verdict == "FAIL" and not any("--layers" in n for n in failed.next_steps)
+
+
 def test_a_perturbed_tensor_in_weight_sync(tmp_path, monkeypatch):
     monkeypatch.setenv("RELAX_FAULT", "sync_perturb")
     run_loop(tmp_path, *SHORT, "rollout.num_rollout=4", "debug.check_weight_update_equal=true",

@@ -234,8 +234,28 @@ def check_first_step(run: RunData, th: Thresholds) -> Check:
     if "megatron" in run.backend:
         causes.append("MoE on Megatron: set train.moe_permute_fusion=true")
     return Check(4, name, FAIL, "; ".join(problems), evidence, causes=causes,
-                 next_steps=["compare layouts on fixed data: relax -m debug=train_only "
+                 next_steps=[*layer_hint(run, "ref"),
+                             "compare layouts on fixed data: relax -m debug=train_only "
                              "debug.load_rollout_data=... parallel=single,<yours>; relax compare"])
+
+
+def layer_hint(run: RunData, source: str) -> list[str]:
+    """Where the run's layer dump (debug.dump_layers) has `source` ("engine" or "ref") part from
+    the trainer's forward: the first departing module, as a next step (none without a dump)."""
+    from relax.debug.layers import compare_runs
+
+    try:
+        departures, _ = compare_runs([run.path], None, None, 256.0, 10.0)
+    except (ValueError, OSError, KeyError, RuntimeError):  # no dump, or one that cannot be read
+        return []
+    dep = next((d for d in departures if d.job == source), None)
+    if dep is None or not dep.diffs["forward"]:
+        return []
+    what = {"engine": "the engine's forward", "ref": "the reference model's forward"}[source]
+    where = dep.first["forward"]
+    found = (f"{what} departs from the trainer's at {where[0]} (rel {where[1]:.1e}, floor {where[2]:.1e})"
+             if where else f"{what} matches the trainer's at every module (the difference is elsewhere)")
+    return [f"relax compare --layers {run.path}  # layer dump: {found}"]
 
 
 def check_train_rollout_diff(run: RunData, th: Thresholds) -> Check:
@@ -260,7 +280,8 @@ def check_train_rollout_diff(run: RunData, th: Thresholds) -> Check:
               "engine and trainer compute differently (dtype, kernels, temperature)"]
     rid = read[diffs.index(largest)].get("rollout_id", 0)
     per_token = f"relax inspect {run.dump_dir or '<dump dir>'} --rollout {rid}"
-    next_steps = [f"{per_token}  # plots/token_logprobs_{rid}.png: the worst samples' per-token train vs "
+    next_steps = [*layer_hint(run, "engine"),
+                  f"{per_token}  # plots/token_logprobs_{rid}.png: the worst samples' per-token train vs "
                   f"rollout log-probs" + ("" if run.dump_dir else " (run with debug=dump)"),
                   "relax debug.check_weight_update_equal=true debug.check_weight_update_every_sync=true "
                   "<your overrides>",
