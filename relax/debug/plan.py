@@ -125,7 +125,7 @@ def check_dump_layers(cfg, dump_layers: str, rollout_ids: list[int], builds_trai
         raise ConfigError(f"debug.dump_layers_samples={samples}: expected distinct sample indices >= 0")
     if not hasattr(load_target(cfg, "train"), "dump_layers"):
         raise ConfigError(f"debug.dump_layers: train._target_={cfg.train._target_} records no layer dump "
-                          f"(train=torch does)")
+                          f"(train=torch and train=megatron do)")
     wanted = rollout_ids[:1] if d.dump_layers_rollouts is None else list(d.dump_layers_rollouts)
     outside = sorted(set(wanted) - set(rollout_ids))
     if outside:

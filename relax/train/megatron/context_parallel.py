@@ -3,12 +3,12 @@ attention without Transformer Engine (CPU).
 
 Megatron's CP splits each sequence into 2·cp chunks and gives rank r chunks r and
 2·cp−1−r (balanced causal work; see `megatron.core.utils.get_batch_on_this_cp_rank`):
-`cp_local` cuts a micro-batch so, `cp_full` puts per-position results back in sequence
-order. On CPU, each rank's attention gathers every rank's K and V, restores sequence
-order and runs causal SDPA for its own queries. K and V travel in ONE all-gather of
-cat([K, V]): two separate autograd all-gathers let ranks run the backward collectives in
-different orders on gloo, which gave gradients off by up to 30% with a correct forward (a
-silent trap; docs/measured-on-cpu.md).
+`cp_local` cuts a micro-batch so, `cp_full` ([b, t]) and `cp_gather` ([t, ...]) put
+per-position results back in sequence order. On CPU, each rank's attention gathers every
+rank's K and V, restores sequence order and runs causal SDPA for its own queries. K and V
+travel in ONE all-gather of cat([K, V]): two separate autograd all-gathers let ranks run the
+backward collectives in different orders on gloo, which gave gradients off by up to 30% with
+a correct forward (a silent trap; docs/measured-on-cpu.md).
 """
 
 from __future__ import annotations
@@ -70,13 +70,18 @@ def cp_local(mb: MicroBatch, layout: Layout) -> tuple[MicroBatch, torch.Tensor]:
     return out, local["positions"]
 
 
-def cp_full(local: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """[b, 2c] on each CP rank -> [b, 2cp*c] in sequence order (no autograd)."""
+def cp_gather(local: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """[2c, ...] on each CP rank -> [2cp*c, ...] in sequence order (no autograd)."""
     if layout.cp_size == 1:
         return local
     parts = [torch.empty_like(local) for _ in range(layout.cp_size)]
     dist.all_gather(parts, local.contiguous(), group=layout.cp_group)
-    return to_sequence_order(torch.stack(parts).transpose(1, 2), layout.cp_size).T
+    return to_sequence_order(torch.stack(parts), layout.cp_size)
+
+
+def cp_full(local: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """[b, 2c] on each CP rank -> [b, 2cp*c] in sequence order (no autograd)."""
+    return cp_gather(local.T, layout).T
 
 
 class ContextParallelAttention(torch.nn.Module):

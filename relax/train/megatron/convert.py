@@ -17,6 +17,8 @@ import re
 
 import torch
 
+from relax import faults
+
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
 RENAMES = {  # Megatron (within a layer) -> HF (within a layer)
@@ -69,7 +71,10 @@ def hf_to_megatron(name: str, hf: dict[str, torch.Tensor], heads: Heads) -> torc
     pre = f"model.layers.{layer}."
     if rest.startswith("self_attention.linear_qkv."):
         kind = rest.rsplit(".", 1)[1]
-        return heads.fuse_qkv(*(hf[f"{pre}self_attn.{x}_proj.{kind}"] for x in "qkv"))
+        q, k, v = (hf[f"{pre}self_attn.{x}_proj.{kind}"] for x in "qkv")
+        if kind == "weight" and faults.active(f"megatron_qkv_half_transposed:{layer}"):
+            q = q.roll(q.shape[0] // 2, dims=0)  # a conversion that put q's two halves back swapped
+        return heads.fuse_qkv(q, k, v)
     if rest in FC1:
         mlp = pre + FC1[rest]
         return torch.cat([hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"]])

@@ -11,6 +11,7 @@ optimizer, and its grad clipping (`train/grad_norm` comes from Megatron).
 from __future__ import annotations
 
 import math
+import operator
 import time
 import warnings
 from functools import partial
@@ -19,12 +20,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from relax.algo import masked_sum
+from relax.algo import masked_sum, sequence_loss_scales
 from relax.model import save_hf_dir
 from relax.sample import Sample, log_prob_temperature
 from relax.train import batch_invariance, common
 from relax.train.common import MicroBatch
-from relax.train.megatron import checks
+from relax.train.megatron import checks, layer_dump
 from relax.train.megatron.context_parallel import cp_full, cp_local
 from relax.train.megatron.layout import init_layout
 from relax.train.megatron.model import (
@@ -130,6 +131,43 @@ class MegatronTrainer(DistributedWeightSync):
         self.first_step = False
         return self._from_last_stage(result)
 
+    def dump_layers(self, path: str, rollout_id: int, samples: list[Sample], indices: list[int],
+                    manifest: dict) -> None:
+        """debug.dump_layers (relax/train/layer_dump.py), as train=torch records it: samples
+        `indices` as one micro-batch through the training schedule, before the rollout's first
+        step, and through the reference's forward. Every DP rank runs the same micro-batch; the
+        schedule's finalize_model_grads sums the DP and CP ranks' gradients and divides by their
+        summed token count, so `main_grad` is that micro-batch's gradient (train=torch's g / N).
+        Rank 0 writes."""
+        layout, last = self.layout, self.layout.is_last_stage
+        advantages = common.advantages_of(samples, self.cfg.algo)
+        chosen = [samples[i] for i in indices]
+        scales = dict(zip(indices, sequence_loss_scales([sum(s.loss_mask) for s in chosen],
+                                                        self.cfg.algo.loss_agg_mode,
+                                                        self.cfg.rollout.max_new_tokens)))
+        length = -(-max(len(s.tokens) for s in chosen) // layout.length_multiple) * layout.length_multiple
+        mb = common.make_micro_batch(chosen, advantages, self.pad_id, length=length, scales=scales)
+        with layer_dump.recording(self.ref) as ref_outputs:
+            ref = self._forward_log_probs(self.ref, [mb])
+        if last:
+            mb.ref_log_probs = ref[0][0]
+        params = self.named_weights()
+        for chunk in self.actor:
+            chunk.train()
+            chunk.zero_grad_buffer()
+        with layer_dump.recording(self.actor) as outputs:
+            self._schedule(self.actor, [mb], self._loss, forward_only=False, force_all_reduce=True)
+        grads = self.weights.gather(self.actor, read=operator.attrgetter("main_grad"))
+        for chunk in self.actor:  # the first training step starts from zero all the same
+            chunk.zero_grad_buffer()
+        save = partial(layer_dump.save_on_rank0, path, rollout_id, manifest=manifest, indices=indices,
+                       lengths=[len(s.tokens) for s in chosen], layout=layout,
+                       num_layers=self.hf_config.num_hidden_layers)
+        # the last stage's `_loss` left this forward's log-probs in mb.old_log_probs, whole sequences
+        save("train", outputs, common.per_sample(mb.old_log_probs, mb) if last else None, grads=grads,
+             params=params)
+        save("ref", ref_outputs, common.per_sample(mb.ref_log_probs, mb) if last else None)
+
     def _optimizer_step(self, loss_finite: bool) -> tuple[bool, float]:
         """Megatron's optimizer.step(), split so that a non-finite loss (known on the last
         stage) or grad norm skips the update on every rank: with fp32 params Megatron has
@@ -174,7 +212,10 @@ class MegatronTrainer(DistributedWeightSync):
         return masked_sum(loss, mb.loss_weights), mb.mask.sum().int(), sums
 
     # -- forward/backward through Megatron's schedules ------------------------------------
-    def _schedule(self, chunks, micro_batches: list[MicroBatch], loss_func, forward_only: bool):
+    def _schedule(self, chunks, micro_batches: list[MicroBatch], loss_func, forward_only: bool,
+                  force_all_reduce: bool = False):
+        """`force_all_reduce`: every DP rank's grad buffer ends up whole (not reduce-scattered
+        for the distributed optimizer)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator, model):
@@ -190,7 +231,7 @@ class MegatronTrainer(DistributedWeightSync):
             model=chunks if vpp > 1 else chunks[0], num_microbatches=len(micro_batches),
             seq_length=micro_batches[0].tokens.shape[1],
             micro_batch_size=micro_batches[0].tokens.shape[0],
-            forward_only=forward_only, collect_non_loss_data=forward_only)
+            forward_only=forward_only, collect_non_loss_data=forward_only, force_all_reduce=force_all_reduce)
 
     def _forward_log_probs(self, chunks, micro_batches: list[MicroBatch]):
         """Per-position log-probs and entropy of every micro-batch (last pipeline stage only)."""
@@ -215,7 +256,7 @@ class MegatronTrainer(DistributedWeightSync):
     # -- weights and checkpoints -----------------------------------------------------------
     def named_weights(self) -> dict[str, torch.Tensor]:
         """Full HF-named tensors (a collective; rank 0 returns them)."""
-        return self.weights.gather(self.actor)
+        return self.weights.gather(self.actor) | (self.weights.passthrough if self.layout.rank == 0 else {})
 
     def save_checkpoint(self, path: str) -> None:
         """The actor as an HF directory, and this rank's optimizer and RNG state."""

@@ -73,15 +73,17 @@ class Weights:
         self.passthrough = {k: v for k, v in hf.items() if "shared_expert" in k} if zero_width else {}
         return chunks
 
-    def gather(self, chunks: list) -> dict[str, torch.Tensor]:
-        """Full HF-named tensors, gathered over TP/PP/EP (a collective; rank 0 returns them)."""
+    def gather(self, chunks: list, read=torch.Tensor.detach) -> dict[str, torch.Tensor]:
+        """Full HF-named tensors of every parameter, gathered over TP/PP/EP (a collective; rank
+        0 returns them): `read(param)` of each, its value by default (`main_grad`: its gradient
+        in Megatron DDP's buffer). The passthrough tensors are no parameters: not among them."""
         mine: dict[str, torch.Tensor] = {}
         for chunk in chunks:
             names = self.global_names(chunk.module)
             for name, param in chunk.module.named_parameters():
                 global_name = names[name.removeprefix("module.")]
                 dim = self.partition_dims[global_name]
-                data = param.detach()
+                data = read(param)
                 if dim is not None:
                     _, size, group = self.layout.tp_of(param)
                     parts = [torch.empty_like(data) for _ in range(size)]
@@ -93,7 +95,7 @@ class Weights:
         dist.gather_object(mine, gathered, dst=0)
         if self.layout.rank != 0:
             return {}
-        weights = {k: v for part in gathered for k, v in part.items()} | self.passthrough
+        weights = {k: v for part in gathered for k, v in part.items()}
         if self.hf_config.tie_word_embeddings:
             weights.pop("lm_head.weight", None)
         return weights
