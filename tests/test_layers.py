@@ -67,6 +67,16 @@ def test_a_dump_holds_every_module_gradient_and_weight_under_hf_names(tmp_path, 
         assert layers.rel_diff(engine["forward"][name], train["forward"][name]) < 1e-6, name
 
 
+def test_an_moe_dump_names_each_expert_as_the_checkpoint_does(tmp_path):
+    """transformers 5 fuses an MoE layer's experts into 3-D parameters; the dump splits them back
+    into the checkpoint's per-expert names (what train=megatron's dump and the engines use)."""
+    moe = ["model.tiny.num_experts=4", "model.tiny.warmup_max_steps=0"]
+    train = safe_load(dumped(tmp_path / "run", "rollout.num_rollout=1", *moe) / "layers" / "0_train.pt")
+    experts = {n for n in train["grads"] if ".mlp.experts." in n}
+    assert "model.layers.0.mlp.experts.3.down_proj.weight" in experts and len(experts) == 2 * 4 * 3
+    assert set(train["grads"]) == set(train["params"])
+
+
 def test_a_clean_run_departs_nowhere_engine_against_trainer(tmp_path, tiny_path):
     code, jobs = compare_layers(dumped(tmp_path / "run", "rollout.num_rollout=1"))
     assert code == 0 and not jobs["engine"]["departs"] and not jobs["ref"]["departs"], jobs

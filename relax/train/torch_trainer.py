@@ -165,14 +165,15 @@ class TorchTrainer(DistributedWeightSync):
                                      scales=dict(zip(indices, factors, strict=True)))
         with torch.no_grad(), layer_dump.recording(self.ref, {}) as ref_outputs:
             mb.ref_log_probs, _ = self._log_probs(self.ref, mb)
-        params = {n: full_tensor(p.detach()).float().clone() for n, p in self.model.named_parameters()}
+        params = self._hf_named({n: full_tensor(p.detach()).float().clone()
+                                 for n, p in self.model.named_parameters()})
         self.optimizer.zero_grad(set_to_none=True)
         with self._grad_sync(), layer_dump.recording(self.model, {}) as outputs:
             log_probs, entropy = self._log_probs(self.actor, mb)
             loss, _ = common.objective(log_probs, entropy, mb, algo)
             (masked_sum(loss, mb.loss_weights) * self._loss_scale(1 / mb.mask.sum())).backward()
-        grads = {n: full_tensor(p.grad).float().clone() for n, p in self.model.named_parameters()
-                 if p.grad is not None}
+        grads = self._hf_named({n: full_tensor(p.grad).float().clone()
+                                for n, p in self.model.named_parameters() if p.grad is not None})
         self.optimizer.zero_grad(set_to_none=True)
         if self.layout.rank > 0:
             return
@@ -190,10 +191,13 @@ class TorchTrainer(DistributedWeightSync):
         (an MoE layer's experts into 3-D `experts.gate_up_proj` / `experts.down_proj`); its own
         conversion mapping, the one `save_pretrained` applies, turns them back into the
         per-expert tensors that engines and checkpoints name."""
+        return self._hf_named({n: full_tensor(p.detach()).clone() for n, p in self.model.named_parameters()})
+
+    def _hf_named(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Tensors by parameter name -> by checkpoint name (an MoE's fused experts split back)."""
         from transformers.core_model_loading import revert_weight_conversion
 
-        return revert_weight_conversion(self.model, {
-            name: full_tensor(p.detach()).clone() for name, p in self.model.named_parameters()})
+        return revert_weight_conversion(self.model, tensors)
 
     def save_checkpoint(self, path: str) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
