@@ -12,6 +12,7 @@ from relax.debug.plan import resolve
 from relax.errors import ConfigError
 from relax.model import resolve_model_path
 
+from . import test_layers
 from .conftest import build_trainer, make_cfg, only_run_dir, relax_cli, run_loop
 
 pytestmark = pytest.mark.slow
@@ -58,7 +59,8 @@ def test_hf_megatron_hf_round_trip_is_bit_identical(model, layout):
 
 def test_layout_sweep_with_megatron_is_equivalent(tmp_path, deep_replay):
     proc = relax_cli("-m", *TRAIN, *DEEP, *replay(deep_replay), "train.num_steps_per_rollout=2",
-                     "parallel=single,tp2,pp2,tp2pp2,vpp2,cp2,dp2,tp2sp", cwd=tmp_path, timeout=1200)
+                     "parallel=single,tp2,pp2,tp2pp2,vpp2,cp2,dp2,tp2sp", test_layers.DUMP, cwd=tmp_path,
+                     timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     multirun = only_run_dir(tmp_path, "multiruns")
     out = relax_cli("compare", str(multirun), "--json", cwd=tmp_path)
@@ -74,6 +76,13 @@ def test_layout_sweep_with_megatron_is_equivalent(tmp_path, deep_replay):
         # vpp2 guards gloo trap 1 (batched p2p), cp2 trap 2 (two K/V all-gathers)
         assert job["verdict"] == "equivalent", (layout, job["reasons"])
         assert job["max_logprob_diff"] <= 1e-5 and job["max_grad_norm_rel_diff"] <= 1e-4, layout
+    # layer by layer: no module, gradient or weight departs (the fixed floor, 256 x eps)
+    code, by_layer = test_layers.compare_layers(multirun)
+    assert code == 0 and len(by_layer) == 7, {j: d["first"] for j, d in by_layer.items()}
+    # every DP rank runs the dumped micro-batch; finalize_model_grads sums their gradients and
+    # divides by their summed token count: one rank's gradient, bit for bit (pipeline stages too)
+    for job in ("parallel=dp2", "parallel=pp2"):
+        assert all(v == 0.0 for part in by_layer[job]["diffs"].values() for v in part.values()), job
 
 
 def test_moe_expert_parallel_is_equivalent(tmp_path, deep_replay):
