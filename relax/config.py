@@ -91,6 +91,14 @@ class SGLangRolloutGroup(RolloutConfig):  # rollout=sglang
     sglang_server_args: dict[str, Any] = field(default_factory=dict)  # other ServerArgs, passed through
 
 
+@dataclass
+class LoraConfig:  # train.lora: LoRA adapters through peft (train=torch only; docs/lora.md)
+    rank: int = 0  # adapter rank (0: off, every weight trains)
+    alpha: Optional[float] = None  # the update is alpha / rank x B @ A (null: 2 x rank)
+    dropout: float = 0.0  # dropout on the adapters' input, in [0, 1) (0: a deterministic forward)
+    target_modules: Optional[list[str]] = None  # modules adapted (null: the attention and MLP projections)
+
+
 class TrainConfig:
     _target_: str = MISSING  # trainer class, built once per rank (see relax/train/__init__.py)
     lr: float = 3e-4  # Adam(W) learning rate
@@ -104,6 +112,7 @@ class TrainConfig:
     on_nonfinite: str = "error"  # non-finite loss/grad_norm: error (stop) or skip (the step); both dump it
     num_threads: int = 1  # torch threads per process (1 is fastest for tiny models on 2 cores)
     ref_log_probs_interval: Optional[int] = None  # also run the reference every N rollouts (null: 1st step)
+    lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters instead of full fine-tuning
 
 
 # `train.async` (slime's --async) is a Python keyword, which no class body can declare: the field

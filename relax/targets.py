@@ -73,6 +73,7 @@ EXTRAS = {
     "megatron.core": "the [megatron] extra: pip install -c constraints.txt -e '.[megatron]'",
     "gguf": "the [real] extra: pip install -c constraints.txt -e '.[real]'",
     "accelerate": "the [real] extra: pip install -c constraints.txt -e '.[real]'",
+    "peft": "the [lora] extra: pip install -c constraints.txt -e '.[lora]'",
     "sglang": ("SGLang, which runs from an environment of its own: build it with "
                "scripts/setup_sglang_cpu.sh (CPU; on GPU pip install sglang), then run "
                ".venv-sglang/bin/relax"),

@@ -49,7 +49,10 @@ ADDED = {"logger._target_": "relax.logger.MetricsLogger",
          "task.format_reward": 0.0,
          # issue 22 (where runs part): layer dumps and the batch-invariance check, off
          "debug.dump_layers": None, "debug.dump_layers_rollouts": None, "debug.dump_layers_samples": [0, 1, 2, 3],
-         "debug.check_batch_invariance": False}
+         "debug.check_batch_invariance": False,
+         # issue 25 (LoRA): off
+         "train.lora.rank": 0, "train.lora.alpha": None, "train.lora.dropout": 0.0,
+         "train.lora.target_modules": None}
 RAY = {"cluster._target_": "relax.cluster.ray_cluster.RayCluster", "cluster.address": None,
        "cluster.num_cpus_per_rank": 1.0, "cluster.num_gpus_per_rank": 0.0, "cluster.num_cpus_per_engine": 1.0,
        "cluster.num_gpus_per_engine": 0.0, "cluster.resources_per_rank": {},
