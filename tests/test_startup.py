@@ -95,7 +95,7 @@ def test_a_refused_cluster_leaves_the_dump_dir_absent_and_the_corrected_rerun_du
     assert not (tmp_path / "refused" / "built.json").exists()
     rollouts, _ = run_loop(tmp_path / "rerun", *TINY, f"debug.dump_details={dump}")
     assert [r["rollout_id"] for r in rollouts] == [0]
-    assert sorted(p.name for p in dump.iterdir()) == ["config.yaml", "rollout_data", "tokenizer",
+    assert sorted(p.name for p in dump.iterdir()) == ["config.yaml", "layers", "rollout_data", "tokenizer",
                                                       "train_data"]
 
 
