@@ -244,14 +244,21 @@ def report_nonfinite(run: Run, rollout_id: int, samples: list[Sample], events: l
     log.warning("%s", message)
 
 
-def sync_weights(run: Run, trainer, engine, weight_check, rollout_id: int) -> None:
+def sync_weights(run: Run, trainer, engine, weight_check, rollout_id: int) -> float:
+    """The trainer's weights into the engine; returns the seconds it took (perf/weight_sync_time:
+    gathering, merging and pushing, without the engine-weights check)."""
+    t0 = time.perf_counter()
     if run.cfg.rollout.weight_update_mode == "distributed":  # NCCL, trainer -> engine directly
         engine.update_weights_from_trainer(trainer)
-        return
-    weights = trainer.named_weights()
+        return time.perf_counter() - t0
+    # what training changed (the trainer class's synced_weights: with LoRA, the merged projections)
+    partial = hasattr(load_target(run.cfg, "train"), "synced_weights")
+    weights = trainer.synced_weights() if partial else trainer.named_weights()
     engine.update_weights(weights)
-    if weight_check and run.cfg.debug.check_weight_update_every_sync:
-        weight_check.check_sync(engine, weights, rollout_id)
+    seconds = time.perf_counter() - t0
+    if weight_check and run.cfg.debug.check_weight_update_every_sync:  # the engine against the whole model
+        weight_check.check_sync(engine, trainer.named_weights() if partial else weights, rollout_id)
+    return seconds
 
 
 def first_step(run: Run, rollout_id: int, samples, record: dict, out: dict) -> None:
@@ -298,7 +305,8 @@ def rl_loop(cfg, run_dir: Path, stop: Stop | None = None) -> None:
                 out = train(run, trainer, engine, rollout_id, samples)
                 if engine:
                     rollouts.wait()  # train.async: the next rollout is generated on the weights it began with
-                    sync_weights(run, trainer, engine, weight_check, rollout_id)
+                    seconds = sync_weights(run, trainer, engine, weight_check, rollout_id)
+                    record["perf/weight_sync_time"] = seconds
                 record.update(out["rollout"], **{"perf/train_time": time.perf_counter() - t0})
                 first_step(run, rollout_id, samples, record, out)
                 for step, step_metrics in enumerate(out["steps"]):

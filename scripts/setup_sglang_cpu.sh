@@ -183,7 +183,7 @@ log "relax (editable, --no-deps) from $REPO"
 pip_install --no-deps --no-build-isolation -e "$REPO"
 log "relax's extra dependencies"
 pip_install -c "$TORCH_PIN" -c "$REQ" hydra-core==1.3.8 omegaconf rich tqdm tensorboard \
-  matplotlib pytest pytest-timeout
+  matplotlib pytest pytest-timeout peft==0.21.2 accelerate==1.15.0
 
 log "import check"
 import_check || die "the import check failed"

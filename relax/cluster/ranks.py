@@ -5,7 +5,7 @@ actors, relax/cluster/ray_cluster.py) both keep, so the loop cannot tell them ap
   call(method, *args)      every rank runs the trainer's method (SPMD); rank 0's result
   send(...) / collect()    the same in two halves (start on every rank, then wait)
   rank0_address()          (host, free port) on rank 0's node, for a process group with it
-  train / named_weights / save_checkpoint / load_checkpoint / shutdown
+  train / named_weights / synced_weights / save_checkpoint / load_checkpoint / shutdown
   placement()              where each rank runs: node, bundle, device, pid (built.json)
 An error on any rank stops the whole group and is raised in the driver as `RankError`,
 naming the rank, its node and pid, with the rank's traceback. Ranks die with the job: on
@@ -162,6 +162,9 @@ class RankGroup:
 
     def named_weights(self):
         return self.call("named_weights")
+
+    def synced_weights(self):
+        return self.call("synced_weights")
 
     def dump_layers(self, *args):
         return self.call("dump_layers", *args)

@@ -7,13 +7,16 @@ implements, for the driver:
   train(rollout_id, samples) -> {"rollout": {...}, "steps": [{...}], "nonfinite": [...]}
         # + "first_step_log_probs" at the policy's first step (before any train or
         # load_checkpoint); which no-grad passes a rollout runs: common.forward_passes
-  named_weights() -> {hf_name: tensor}       # what weight sync pushes into the engine
+  named_weights() -> {hf_name: tensor}       # the whole model, as engines and checkpoints hold it
+  synced_weights() -> {hf_name: tensor}      # optional: what a weight sync pushes, the part of
+        # named_weights() that training changes (without it: all; LoRA: the merged projections)
   save_checkpoint(path) / load_checkpoint(path)
   shutdown()
 Optional class attributes, read before any rank starts:
   check_config(cfg, hf_config)  static method: the trainer's own start-up refusals, given
                              the model's config.json (relax.model.model_config)
   checkpoint_layout(cfg)     static method: settings its saved state is tied to (beyond its class)
+  trains_lora = True         it trains train.lora's adapters (without it, train.lora.rank > 0 is refused)
   runs_in_driver = True      a single rank may run in the driver process (default: its own)
 relax/cluster/ decides where the ranks run (the driver itself, see runs_in_driver; local rank
 processes; or Ray actors), and the driver cannot tell the difference.
@@ -70,18 +73,23 @@ def check_trainer(cfg, hf_config: dict) -> None:
         raise ConfigError(f"train.ref_log_probs_interval={cfg.train.ref_log_probs_interval}: expected a "
                           f"positive number of rollouts, or null (the reference runs at the first step only)")
     from relax.algo import check_algo
+    from relax.train import lora
 
     check_algo(cfg.algo, cfg.rollout)
+    lora.check_config(cfg, trainer, hf_config)
     if hasattr(trainer, "check_config"):
         trainer.check_config(cfg, hf_config)
 
 
 def checkpoint_layout(cfg) -> dict:
-    """What a checkpoint's trainer state is tied to: the trainer class and whatever that class
-    adds (train=megatron, whose optimizer state is saved per rank: the parallel sizes)."""
+    """What a checkpoint's trainer state is tied to: the trainer class, its LoRA adapters (or none)
+    and whatever that class adds (train=megatron, whose optimizer state is saved per rank: the
+    parallel sizes)."""
+    from relax.train import lora
+
     trainer = load_target(cfg, "train")
     extra = trainer.checkpoint_layout(cfg) if hasattr(trainer, "checkpoint_layout") else {}
-    return {"train._target_": cfg.train._target_, **extra}
+    return {"train._target_": cfg.train._target_, "train.lora": lora.layout(cfg.train.lora), **extra}
 
 
 def runs_in_driver(cfg) -> bool:

@@ -84,6 +84,8 @@ def apply_layout(model: torch.nn.Module, layout: Layout, trainable: bool) -> tor
         from torch.distributed.tensor.parallel import (
             ColwiseParallel, RowwiseParallel, parallelize_module)
 
+        from relax.train.lora import tp_plan
+
         plan = {
             "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
             "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
@@ -91,7 +93,7 @@ def apply_layout(model: torch.nn.Module, layout: Layout, trainable: bool) -> tor
             "mlp.down_proj": RowwiseParallel(),
         }
         for layer in model.model.layers:
-            parallelize_module(layer, layout.mesh["tp"], plan)
+            parallelize_module(layer, layout.mesh["tp"], tp_plan(layer, plan))
         if faults.active("tp_no_allreduce:1") and trainable:  # layer 1's attention output: a partial sum
             model.model.layers[1].self_attn.o_proj.register_forward_hook(
                 lambda m, args, out: F.linear(args[0].to_local(), m.weight.to_local()))

@@ -1,4 +1,5 @@
-"""The PyTorch trainer (train=torch): HF model, frozen reference copy, AdamW.
+"""The PyTorch trainer (train=torch): HF model, frozen reference copy, AdamW; or LoRA adapters
+on the model, whose base is the reference (train.lora.rank > 0: relax/train/lora.py).
 
 One object per rank. `train()` reads top to bottom like the algorithm: advantages from
 raw rewards, reference and old log-probs, then `num_steps_per_rollout` PPO-clip steps.
@@ -21,7 +22,7 @@ from relax import faults
 from relax.model import load_causal_lm, save_hf_dir
 from relax.files import atomic_save, safe_load
 from relax.sample import Sample, log_prob_temperature
-from relax.train import batch_invariance, common, layer_dump
+from relax.train import batch_invariance, common, layer_dump, lora
 from relax.train.common import MicroBatch
 from relax.train.weight_sync import DistributedWeightSync
 from relax.train.parallel import (
@@ -35,6 +36,7 @@ class TorchTrainer(DistributedWeightSync):
     """Trainer interface (relax/train/__init__.py): train / named_weights / save_checkpoint /
     load_checkpoint / shutdown."""
     runs_in_driver = True  # one rank needs no process of its own
+    trains_lora = True  # train.lora.rank > 0: peft's adapters, on every layout
 
     @staticmethod
     def check_config(cfg, hf_config: dict) -> None:
@@ -47,16 +49,18 @@ class TorchTrainer(DistributedWeightSync):
         self.layout = init_layout(cfg.parallel, rank, world_size)
         self.temperature = log_prob_temperature(cfg.rollout.temperature)
         torch.manual_seed(cfg.seed)
-        self.model = load_causal_lm(Path(model_path), cfg.model.dtype)
+        base = Path(ref_model_path or model_path)
+        # LoRA: adapters on the base, which is the reference (a resumed run loads its adapters later)
+        self.model = load_causal_lm(base if cfg.train.lora.rank else Path(model_path), cfg.model.dtype)
         for module in self.model.modules():
             # HF builds nn.Embedding(padding_idx=pad_token_id), whose backward drops the pad
             # row's gradient; the loss weights already mask padding, so a pad token the policy
             # generated mid-response must train like any other token (as in train=megatron).
             if isinstance(module, torch.nn.Embedding):
                 module.padding_idx = None
-        ref = load_causal_lm(Path(ref_model_path or model_path), cfg.model.dtype)
-        ref.requires_grad_(False)
-        common.nudge_ulps(self.model.parameters(), cfg.parallel.noise_ulp, cfg.seed)
+        common.nudge_ulps(self.model.parameters(), cfg.parallel.noise_ulp, cfg.seed)  # (LoRA: the base's)
+        self.lora = lora.Adapters(self.model, cfg.train.lora) if cfg.train.lora.rank else None
+        ref = None if self.lora else load_causal_lm(base, cfg.model.dtype).requires_grad_(False)
         noisy = [layer.self_attn for i, layer in enumerate(self.model.model.layers)
                  if faults.active("trainer_dropout") or faults.active(f"trainer_dropout:{i}")]
         if noisy:  # a noisy forward: attention dropout in every layer, or in layer i
@@ -64,14 +68,15 @@ class TorchTrainer(DistributedWeightSync):
                 attention.attention_dropout = 0.5
             self.model.train()
         self.actor = apply_layout(self.model, self.layout, trainable=True)
-        self.ref = apply_layout(ref, self.layout, trainable=False)
+        self.ref = None if ref is None else apply_layout(ref, self.layout, trainable=False)
         if faults.active(f"perturb_shard:{cfg.parallel.name}") and self.layout.rank == 1:
             shard = self.model.model.layers[0].self_attn.q_proj.weight
             with torch.no_grad():  # one rank's weight shard is off by 1e-3
                 (shard.to_local() if isinstance(shard, DTensor) else shard).add_(1e-3)
         t = cfg.train
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]  # (LoRA: the adapters)
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
+            self.trainable, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
             eps=t.adam_eps, weight_decay=t.weight_decay)
         self.skipped_steps = 0
         self.first_step = True  # nothing trained or loaded yet: the guide's first-step checks apply
@@ -93,6 +98,10 @@ class TorchTrainer(DistributedWeightSync):
         return common.trained_log_probs(logits, mb, common.first_trained_position(mb), self.temperature,
                                         self.cfg.algo.entropy_coef != 0)
 
+    def _reference(self):
+        """The frozen reference to run forward: its own copy, or the actor with its adapters off."""
+        return self.lora.disabled() if self.lora else contextlib.nullcontext(self.ref)
+
     def _loss_scale(self, scale):
         if faults.active(f"grad_scale:{self.cfg.parallel.name}") and self.layout.rank == 1:
             return scale * 1.01  # one rank's gradient off by 1%
@@ -110,11 +119,12 @@ class TorchTrainer(DistributedWeightSync):
 
         ref, old = common.forward_passes(self.cfg, rollout_id, self.first_step, self.save_train_data)
         with torch.no_grad():  # the reference, and the policy that sampled (old), where needed
-            for mb in micro_batches:
-                if ref:
-                    mb.ref_log_probs, _ = self._log_probs(self.ref, mb)
-                if old:
-                    mb.old_log_probs, mb.entropy = self._log_probs(self.actor, mb)
+            if ref:
+                with self._reference() as model:
+                    for mb in micro_batches:
+                        mb.ref_log_probs, _ = self._log_probs(model, mb)
+            for mb in micro_batches if old else []:
+                mb.old_log_probs, mb.entropy = self._log_probs(self.actor, mb)
         if old:  # (without this pass, each training forward attaches its own)
             common.attach_is_weights(micro_batches, self.cfg.algo)
         invariance = batch_invariance.check(self.cfg, self.first_step, micro_batches, lambda mbs: [
@@ -136,7 +146,7 @@ class TorchTrainer(DistributedWeightSync):
                 sums += mb_sums
                 mb_losses.append(mb_sums[0])
             sums = dp_all_reduce(sums, self.layout)
-            grad_norm = clip_grad_norm(self.model.parameters(), t.clip_grad)
+            grad_norm = clip_grad_norm(self.trainable, t.clip_grad)
             finite = math.isfinite(grad_norm) and bool(torch.isfinite(sums[0]))
             if finite:  # a non-finite step never reaches the weights (nor Adam's moments)
                 self.optimizer.step()
@@ -163,8 +173,8 @@ class TorchTrainer(DistributedWeightSync):
                                        self.cfg.rollout.max_new_tokens)
         mb = common.make_micro_batch(chosen, common.advantages_of(samples, algo), self.pad_id,
                                      scales=dict(zip(indices, factors, strict=True)))
-        with torch.no_grad(), layer_dump.recording(self.ref, {}) as ref_outputs:
-            mb.ref_log_probs, _ = self._log_probs(self.ref, mb)
+        with torch.no_grad(), self._reference() as ref, layer_dump.recording(ref, {}) as ref_outputs:
+            mb.ref_log_probs, _ = self._log_probs(ref, mb)
         params = self._hf_named({n: full_tensor(p.detach()).float().clone()
                                  for n, p in self.model.named_parameters()})
         self.optimizer.zero_grad(set_to_none=True)
@@ -187,11 +197,21 @@ class TorchTrainer(DistributedWeightSync):
     # -- weights and checkpoints -------------------------------------------------------------
     def named_weights(self) -> dict[str, torch.Tensor]:
         """Full tensors under the checkpoint's HF names (collective under TP/FSDP; rank 0's
-        result is used). transformers 5 loads some checkpoint tensors into one fused parameter
-        (an MoE layer's experts into 3-D `experts.gate_up_proj` / `experts.down_proj`); its own
-        conversion mapping, the one `save_pretrained` applies, turns them back into the
-        per-expert tensors that engines and checkpoints name."""
-        return self._hf_named({n: full_tensor(p.detach()).clone() for n, p in self.model.named_parameters()})
+        result is used), LoRA's adapters merged in. transformers 5 loads some checkpoint tensors
+        into one fused parameter (an MoE layer's experts into 3-D `experts.gate_up_proj` /
+        `experts.down_proj`); its own conversion mapping, the one `save_pretrained` applies,
+        turns them back into the per-expert tensors that engines and checkpoints name."""
+        return self._hf_weights(self.model.named_parameters())
+
+    def synced_weights(self) -> dict[str, torch.Tensor]:
+        """What a weight sync sends: with LoRA only the merged projections (nothing else trains)."""
+        return self._hf_weights(self.lora.adapted_parameters()) if self.lora else self.named_weights()
+
+    def _hf_weights(self, named) -> dict[str, torch.Tensor]:
+        """(name, parameter) pairs gathered, LoRA's adapters merged in, under checkpoint names."""
+        weights = {n: full_tensor(p.detach()) for n, p in named}
+        copies = self.lora.merge(weights) if self.lora else {n: t.clone() for n, t in weights.items()}
+        return self._hf_named(copies)
 
     def _hf_named(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Tensors by parameter name -> by checkpoint name (an MoE's fused experts split back)."""
@@ -205,6 +225,8 @@ class TorchTrainer(DistributedWeightSync):
         weights = self.named_weights()
         optim = get_optimizer_state_dict(self.model, self.optimizer, options=StateDictOptions(
             full_state_dict=True, cpu_offload=True))
+        if self.lora:  # the adapters themselves, which a resumed run trains on
+            self.lora.save(path, write=self.layout.rank == 0)
         if self.layout.rank == 0:
             save_hf_dir(Path(path) / "hf", self.model.config, weights)
             atomic_save({"optimizer": optim, "torch_rng": torch.get_rng_state(),
@@ -212,9 +234,11 @@ class TorchTrainer(DistributedWeightSync):
 
     def load_checkpoint(self, path: str) -> None:
         """Restore optimizer and RNG state and the skipped-step count (the weights were loaded
-        from <path>/hf)."""
+        from <path>/hf; with LoRA, the base from the reference and the adapters from <path>/adapter)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
+        if self.lora:
+            self.lora.load(path)
         state = safe_load(Path(path) / "trainer_state.pt")
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"],
                                  options=StateDictOptions(full_state_dict=True))

@@ -2,7 +2,8 @@
 
 Trainer rank 0 joins one extra process group per SGLang engine (rank 0 = trainer, ranks
 1..tp = the engine's workers) and broadcasts every HF-named tensor in the order
-`weight_metadata()` gave; the engine receives them with `update_weights_from_distributed`.
+`weight_metadata()` gave (what `synced_weights()` holds: with LoRA, only the merged
+projections); the engine receives them with `update_weights_from_distributed`.
 The driver starts the broadcast on the trainer's ranks (`send`, relax/cluster/ranks.py) and then
 asks the engine to receive, since both sides block until the other arrives. Needs CUDA
 and NCCL: on CPU this mode is refused at start-up.
@@ -20,8 +21,12 @@ class DistributedWeightSync:
     def _is_rank0(self) -> bool:
         return not dist.is_initialized() or dist.get_rank() == 0
 
+    def synced_weights(self) -> dict:
+        """What a weight sync sends: all of named_weights(), unless a trainer changes only part of it."""
+        return self.named_weights()
+
     def weight_metadata(self) -> list[tuple[str, str, list[int]]]:
-        weights = self.named_weights()
+        weights = self.synced_weights()
         return [(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in weights.items()]
 
     def init_weight_sync_group(self, address: str, port: int, world_size: int, group_name: str) -> None:
@@ -35,7 +40,7 @@ class DistributedWeightSync:
             group_name=group_name)
 
     def broadcast_weights(self, group_name: str) -> None:
-        weights = self.named_weights()
+        weights = self.synced_weights()
         if self._is_rank0():
             group = self._weight_sync_groups[group_name]
             for tensor in weights.values():

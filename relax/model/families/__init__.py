@@ -28,6 +28,10 @@ ROPE_TYPES = ("default", "linear", "llama3")
 # config.json settings refused by several families (see Family.refused)
 SLIDING_WINDOW = {"use_sliding_window": (True, "sliding-window attention: no engine implements it")}
 O_PROJ_BIAS = {"attention_bias": (True, "an o_proj bias: no engine implements it")}
+# What every family's layers name their attention and MLP projections (HF's names; an MoE
+# layer's shared expert and dense layers too): LoRA's default targets (Family.lora_targets)
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+PROJECTIONS = (*ATTENTION_PROJECTIONS, "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,7 @@ class Family:
     moe: MoE | None = None       # None: a dense SwiGLU MLP in every layer
     # config.json settings no engine implements for this family: key -> (refused value, why)
     refused: dict = field(default_factory=dict)
+    lora_targets: tuple[str, ...] = PROJECTIONS  # train.lora.target_modules=null: the modules adapted
 
     @property
     def hf_prefix(self) -> str:
