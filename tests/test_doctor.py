@@ -509,9 +509,10 @@ SMOLLM2 = ["model=smollm2", "task=word_problems", "task.operations=[plus]", "tas
 
 
 @pytest.mark.slow
-def test_smollm2_collapse_at_the_tiny_models_lr_is_named_and_a_healthy_run_passes(tmp_path, smollm2_path):
+def test_smollm2_collapse_at_the_tiny_models_lr_is_named(tmp_path, smollm2_path):
     """Measured: at train.lr=3e-4 reward 0.219 -> 0.125 -> 0.0 and entropy 1.70 -> 0.46 -> 0.50
-    (grad_norm 0 at rollout 2); at 1e-5 reward 0.219 -> 0.094 -> 0.344, entropy 1.70 -> 1.60 -> 1.49."""
+    (grad_norm 0 at rollout 2); at 1e-5 reward 0.219 -> 0.094 -> 0.344, entropy 1.70 -> 1.60 -> 1.49.
+    (A healthy real-model run passing every check: tests/test_real_model.py, on its dumped run.)"""
     rollouts, _ = run_loop(tmp_path / "collapse", *SMOLLM2, "train.lr=3e-4")
     assert rollouts[0]["rollout/raw_reward"] > 0.1  # a signal to learn from
     assert rollouts[1]["rollout/entropy"] < 0.5 * rollouts[0]["rollout/entropy"]  # the collapse itself
@@ -520,7 +521,4 @@ def test_smollm2_collapse_at_the_tiny_models_lr_is_named_and_a_healthy_run_passe
     assert "train.lr=3e-05" in check.next_steps[0]
     proc = relax_cli("doctor", str(tmp_path / "collapse"), cwd=tmp_path)
     assert proc.returncode == 1 and "train.lr=3e-05" in proc.stdout, proc.stdout + proc.stderr[-2000:]
-    run_loop(tmp_path / "healthy", *SMOLLM2, "train.lr=1e-5")
-    checks = by_id(load_run(tmp_path / "healthy"))
-    assert {i: c.verdict for i, c in checks.items()} == ALL_PASS, {i: c.summary for i, c in checks.items()}
-    assert checks[3].evidence["vocab_size"] == 49152
+    assert by_id(load_run(tmp_path / "collapse"))[3].evidence["vocab_size"] == 49152

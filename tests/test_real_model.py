@@ -73,6 +73,13 @@ def test_first_step_numerics_are_exact_and_the_engine_equals_the_checkpoint(dump
     # 272 parameters (embedding, 30 x 9, final norm; lm_head is the embedding) + rotary buffers
     assert [c["stage"] for c in report["checks"]] == ["load", "sync", "sync", "sync"]
     assert all(c["compared"] >= 272 for c in report["checks"])
+    # layer by layer (debug=dump's layer dump): the engine's and the reference's forwards of the
+    # same sequences are the trainer's at every one of the 30 layers
+    proc = relax_cli("compare", "--layers", str(run), "--json", cwd=run)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    by_source = {j["job"]: j for j in json.loads(proc.stdout)["jobs"]}
+    assert set(by_source) == {"engine", "ref"} and len(by_source["ref"]["diffs"]["forward"]) == 1 + 30 * 3 + 2
+    assert max(by_source["ref"]["diffs"]["forward"].values()) == 0.0
 
 
 def test_doctor_passes_a_healthy_real_model_run_and_inspect_reads_its_dump(dumped):
@@ -96,7 +103,9 @@ def test_the_real_model_replays_equivalently_through_every_trainer_and_layout_ki
     for train, parallel in jobs:  # through the CLI: relax compare reads each run's .hydra/
         dirs.append(tmp_path / f"{train}-{parallel}")
         proc = relax_cli(*REAL, "rollout.num_rollout=2", f"debug.load_rollout_data={data}", f"train={train}",
-                         f"parallel={parallel}", f"hydra.run.dir={dirs[-1]}", cwd=tmp_path,
+                         f"parallel={parallel}", f"hydra.run.dir={dirs[-1]}",
+                         f"debug.dump_layers={dirs[-1]}/layers", "debug.dump_layers_samples=[0,1]",
+                         cwd=tmp_path,
                          env={"PYTHONPATH": str(REPO)}, timeout=1500)
         assert proc.returncode == 0, proc.stderr[-3000:]
     proc = relax_cli("compare", *map(str, dirs), "--json", cwd=tmp_path)
@@ -106,3 +115,9 @@ def test_the_real_model_replays_equivalently_through_every_trainer_and_layout_ki
     verdicts = {job["name"]: job["verdict"] for job in report["jobs"]}
     assert verdicts == dict.fromkeys(verdicts, "equivalent") and len(verdicts) == len(jobs), report
     assert proc.returncode == 0
+    # and layer by layer: no module output, gradient or weight of any job leaves the twin's floor
+    proc = relax_cli("compare", "--layers", *map(str, dirs), "--json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert "noise twin torch-twin" in report["compared"]
+    assert {j["job"] for j in report["jobs"] if not j["departs"]} == {d.name for d in dirs[1:]}

@@ -147,8 +147,11 @@ class MegatronTrainer(DistributedWeightSync):
                                                         self.cfg.rollout.max_new_tokens)))
         length = -(-max(len(s.tokens) for s in chosen) // layout.length_multiple) * layout.length_multiple
         mb = common.make_micro_batch(chosen, advantages, self.pad_id, length=length, scales=scales)
+        # the interleaved schedule (vpp > 1) needs >= pp micro-batches: the same one pp times has
+        # the same gradient (finalize_model_grads divides by the summed token count) and outputs
+        mbs = [mb] * (layout.pp_size if layout.vpp > 1 else 1)
         with layer_dump.recording(self.ref) as ref_outputs:
-            ref = self._forward_log_probs(self.ref, [mb])
+            ref = self._forward_log_probs(self.ref, mbs)
         if last:
             mb.ref_log_probs = ref[0][0]
         params = self.named_weights()
@@ -156,7 +159,7 @@ class MegatronTrainer(DistributedWeightSync):
             chunk.train()
             chunk.zero_grad_buffer()
         with layer_dump.recording(self.actor) as outputs:
-            self._schedule(self.actor, [mb], self._loss, forward_only=False, force_all_reduce=True)
+            self._schedule(self.actor, mbs, self._loss, forward_only=False, force_all_reduce=True)
         grads = self.weights.gather(self.actor, read=operator.attrgetter("main_grad"))
         for chunk in self.actor:  # the first training step starts from zero all the same
             chunk.zero_grad_buffer()
