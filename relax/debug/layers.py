@@ -23,6 +23,7 @@ order), the first gradient (backward order) and the first weight above their flo
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -87,6 +88,27 @@ def rel_diff(a, b) -> float:
     return num / den if den > 0 else (0.0 if num == 0 else math.inf)
 
 
+# Within a decoder layer, the order its parameters' gradients are computed in (backward runs
+# from the MLP's output back to the attention's input); names not listed come last.
+BACKWARD_IN_LAYER = ("mlp.down_proj", "mlp.up_proj", "mlp.gate_proj", "mlp.shared_expert_gate",
+                     "mlp.shared_expert", "mlp.experts", "mlp.gate", "post_attention_layernorm",
+                     "self_attn.o_proj", "self_attn.v_proj", "self_attn.k_proj", "self_attn.q_proj",
+                     "self_attn.k_norm", "self_attn.q_norm", "input_layernorm")
+LAYER_PARAM = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+def backward_order(name: str) -> tuple:
+    """Sort key of an HF parameter name in the order backward reaches it (output layer first,
+    embedding last): the same for every backend, whatever order its dump holds them in."""
+    m = LAYER_PARAM.match(name)
+    if m:
+        within = next((i for i, p in enumerate(BACKWARD_IN_LAYER) if m[2].startswith(p)),
+                      len(BACKWARD_IN_LAYER))
+        return (2, -int(m[1]), within, m[2])
+    head = 0 if name.startswith("lm_head") else 1 if name.startswith("model.norm") else 3
+    return (head, 0, 0, name)
+
+
 def diffs(a: Dump, b: Dump) -> dict[str, dict[str, float]]:
     """Per part (forward, grads, params), per tensor in its order (forward order; backward
     order for gradients), a's relative difference from b; a tensor only one side has is inf."""
@@ -95,7 +117,7 @@ def diffs(a: Dump, b: Dump) -> dict[str, dict[str, float]]:
     out = {"forward": {n: rel_diff(ours[n], forward[n]) if n in ours else math.inf for n in forward}}
     for part in ("grads", "params"):
         theirs, mine = getattr(b, part), getattr(a, part)
-        names = list(theirs)[::-1] if part == "grads" else list(theirs)  # backward runs back to front
+        names = sorted(theirs, key=backward_order, reverse=part == "params")  # weights: forward order
         out[part] = (
             {n: rel_diff(mine[n], theirs[n]) if n in mine else math.inf for n in names} if mine else {}
         )
