@@ -76,6 +76,20 @@ def test_only_the_adapters_train_and_the_first_step_is_the_frozen_base(tiny_path
     assert diff < 1e-4  # the merged model computes what the adapters do (fp32 rounding apart)
 
 
+def test_adapter_dropout_runs_in_the_actors_forward_and_not_in_the_references(tiny_path):
+    """The trainer keeps the model in eval mode (a deterministic forward), which would silently switch
+    train.lora.dropout off."""
+    trainer = make_trainer(make_cfg(*LORA, "train.lora.dropout=0.5"), str(tiny_path))
+    tokens = torch.tensor([[2, 11, 12, 13, 14, 15, 3]])
+    with torch.no_grad():
+        for name, p in trainer.lora.parameters():
+            if ".lora_B." in name:
+                p.normal_()  # (B = 0 would hide the dropout)
+        assert not torch.equal(trainer.model(tokens).logits, trainer.model(tokens).logits)
+        with trainer.lora.disabled() as reference:
+            assert torch.equal(reference(tokens).logits, reference(tokens).logits)
+
+
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory, tiny_path):
     run = tmp_path_factory.mktemp("lora")
@@ -140,7 +154,10 @@ def test_a_sync_that_leaves_the_adapters_out_of_the_merge_is_caught(tmp_path, mo
     assert checks[6].verdict == "FAIL" and "model.layers." in checks[6].summary
 
 
-@pytest.mark.parametrize("layout", ["single", "fsdp2", "tp2"])
+SHARDED = [pytest.param(x, marks=pytest.mark.slow) for x in ("fsdp2", "tp2")]  # rank processes: 25 s each
+
+
+@pytest.mark.parametrize("layout", ["single", *SHARDED])
 def test_a_resumed_lora_run_ends_with_the_adapter_of_an_uninterrupted_one(tmp_path, layout):
     common = [*LORA, f"parallel={layout}", "rollout.num_rollout=4", "rollout.rollout_batch_size=8",
               "checkpoint.save_interval=2", "checkpoint.keep_last=3", "train.ref_log_probs_interval=2"]
