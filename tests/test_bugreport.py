@@ -22,7 +22,6 @@ import pytest
 import torch
 
 from relax.cli import main as relax_main
-from relax.debug import bugreport as br
 from relax.debug import system_info
 
 from .conftest import REPO, only_run_dir, relax_cli, run_loop
