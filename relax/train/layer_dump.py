@@ -19,7 +19,6 @@ from relax.files import atomic_save
 from relax.train.parallel import full_tensor
 
 FORMAT_VERSION = 1
-SOURCES = ("train", "ref", "engine")
 LOG_PROBS = "log_probs"  # the trained tokens' log-probs, after the module outputs in forward order
 
 
@@ -35,22 +34,30 @@ def dump_path(directory: str | Path, rollout_id: int, source: str) -> Path:
     return Path(directory) / f"{rollout_id}_{source}.pt"
 
 
-@contextmanager
-def recording(model, into: dict[str, torch.Tensor]):
-    """Forward hooks on an HF causal LM: each module of `module_names` puts its output (whole,
-    a DTensor gathered; fp32) into `into` while the block runs."""
+def hf_modules(model) -> dict[str, torch.nn.Module]:
+    """An HF causal LM's modules of `module_names`, by name."""
     modules = dict(model.named_modules())
+    return {n: modules[n] for n in module_names(model.config.num_hidden_layers)}
+
+
+def whole_fp32(out: torch.Tensor) -> torch.Tensor:
+    return full_tensor(out.detach()).float()  # (a DTensor gathered)
+
+
+@contextmanager
+def recording(modules: dict[str, torch.nn.Module], take=whole_fp32):
+    """Forward hooks on `modules` (by HF name): each puts `take(its output)` into the yielded
+    dict while the block runs (a module returning a tuple, its first element: the output comes
+    first, a bias or the context after it)."""
+    into: dict[str, torch.Tensor] = {}
 
     def hook(name):
         def record(module, args, output):
-            out = output[0] if isinstance(output, tuple) else output
-            into[name] = full_tensor(out.detach()).float()
+            into[name] = take(output[0] if isinstance(output, tuple) else output)
 
         return record
 
-    handles = [
-        modules[n].register_forward_hook(hook(n)) for n in module_names(model.config.num_hidden_layers)
-    ]
+    handles = [module.register_forward_hook(hook(name)) for name, module in modules.items()]
     try:
         yield into
     finally:

@@ -173,12 +173,13 @@ class TorchTrainer(DistributedWeightSync):
                                        self.cfg.rollout.max_new_tokens)
         mb = common.make_micro_batch(chosen, common.advantages_of(samples, algo), self.pad_id,
                                      scales=dict(zip(indices, factors, strict=True)))
-        with torch.no_grad(), self._reference() as ref, layer_dump.recording(ref, {}) as ref_outputs:
+        with torch.no_grad(), self._reference() as ref, \
+                layer_dump.recording(layer_dump.hf_modules(ref)) as ref_outputs:
             mb.ref_log_probs, _ = self._log_probs(ref, mb)
         params = self._hf_named({n: full_tensor(p.detach()).float().clone()
                                  for n, p in self.model.named_parameters()})
         self.optimizer.zero_grad(set_to_none=True)
-        with self._grad_sync(), layer_dump.recording(self.model, {}) as outputs:
+        with self._grad_sync(), layer_dump.recording(layer_dump.hf_modules(self.model)) as outputs:
             log_probs, entropy = self._log_probs(self.actor, mb)
             loss, _ = common.objective(log_probs, entropy, mb, algo)
             (masked_sum(loss, mb.loss_weights) * self._loss_scale(1 / mb.mask.sum())).backward()

@@ -8,8 +8,6 @@ shard of the CP-local sequence; a pipeline stage holds only its own layers.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 import torch.distributed as dist
 
@@ -29,26 +27,12 @@ def hf_modules(model) -> dict[str, torch.nn.Module]:
     return out
 
 
-@contextmanager
 def recording(chunks: list):
-    """Forward hooks on the chunks (DDP-wrapped or not): each module of `hf_modules` puts this
-    rank's part of its output into the yielded dict (attention, MLP and layer return tuples:
-    the output comes first, a bias or the context after it)."""
-    into: dict[str, torch.Tensor] = {}
-
-    def hook(name):
-        def record(module, args, output):
-            out = output[0] if isinstance(output, tuple) else output
-            into[name] = out.detach().clone()  # (a later in-place op must not reach it)
-        return record
-
-    handles = [module.register_forward_hook(hook(name)) for chunk in chunks
-               for name, module in hf_modules(getattr(chunk, "module", chunk)).items()]
-    try:
-        yield into
-    finally:
-        for h in handles:
-            h.remove()
+    """layer_dump.recording on the chunks' (DDP-wrapped or not) modules of `hf_modules`: this
+    rank's part of each output, copied (a later in-place op must not reach it)."""
+    modules = {name: module for chunk in chunks
+               for name, module in hf_modules(getattr(chunk, "module", chunk)).items()}
+    return layer_dump.recording(modules, take=lambda out: out.detach().clone())
 
 
 def save_on_rank0(path: str, rollout_id: int, source: str, recorded: dict[str, torch.Tensor],
