@@ -242,10 +242,12 @@ def check_first_step(run: RunData, th: Thresholds) -> Check:
 def layer_hint(run: RunData, source: str) -> list[str]:
     """Where the run's layer dump (debug.dump_layers) has `source` ("engine" or "ref") part from
     the trainer's forward: the first departing module, as a next step (none without a dump)."""
+    from relax.debug.compare import Tolerances
     from relax.debug.layers import compare_runs
 
+    tol = Tolerances()  # relax compare --layers' defaults
     try:
-        departures, _ = compare_runs([run.path], None, None, 256.0, 10.0)
+        departures, _ = compare_runs([run.path], None, None, tol.layer_eps_multiple, tol.envelope_margin)
     except (ValueError, OSError, KeyError, RuntimeError):  # no dump, or one that cannot be read
         return []
     dep = next((d for d in departures if d.job == source), None)

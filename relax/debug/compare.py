@@ -47,6 +47,7 @@ class Tolerances:
     strict_steps: int = 2
     envelope_margin: float = 10.0
     departure_ratio: float = 4.0
+    layer_eps_multiple: float = 256.0  # --layers without a twin: the floor in units of the dtype's epsilon
 
 
 def rel(a: float, b: float) -> float:
@@ -334,7 +335,7 @@ def main(argv: list[str]) -> int:
                     help="compare the layer dumps (debug.dump_layers): where the runs part, module by module")
     ap.add_argument("--rollout-id", type=int,
                     help="--layers: the dumped rollout to compare (default: the first)")
-    ap.add_argument("--layer-eps-multiple", type=float, default=256.0,
+    ap.add_argument("--layer-eps-multiple", type=float, default=Tolerances.layer_eps_multiple,
                     help="--layers without a twin: the floor is this many times the dtype's epsilon")
     ap.add_argument("--plot", type=Path, help="where to write the plot (default: next to the runs)")
     ap.add_argument("--json", action="store_true", help="machine-readable output")
