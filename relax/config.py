@@ -112,6 +112,7 @@ class TrainConfig:
     on_nonfinite: str = "error"  # non-finite loss/grad_norm: error (stop) or skip (the step); both dump it
     num_threads: int = 1  # torch threads per process (1 is fastest for tiny models on 2 cores)
     ref_log_probs_interval: Optional[int] = None  # also run the reference every N rollouts (null: 1st step)
+    shared_prompt: bool = True  # a group's prompt runs once per forward (train=torch: relax/train/packing.py)
     lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters instead of full fine-tuning
 
 

@@ -52,7 +52,9 @@ ADDED = {"logger._target_": "relax.logger.MetricsLogger",
          "debug.check_batch_invariance": False,
          # issue 25 (LoRA): off
          "train.lora.rank": 0, "train.lora.alpha": None, "train.lora.dropout": 0.0,
-         "train.lora.target_modules": None}
+         "train.lora.target_modules": None,
+         # issue 23 (speed): a group's prompt once in train=torch's forward
+         "train.shared_prompt": True}
 RAY = {"cluster._target_": "relax.cluster.ray_cluster.RayCluster", "cluster.address": None,
        "cluster.num_cpus_per_rank": 1.0, "cluster.num_gpus_per_rank": 0.0, "cluster.num_cpus_per_engine": 1.0,
        "cluster.num_gpus_per_engine": 0.0, "cluster.resources_per_rank": {},
@@ -109,6 +111,8 @@ def expected_now(before: dict) -> dict:
         out[new_key] = classes[value] if classes else value
     for key, value in ADDED.items():
         out.setdefault(key, value)  # a recorded value (parallel=twin's noise_ulp) wins
+    if out["train._target_"] == MEGATRON:
+        out["train.shared_prompt"] = False  # Megatron's RoPE ignores position ids (relax/train/packing.py)
     for key in list(out):
         for only, (where, value) in OPTION_ONLY.items():
             if (key == only or key.startswith(only + ".")) and out[where] != value:

@@ -27,7 +27,8 @@ def alone(mb: MicroBatch, row: int, pad_id: int, extra: int) -> MicroBatch:
         return F.pad(x[row:row + 1], (0, extra), value=value)
 
     return MicroBatch([mb.indices[row]], pad(mb.tokens, pad_id), pad(mb.targets, pad_id), pad(mb.mask, 0.0),
-                      mb.advantages[row:row + 1], pad(mb.rollout_log_probs, 0.0), pad(mb.loss_weights, 0.0))
+                      mb.advantages[row:row + 1], pad(mb.rollout_log_probs, 0.0), pad(mb.loss_weights, 0.0),
+                      prompt_lengths=mb.prompt_lengths[row:row + 1], lengths=mb.lengths[row:row + 1])
 
 
 def check(cfg, first_step: bool, micro_batches: list[MicroBatch],

@@ -45,6 +45,8 @@ class MicroBatch:
     entropy: torch.Tensor | None = None
     is_weights: torch.Tensor | None = None  # [b, T] rollout correction (algo.tis / algo.mis)
     is_flags: tuple | None = None           # ([b, T] truncated, [b, T] dropped)
+    prompt_lengths: list[int] | None = None  # per row: prompt tokens (0: padding row)
+    lengths: list[int] | None = None         # per row: prompt + response tokens (0: padding row)
 
 
 def nudge_ulps(params, ulps: int, seed: int) -> None:
@@ -102,7 +104,9 @@ def make_micro_batch(samples: list[Sample], advantages: torch.Tensor, pad_id: in
     adv[:len(samples)] = advantages[[s.index for s in samples]]
     scale[:len(samples)] = torch.tensor([(scales or {}).get(s.index, 1.0) for s in samples])
     indices = [s.index for s in samples] + [-1] * (B - len(samples))
-    return MicroBatch(indices, tokens[:, :T], tokens[:, 1:], mask, adv, rollout_lp, mask * scale[:, None])
+    return MicroBatch(indices, tokens[:, :T], tokens[:, 1:], mask, adv, rollout_lp, mask * scale[:, None],
+                      prompt_lengths=[s.prompt_length for s in samples] + [0] * (B - len(samples)),
+                      lengths=[len(s.tokens) for s in samples] + [0] * (B - len(samples)))
 
 
 def shard_steps(samples: list[Sample], advantages: torch.Tensor, steps: int, dp: int, dp_rank: int,

@@ -22,7 +22,7 @@ from relax import faults
 from relax.model import load_causal_lm, save_hf_dir
 from relax.files import atomic_save, safe_load
 from relax.sample import Sample, log_prob_temperature
-from relax.train import batch_invariance, common, layer_dump, lora
+from relax.train import batch_invariance, common, layer_dump, lora, packing
 from relax.train.common import MicroBatch
 from relax.train.weight_sync import DistributedWeightSync
 from relax.train.parallel import (
@@ -87,16 +87,20 @@ class TorchTrainer(DistributedWeightSync):
             return self.actor.no_sync()
         return contextlib.nullcontext()
 
-    def _log_probs(self, model, mb: MicroBatch):
-        """Per-token log-probs and entropy, [b, T]; the softmax runs only from the first trained
-        position on (a prompt's positions predict nothing that is trained: for a chat model
-        with a system prompt that is most of the sequence), zeros before it (masked out). The
-        output layer still covers every position: cut to the trained ones (HF's
-        logits_to_keep), its matmul on a sliced view gave the actor and the frozen reference
-        log-probs 1e-7 apart at the first kept position, and first-step KL must be exactly 0."""
+    def _log_probs(self, model, mb: MicroBatch, shared_prompt: bool | None = None):
+        """Per-token log-probs and entropy, [b, T], zeros where nothing is trained (masked out).
+        train.shared_prompt: each group's prompt once, logits at response positions only
+        (relax/train/packing.py). Else the rows as they are, the softmax only from the first
+        trained position on; the output layer still covers every position there: cut to the
+        trained ones by a slice (HF's logits_to_keep=int), its matmul on a strided view gave
+        the actor and the frozen reference log-probs 1e-7 apart, and first-step KL must be
+        exactly 0 (packing gathers the kept positions into a tensor of their own)."""
+        entropy_grad = self.cfg.algo.entropy_coef != 0
+        if self.cfg.train.shared_prompt if shared_prompt is None else shared_prompt:
+            return packing.log_probs(model, mb, self.pad_id, self.temperature, entropy_grad)
         logits = model(input_ids=mb.tokens).logits
         return common.trained_log_probs(logits, mb, common.first_trained_position(mb), self.temperature,
-                                        self.cfg.algo.entropy_coef != 0)
+                                        entropy_grad)
 
     def _reference(self):
         """The frozen reference to run forward: its own copy, or the actor with its adapters off."""
@@ -175,12 +179,12 @@ class TorchTrainer(DistributedWeightSync):
                                      scales=dict(zip(indices, factors, strict=True)))
         with torch.no_grad(), self._reference() as ref, \
                 layer_dump.recording(layer_dump.hf_modules(ref)) as ref_outputs:
-            mb.ref_log_probs, _ = self._log_probs(ref, mb)
+            mb.ref_log_probs, _ = self._log_probs(ref, mb, shared_prompt=False)  # (rows as the engine's)
         params = self._hf_named({n: full_tensor(p.detach()).float().clone()
                                  for n, p in self.model.named_parameters()})
         self.optimizer.zero_grad(set_to_none=True)
         with self._grad_sync(), layer_dump.recording(layer_dump.hf_modules(self.model)) as outputs:
-            log_probs, entropy = self._log_probs(self.actor, mb)
+            log_probs, entropy = self._log_probs(self.actor, mb, shared_prompt=False)
             loss, _ = common.objective(log_probs, entropy, mb, algo)
             (masked_sum(loss, mb.loss_weights) * self._loss_scale(1 / mb.mask.sum())).backward()
         grads = self._hf_named({n: full_tensor(p.grad).float().clone()

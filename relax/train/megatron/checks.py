@@ -20,6 +20,12 @@ def check_config(cfg, hf_config: dict) -> None:
     if cfg.train.attention_backend not in ATTENTION_BACKENDS:
         raise ConfigError(f"train.attention_backend={cfg.train.attention_backend!r}: expected one "
                           f"of {', '.join(ATTENTION_BACKENDS)}")
+    if cfg.train.shared_prompt:
+        raise ConfigError("train.shared_prompt=true is train=torch's (relax/train/packing.py): "
+                          "Megatron-core's GPTModel applies RoPE by position in the row and ignores "
+                          "position ids outside THD packing, which needs Transformer Engine; "
+                          "train=megatron runs each sample as its own row (train.shared_prompt=false, "
+                          "its default)")
     from relax.train.megatron.cpu_compat import check_version
 
     check_version()

@@ -1,0 +1,96 @@
+"""train.shared_prompt: a GRPO group's prompt runs once, its responses attend to it.
+
+A micro-batch's rows that share their prompt (a group's n samples) become one packed row,
+`[prompt, response_1, ..., response_n]`, without padding between them. Each response's
+position ids restart where the prompt ends, and a 4D attention mask lets a response token see
+the prompt and its own response's earlier tokens only, so every token's hidden state is that
+of its own sequence (up to fp32 rounding: other shapes, other sums). Only the positions that
+predict a response token reach the output layer (HF's `logits_to_keep`, given as indices), and
+nothing is computed on padding except to square off rows of unequal length. A response's last
+token predicts nothing trained and is left out.
+
+It needs an HF model whose attention takes a custom 4D additive mask and position ids (sdpa
+and eager do; Relax loads sdpa): the torch trainer. train=megatron refuses it (Megatron-core's
+GPTModel applies RoPE by position in the row and ignores position ids without THD packing,
+which needs Transformer Engine), and so would context parallelism, whose sequence split cuts
+a packed row across ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from relax import faults
+from relax.algo import token_log_probs
+from relax.train.common import MicroBatch
+
+
+@dataclass
+class PackedBatch:
+    tokens: torch.Tensor          # [G, L] one row per distinct prompt, right-padded
+    position_ids: torch.Tensor    # [G, L] each response's positions continue its prompt's
+    attention_mask: torch.Tensor  # [G, 1, L, L] additive: 0 where a token may attend, min elsewhere
+    keep: torch.Tensor            # [K] the packed positions whose logits are needed (any row)
+    rows: torch.Tensor            # [N] per trained-region token: its micro-batch row b ...
+    cols: torch.Tensor            # [N] ... and position t (it predicts mb.targets[b, t])
+    packed_row: torch.Tensor      # [N] where that token's logits are: packed row ...
+    packed_col: torch.Tensor      # [N] ... and index into `keep`
+
+
+def pack(mb: MicroBatch, pad_id: int, dtype: torch.dtype) -> PackedBatch:
+    """`mb` as packed rows; positions t >= prompt_length - 1 of each row are the ones computed."""
+    groups: dict[tuple, list[int]] = {}  # prompt tokens -> the micro-batch rows that start with it
+    for b, (index, prompt_length) in enumerate(zip(mb.indices, mb.prompt_lengths, strict=True)):
+        if index >= 0:
+            groups.setdefault(tuple(mb.tokens[b, :prompt_length].tolist()), []).append(b)
+    packed, positions, spans, where = [], [], [], []  # where: (b, t, row, packed position) per token
+    for g, (prompt, rows) in enumerate(groups.items()):
+        P, tokens, pos, row_spans = len(prompt), list(prompt), list(range(len(prompt))), [(0, len(prompt))]
+        for b in rows:
+            response = mb.tokens[b, P:mb.lengths[b] - 1].tolist()  # (the last token predicts nothing)
+            start = len(tokens)
+            where.append((b, P - 1, g, P - 1))  # the prompt's last token predicts the first response token
+            where += [(b, P + j, g, start + j) for j in range(len(response))]
+            tokens += response
+            pos += range(P, P + len(response))
+            row_spans.append((start, len(tokens)))
+        packed.append(tokens)
+        positions.append(pos)
+        spans.append(row_spans)
+    G, L = len(packed), max(map(len, packed), default=1)
+    allowed = torch.zeros(G, L, L, dtype=torch.bool)
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    for g, row_spans in enumerate(spans):
+        P = row_spans[0][1]
+        allowed[g, :P, :P] = causal[:P, :P]
+        for start, end in row_spans[1:]:
+            allowed[g, start:end, :P] = True
+            allowed[g, start:end, start:end] = causal[:end - start, :end - start]
+        allowed[g, len(packed[g]):, len(packed[g]):] = causal[:L - len(packed[g]), :L - len(packed[g])]
+    mask = torch.zeros(G, 1, L, L, dtype=dtype).masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
+    b, t, row, col = (torch.tensor(c, dtype=torch.long) for c in zip(*where)) if where else \
+        (torch.zeros(0, dtype=torch.long),) * 4
+    keep = torch.unique(col)  # sorted: the packed positions any row needs, one output-layer pass
+    return PackedBatch(
+        torch.tensor([r + [pad_id] * (L - len(r)) for r in packed], dtype=torch.long),
+        torch.tensor([p + list(range(len(p), len(p) + L - len(p))) for p in positions], dtype=torch.long),
+        mask, keep, b, t, row, torch.searchsorted(keep, col))
+
+
+def log_probs(model, mb: MicroBatch, pad_id: int, temperature: float,
+              entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs and entropy, [b, T] like the unpacked forward's, zeros outside each
+    row's response positions (masked out)."""
+    dtype = next(model.parameters()).dtype
+    p = pack(mb, pad_id, dtype)
+    logits = model(input_ids=p.tokens, position_ids=p.position_ids, attention_mask=p.attention_mask,
+                   logits_to_keep=p.keep).logits  # [G, K, V]
+    logits = logits[p.packed_row, p.packed_col]  # [N, V]
+    if faults.active("batch_variant"):  # a forward whose result depends on the batch's size
+        logits = logits * (1 + 1e-4 * mb.tokens.shape[0])
+    lp, entropy = token_log_probs(logits, mb.targets[p.rows, p.cols], temperature, entropy_grad)
+    shape = mb.tokens.shape
+    return (torch.zeros(shape, dtype=lp.dtype).index_put((p.rows, p.cols), lp),
+            torch.zeros(shape, dtype=entropy.dtype).index_put((p.rows, p.cols), entropy))
