@@ -90,7 +90,8 @@ JOBS = {
 }
 
 
-STEP_GOALS = {"default": 2, "real": 1.5}  # relax sync per optimizer step, x TRL's (the speed issue)
+# relax sync against TRL (the speed issue): (per optimizer step, whole process; None: no goal), x TRL's
+GOALS = {"default": (2, 1.5), "real": (1.5, None)}
 
 
 @dataclass
@@ -234,14 +235,14 @@ def versus_trl(job: str, sync: list[Run], trl: list[Run]) -> None:
     step = med(r.step_s for r in trl) / med(r.step_s for r in sync)
     whole = med(r.whole_s for r in trl) / med(r.whole_s for r in sync)
     cpu = med(r.cpu_s for r in trl) / med(r.cpu_s for r in sync)
-    step_goal = STEP_GOALS[job]
+    step_goal, whole_goal = GOALS[job]
     verdict(step >= step_goal,
             f"{job}: relax sync >= {step_goal}x TRL per optimizer step in-loop: {step:.2f}x")
-    if job == "default":
-        verdict(whole >= 1.5, f"{job}: relax sync >= 1.5x TRL whole-process: {whole:.2f}x "
-                f"(in CPU seconds: {cpu:.2f}x)")
+    whole_text = f"TRL whole-process: {whole:.2f}x (in CPU seconds: {cpu:.2f}x)"
+    if whole_goal is None:
+        print(f"  [info] {job}: relax sync vs {whole_text}")
     else:
-        print(f"  [info] {job}: whole-process {whole:.2f}x (in CPU seconds: {cpu:.2f}x)")
+        verdict(whole >= whole_goal, f"{job}: relax sync >= {whole_goal}x {whole_text}")
     relax_gain, trl_gain = ([r.last3 - r.first3 for r in rs] for rs in (sync, trl))
     if len(sync) > 1 and len(trl) > 1:
         noise = max(max(relax_gain) - min(relax_gain), max(trl_gain) - min(trl_gain))
@@ -270,7 +271,7 @@ def goals(results: dict[str, dict[str, list[Run]]], n_rollouts: int, async_note:
     """The Throughput issue's goals, each with the measured number."""
     print("\nGoals (a shared, noisy machine: ratios are of runs interleaved in this same invocation)")
     default = results.get("default", {})
-    for job in STEP_GOALS:
+    for job in GOALS:
         if "sync" in results.get(job, {}) and "trl" in results.get(job, {}):
             versus_trl(job, results[job]["sync"], results[job]["trl"])
         else:

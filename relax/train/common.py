@@ -72,14 +72,17 @@ def first_trained_position(mb: MicroBatch) -> int:
     return int(trained[0]) if len(trained) else 0
 
 
+def batch_variant_fault(logits: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+    """The `batch_variant` fault: logits whose value depends on the micro-batch's row count."""
+    return logits * (1 + 1e-4 * mb.tokens.shape[0]) if faults.active("batch_variant") else logits
+
+
 def trained_log_probs(logits: torch.Tensor, mb: MicroBatch, first: int, temperature: float,
                       entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs and entropy, [b, T], from `logits` of positions `first`.. (or of all
     positions, then cut there): the vocabulary-wide softmax runs only where something is
     trained, zeros before (masked out)."""
-    logits = logits[:, first - mb.tokens.shape[1] + logits.shape[1]:]
-    if faults.active("batch_variant"):  # a forward whose result depends on the batch's size
-        logits = logits * (1 + 1e-4 * logits.shape[0])
+    logits = batch_variant_fault(logits[:, first - mb.tokens.shape[1] + logits.shape[1]:], mb)
     log_probs, entropy = token_log_probs(logits, mb.targets[:, first:], temperature, entropy_grad)
     return F.pad(log_probs, (first, 0)), F.pad(entropy, (first, 0))
 

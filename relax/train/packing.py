@@ -22,9 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from relax import faults
 from relax.algo import token_log_probs
-from relax.train.common import MicroBatch
+from relax.train.common import MicroBatch, batch_variant_fault
 
 
 @dataclass
@@ -75,7 +74,7 @@ def pack(mb: MicroBatch, pad_id: int, dtype: torch.dtype) -> PackedBatch:
     keep = torch.unique(col)  # sorted: the packed positions any row needs, one output-layer pass
     return PackedBatch(
         torch.tensor([r + [pad_id] * (L - len(r)) for r in packed], dtype=torch.long),
-        torch.tensor([p + list(range(len(p), len(p) + L - len(p))) for p in positions], dtype=torch.long),
+        torch.tensor([p + list(range(len(p), L)) for p in positions], dtype=torch.long),
         mask, keep, b, t, row, torch.searchsorted(keep, col))
 
 
@@ -87,9 +86,7 @@ def log_probs(model, mb: MicroBatch, pad_id: int, temperature: float,
     p = pack(mb, pad_id, dtype)
     logits = model(input_ids=p.tokens, position_ids=p.position_ids, attention_mask=p.attention_mask,
                    logits_to_keep=p.keep).logits  # [G, K, V]
-    logits = logits[p.packed_row, p.packed_col]  # [N, V]
-    if faults.active("batch_variant"):  # a forward whose result depends on the batch's size
-        logits = logits * (1 + 1e-4 * mb.tokens.shape[0])
+    logits = batch_variant_fault(logits[p.packed_row, p.packed_col], mb)  # [N, V]
     lp, entropy = token_log_probs(logits, mb.targets[p.rows, p.cols], temperature, entropy_grad)
     shape = mb.tokens.shape
     return (torch.zeros(shape, dtype=lp.dtype).index_put((p.rows, p.cols), lp),
