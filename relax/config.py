@@ -220,6 +220,8 @@ class DebugConfig:  # what each key means: docs/debugging.md; interpreted in rel
     dump_layers_rollouts: Optional[list[int]] = None  # rollouts whose first step is dumped (null: the first)
     dump_layers_samples: list[int] = field(default_factory=lambda: [0, 1, 2, 3])  # sample indices dumped
     check_batch_invariance: bool = False  # recompute the first step's log-probs with another batching
+    profile_dir: Optional[str] = None  # a dir: torch.profiler trace and table of train(), per rank
+    profile_rollouts: Optional[list[int]] = None  # rollouts profiled (null: the run's second, or only one)
 
 
 @dataclass

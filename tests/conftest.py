@@ -73,6 +73,16 @@ def status_of(run_dir: Path) -> dict:
     return json.loads((run_dir / "status.json").read_text())
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(items):
+    """Under `--dist loadgroup` (the slow tier) each test file is one group, run on one worker
+    like `--dist loadfile`, except that every test on the real model joins one group of its
+    own: two of those at once could hold more memory (5-15 GB each) than the machine has."""
+    for item in items:
+        group = "smollm2" if "smollm2_path" in item.fixturenames else item.module.__name__
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture(scope="session")
 def tiny_path() -> Path:
     from relax.model import resolve_model_path

@@ -50,6 +50,8 @@ ADDED = {"logger._target_": "relax.logger.MetricsLogger",
          # issue 22 (where runs part): layer dumps and the batch-invariance check, off
          "debug.dump_layers": None, "debug.dump_layers_rollouts": None, "debug.dump_layers_samples": [0, 1, 2, 3],
          "debug.check_batch_invariance": False,
+         # issue 20 (the real model's step): the trainer's profile, off
+         "debug.profile_dir": None, "debug.profile_rollouts": None,
          # issue 25 (LoRA): off
          "train.lora.rank": 0, "train.lora.alpha": None, "train.lora.dropout": 0.0,
          "train.lora.target_modules": None,

@@ -26,6 +26,8 @@ class Plan:
     dump_dir: Path | None = None
     dump_layers: str | None = None  # dir of the layer dumps (relax/debug/layers.py)
     dump_layers_rollouts: list[int] = field(default_factory=list)
+    profile_dir: str | None = None  # where the trainer's profiles go (relax/train/profile.py)
+    profile_rollouts: list[int] = field(default_factory=list)
     replay_files: dict[int, Path] = field(default_factory=dict)
 
     @property
@@ -135,6 +137,27 @@ def check_dump_layers(cfg, dump_layers: str, rollout_ids: list[int], builds_trai
     return sorted(set(wanted))
 
 
+def check_profile(cfg, rollout_ids: list[int], builds_train: bool) -> list[int]:
+    """The rollout ids whose train() debug.profile_dir profiles (default: the run's second, whose
+    step carries none of the first's one-time work, or its only one)."""
+    if not builds_train:
+        raise ConfigError("debug.profile_dir profiles the trainer, but debug.rollout_only builds no trainer")
+    from relax.targets import load_target
+
+    if not getattr(load_target(cfg, "train").train, "profiled", False):
+        raise ConfigError(f"debug.profile_dir: train._target_={cfg.train._target_} is not profiled "
+                          f"(decorate its train() with relax.train.profile.profiled, as train=torch and "
+                          f"train=megatron do)")
+    profile_rollouts = cfg.debug.profile_rollouts
+    wanted = rollout_ids[1:2] or rollout_ids[:1] if profile_rollouts is None else list(profile_rollouts)
+    outside = sorted(set(wanted) - set(rollout_ids))
+    if outside or not wanted:
+        raise ConfigError(f"debug.profile_rollouts={wanted}: rollout id(s) {outside} are not among this "
+                          f"run's rollouts ({rollout_ids[0] if rollout_ids else '-'}.."
+                          f"{rollout_ids[-1] if rollout_ids else '-'})")
+    return sorted(set(wanted))
+
+
 def resolve(cfg, start_rollout_id: int = 0, hf_config: dict | None = None) -> Plan:
     """The run's plan, or a ConfigError. `hf_config`: the config.json of the model the trainer
     will load (a resumed run's); by default the one `cfg.model` names."""
@@ -200,6 +223,8 @@ def resolve(cfg, start_rollout_id: int = 0, hf_config: dict | None = None) -> Pl
                           f"{cfg.parallel.dp} data-parallel ranks would overwrite each other")
     dump_layers = _abs_template(d.dump_layers) or (str(dump_dir / "layers") if dump_dir else None)
     layer_rollouts = check_dump_layers(cfg, dump_layers, rollout_ids, builds_train) if dump_layers else []
+    profile_dir = _abs_template(d.profile_dir)
+    profile_rollouts = check_profile(cfg, rollout_ids, builds_train) if profile_dir else []
     if load and save_rollout and load == save_rollout:
         raise ConfigError(f"debug.save_rollout_data and debug.load_rollout_data both point at "
                           f"{load!r}: the replay would overwrite its own input")
@@ -207,6 +232,7 @@ def resolve(cfg, start_rollout_id: int = 0, hf_config: dict | None = None) -> Pl
     check_writable("debug.save_train_data", save_train if builds_train else None)
     check_writable("debug.dump_details", f"{dump_dir}/" if dump_dir else None)
     check_writable("debug.dump_layers", f"{dump_layers}/" if dump_layers else None)
+    check_writable("debug.profile_dir", f"{profile_dir}/" if profile_dir else None)
     if builds_train:
         from relax.model import model_config
         from relax.train import check_batch_split, check_trainer
@@ -226,4 +252,5 @@ def resolve(cfg, start_rollout_id: int = 0, hf_config: dict | None = None) -> Pl
                 rollout_ids=rollout_ids, save_rollout_data=save_rollout,
                 load_rollout_data=load, save_train_data=save_train if builds_train else None,
                 dump_dir=dump_dir, dump_layers=dump_layers, dump_layers_rollouts=layer_rollouts,
+                profile_dir=profile_dir, profile_rollouts=profile_rollouts,
                 replay_files=replay_files)

@@ -24,6 +24,7 @@ from relax.files import atomic_save, safe_load
 from relax.sample import Sample, log_prob_temperature
 from relax.train import batch_invariance, common, layer_dump, lora, packing
 from relax.train.common import MicroBatch
+from relax.train.profile import phase, profiled
 from relax.train.weight_sync import DistributedWeightSync
 from relax.train.parallel import (
     apply_layout, check_torch_layout, clip_grad_norm, dp_all_reduce, full_tensor,
@@ -112,6 +113,7 @@ class TorchTrainer(DistributedWeightSync):
         return scale
 
     # -- the algorithm ---------------------------------------------------------------------
+    @profiled
     def train(self, rollout_id: int, samples: list[Sample]) -> dict:
         advantages = common.advantages_of(samples, self.cfg.algo)
         t = self.cfg.train
@@ -124,11 +126,13 @@ class TorchTrainer(DistributedWeightSync):
         ref, old = common.forward_passes(self.cfg, rollout_id, self.first_step, self.save_train_data)
         with torch.no_grad():  # the reference, and the policy that sampled (old), where needed
             if ref:
-                with self._reference() as model:
+                with self._reference() as model, phase("step:reference"):
                     for mb in micro_batches:
                         mb.ref_log_probs, _ = self._log_probs(model, mb)
-            for mb in micro_batches if old else []:
-                mb.old_log_probs, mb.entropy = self._log_probs(self.actor, mb)
+            if old:
+                with phase("step:old_log_probs"):
+                    for mb in micro_batches:
+                        mb.old_log_probs, mb.entropy = self._log_probs(self.actor, mb)
         if old:  # (without this pass, each training forward attaches its own)
             common.attach_is_weights(micro_batches, self.cfg.algo)
         invariance = batch_invariance.check(self.cfg, self.first_step, micro_batches, lambda mbs: [
@@ -144,16 +148,18 @@ class TorchTrainer(DistributedWeightSync):
             sums, mb_losses = torch.zeros(len(common.STEP_KEYS)), []
             self.optimizer.zero_grad(set_to_none=True)
             for mb in tqdm(step_mbs, desc="train", leave=False, delay=2, disable=self.layout.rank > 0):
-                with self._grad_sync():  # (DDP decides in forward whether backward all-reduces)
+                # (DDP decides in forward whether backward all-reduces)
+                with self._grad_sync(), phase("step:forward_backward"):
                     loss, mb_sums = common.objective(*self._log_probs(self.actor, mb), mb, self.cfg.algo)
                     (masked_sum(loss, mb.loss_weights) * scale).backward()
                 sums += mb_sums
                 mb_losses.append(mb_sums[0])
-            sums = dp_all_reduce(sums, self.layout)
-            grad_norm = clip_grad_norm(self.trainable, t.clip_grad)
-            finite = math.isfinite(grad_norm) and bool(torch.isfinite(sums[0]))
-            if finite:  # a non-finite step never reaches the weights (nor Adam's moments)
-                self.optimizer.step()
+            with phase("step:optimizer"):
+                sums = dp_all_reduce(sums, self.layout)
+                grad_norm = clip_grad_norm(self.trainable, t.clip_grad)
+                finite = math.isfinite(grad_norm) and bool(torch.isfinite(sums[0]))
+                if finite:  # a non-finite step never reaches the weights (nor Adam's moments)
+                    self.optimizer.step()
             self.skipped_steps += not finite
             log.step(step, step_mbs, mb_losses, sums, num_tokens, grad_norm, finite,
                      self.optimizer.param_groups[0]["lr"], t0, peak_memory_mb(), self.skipped_steps)

@@ -25,6 +25,7 @@ from relax.model import save_hf_dir
 from relax.sample import Sample, log_prob_temperature
 from relax.train import batch_invariance, common
 from relax.train.common import MicroBatch
+from relax.train.profile import phase, profiled
 from relax.train.megatron import checks, layer_dump
 from relax.train.megatron.context_parallel import cp_full, cp_local
 from relax.train.megatron.layout import init_layout
@@ -78,6 +79,7 @@ class MegatronTrainer(DistributedWeightSync):
         return build_chunks(self.config, self.hf_config, self.layout)
 
     # -- the algorithm ---------------------------------------------------------------------
+    @profiled
     def train(self, rollout_id: int, samples: list[Sample]) -> dict:
         t, layout = self.cfg.train, self.layout
         advantages = common.advantages_of(samples, self.cfg.algo)
@@ -90,8 +92,13 @@ class MegatronTrainer(DistributedWeightSync):
         last = layout.is_last_stage  # computes the logits, hence every result
 
         ref, old = common.forward_passes(self.cfg, rollout_id, self.first_step, self.save_train_data)
-        ref_out = self._forward_log_probs(self.ref, micro_batches) if ref else None
-        old_out = self._forward_log_probs(self.actor, micro_batches) if old else None
+        ref_out = old_out = None
+        if ref:
+            with phase("step:reference"):
+                ref_out = self._forward_log_probs(self.ref, micro_batches)
+        if old:
+            with phase("step:old_log_probs"):
+                old_out = self._forward_log_probs(self.actor, micro_batches)
         if last:
             for k, mb in enumerate(micro_batches):
                 if ref:
@@ -111,10 +118,12 @@ class MegatronTrainer(DistributedWeightSync):
                 chunk.train()
                 chunk.zero_grad_buffer()
             self.optimizer.zero_grad()
-            losses = self._schedule(self.actor, step_mbs, self._loss, forward_only=False)
-            # per-position sums were taken on CP-local chunks: sum over CP ranks too
-            sums = _sum(sum(losses), layout.dp_cp_group) if last else None
-            stepped, grad_norm = self._optimizer_step(sums is None or bool(torch.isfinite(sums[0])))
+            with phase("step:forward_backward"):
+                losses = self._schedule(self.actor, step_mbs, self._loss, forward_only=False)
+            with phase("step:optimizer"):
+                # per-position sums were taken on CP-local chunks: sum over CP ranks too
+                sums = _sum(sum(losses), layout.dp_cp_group) if last else None
+                stepped, grad_norm = self._optimizer_step(sums is None or bool(torch.isfinite(sums[0])))
             peak = peak_memory_mb()  # a collective over every rank
             self.skipped_steps += not stepped
             if last:
