@@ -220,3 +220,19 @@ def test_loss_aggregation_does_not_depend_on_dp_or_micro_batches(mode):
     assert reference[0] == pytest.approx(by_hand[mode], rel=1e-6)
     for dp, mbs in ((2, 1), (2, 2), (4, 1), (1, 3)):
         assert aggregate(dp, mbs) == pytest.approx(reference, rel=1e-6), (dp, mbs)
+
+
+@pytest.mark.parametrize("micro_batch_size, rows", [(64, 4), (3, 3), (4, 4)])
+def test_fixed_shape_micro_batches_are_no_larger_than_the_rollout(micro_batch_size, rows):
+    """Megatron's schedule needs one [rows, T] for every micro-batch; a rollout smaller than
+    train.micro_batch_size is not padded up to it (8 real-model samples in 64 rows made the step
+    8x the work), and a short last micro-batch is padded with masked rows."""
+    from relax.sample import Sample
+    from relax.train.common import shard_steps
+
+    samples = [Sample(index=i, group_index=i // 4, prompt="", tokens=[1, 2] + [3] * (i + 1),
+                      response_length=i + 1, loss_mask=[1] * (i + 1), rollout_log_probs=[0.0] * (i + 1))
+               for i in range(8)]
+    (step,) = shard_steps(samples, torch.zeros(8), 1, 2, 0, micro_batch_size, 0, fixed_shape=True)
+    assert {tuple(mb.tokens.shape) for mb in step} == {(rows, 10)}  # rank 0: 4 samples, longest overall 10
+    assert sum(int((mb.mask.sum(1) > 0).sum()) for mb in step) == 4  # padding rows train on nothing

@@ -70,11 +70,11 @@ SMOLLM2 = {"model.name": "smollm2", "model.tiny": DROPPED, "model.package": "llm
 WORD_PROBLEMS = {"task._target_": "relax.task.WordProblemsTask", "task.reward_fn": "relax.task.answers.last_number",
                  "task.answer_format": r".*?-?\d+\.?", "task.operations": ["add", "sub"],
                  "task.instruction": "Reply with just the number."}
-SMOLLM2_ARITH_V1 = {**SMOLLM2, **WORD_PROBLEMS, "task.operations": ["plus", "minus"], "task.min_operand": 2,
-                    "task.max_operand": 30, "rollout.num_rollout": 60, "rollout.rollout_batch_size": 4,
-                    "rollout.max_new_tokens": 16, "train.lr": 1e-5,
+SMOLLM2_ARITH_V1 = {**SMOLLM2, **WORD_PROBLEMS, "task.operations": ["add", "sub"], "task.min_operand": 2,
+                    "task.max_operand": 20, "rollout.num_rollout": 60, "rollout.rollout_batch_size": 4,
+                    "rollout.max_new_tokens": 16, "train.lr": 2e-5,
                     "train.num_threads": 2, "algo.use_kl_loss": True, "algo.kl_loss_coef": 0.01,
-                    "eval.interval": 20, "eval.datasets": ["task"],
+                    "eval.interval": 20, "eval.datasets": ["task"], "eval.num_prompts": 128,
                     "checkpoint.save_interval": None, "seed": 11}
 # Options added after the recording: (the recorded option they compose like, what they change).
 NEW_OPTIONS = {"cluster=local": ("algo=grpo", {}), "cluster=ray": ("algo=grpo", RAY),

@@ -118,7 +118,9 @@ def shard_steps(samples: list[Sample], advantages: torch.Tensor, steps: int, dp:
                 horizon: int = 1) -> list[list[MicroBatch]]:
     """Per optimizer step, this rank's micro-batches: each step's mini-batch is split evenly
     over the DP ranks, then into micro-batches of `micro_batch_size` samples. With
-    `fixed_shape`, every micro-batch has the same [rows, T] (padding rows are masked out).
+    `fixed_shape`, every micro-batch has the same [rows, T] (padding rows are masked out), rows
+    no more than the largest micro-batch holds: a rollout smaller than `micro_batch_size` is not
+    padded up to it (8 samples in 64 rows made Megatron's step 8x the work on the real model).
     The loss weights of `loss_agg_mode` come from the whole step's mini-batch, which every
     rank sees here, so no layout changes them."""
     if len(samples) % (steps * dp):
@@ -127,7 +129,7 @@ def shard_steps(samples: list[Sample], advantages: torch.Tensor, steps: int, dp:
     per_rank = len(samples) // (steps * dp)
     longest = max(len(s.tokens) for s in samples)
     length = -(-longest // length_multiple) * length_multiple if fixed_shape else None
-    rows = micro_batch_size if fixed_shape else None
+    rows = min(micro_batch_size, per_rank) if fixed_shape else None
     out = []
     for step in range(steps):
         batch = samples[step * dp * per_rank:(step + 1) * dp * per_rank]
