@@ -11,7 +11,7 @@ tokens) with its evaluation off, the same seed, through the real CLI:
   bf16              model.dtype=bfloat16: engine and trainer both bf16
 Printed per job, as the mean over its rollouts: train/mismatch_kl (k3 KL of rollout against
 train policy), train/train_rollout_logprob_abs_diff (mean per-token |Δ log p|),
-train/token_mult_prob_error, train/mismatch_residual (the ratio the update leaves uncorrected),
+train/token_mult_prob_error (less 1), train/mismatch_residual (the ratio the update leaves uncorrected),
 train/tis_weight_mean, train/tis_clipfrac, the largest per-token |Δ| of the first step, the raw
 reward and seconds per rollout. docs/real-model.md has the numbers.
 """
@@ -66,14 +66,14 @@ def main() -> None:
     jobs = args.jobs.split(",")
     if any(j not in JOBS for j in jobs) or args.rollouts < 1:
         ap.error(f"--jobs from {', '.join(JOBS)}, --rollouts >= 1")
-    heads = ("mismatch_kl", "|Δ| mean", "|Δ| max", "mult_err", "residual", "tis_w", "tis_clip", "reward",
+    heads = ("mismatch_kl", "|Δ| mean", "|Δ| max", "mult_err-1", "residual", "tis_w", "tis_clip", "reward",
              "s/roll")
     print(f"{'job':<16}" + "".join(f"{h:>11}" for h in heads), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for job in jobs:
             r = run(job, args.rollouts, Path(tmp) / job)
             values = (r["train/mismatch_kl"], r["train/train_rollout_logprob_abs_diff"], r["max_abs_diff"],
-                      r["train/token_mult_prob_error"], r["train/mismatch_residual"],
+                      r["train/token_mult_prob_error"] - 1, r["train/mismatch_residual"],
                       r["train/tis_weight_mean"], r["train/tis_clipfrac"], r["reward"], r["seconds"])
             print(f"{job:<16}" + "".join(f"{v:11.3g}" for v in values), flush=True)
 

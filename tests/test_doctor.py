@@ -411,6 +411,56 @@ def test_a_healthy_real_model_run_that_learns_passes_every_check():
     assert checks[3].evidence["mean_abs_log_prob"] > 1.0
 
 
+# The SmolLM2 recipe's run as measured (experiment=smollm2_arith_v1, docs/real-model.md): per
+# rollout, the training reward, entropy and KL to the reference. It learned (held-out greedy
+# 0.09 -> 0.60); its 4-prompt rollouts' reward dips beside KL jumps later in the run.
+RECIPE_REWARD = [0.094, 0.094, 0.031, 0.125, 0.406, 0.438, 0.094, 0.188, 0.219, 0.031, 0.156, 0.219, 0.031,
+                 0.562, 0.344, 0.531, 0.5, 0.031, 0.531, 0.25, 0.281, 0.156, 0.219, 0.312, 0.594, 0.688,
+                 0.781, 0.344, 0.5, 0.625, 0.625, 0.156, 0.219, 0.844, 0.594, 0.625, 0.625, 0.656, 0.375,
+                 0.562, 0.688, 0.719, 0.25, 0.25, 0.125, 0.594, 0.375, 0.469, 0.312, 0.75, 0.75, 0.469,
+                 0.625, 0.25, 0.719, 0.75, 0.5, 0.531, 0.469, 0.594]
+RECIPE_ENTROPY = [1.966, 1.707, 1.305, 1.572, 1.175, 0.817, 0.803, 1.025, 0.812, 0.675, 0.812, 0.883, 0.696,
+                  0.801, 0.637, 0.414, 0.462, 0.393, 0.491, 0.407, 0.331, 0.606, 0.304, 0.361, 0.37, 0.346,
+                  0.435, 0.286, 0.328, 0.206, 0.288, 0.291, 0.171, 0.296, 0.282, 0.226, 0.232, 0.128, 0.206,
+                  0.173, 0.155, 0.195, 0.289, 0.247, 0.211, 0.199, 0.177, 0.224, 0.267, 0.168, 0.328, 0.241,
+                  0.219, 0.129, 0.161, 0.161, 0.111, 0.135, 0.189, 0.272]
+RECIPE_KL = [0.0, 0.018, 0.053, 0.094, 0.155, 0.191, 0.234, 0.296, 0.348, 0.358, 0.55, 0.459, 0.686, 0.521,
+             0.555, 0.709, 0.6, 0.549, 0.616, 0.543, 0.529, 0.635, 0.701, 0.587, 0.697, 0.718, 0.854, 1.243,
+             1.152, 0.788, 1.399, 1.544, 1.592, 1.216, 1.319, 0.956, 1.166, 1.12, 1.253, 1.327, 0.947, 1.331,
+             1.016, 0.954, 1.116, 0.987, 0.762, 0.938, 0.767, 0.532, 0.595, 0.512, 0.666, 0.72, 0.711, 0.544,
+             0.537, 0.756, 0.616, 0.794]
+
+
+def test_the_measured_recipe_run_is_no_collapse():
+    """Issue 20: doctor must not cry wolf on a real model that learned. At rollout 27 the KL
+    went 0.72 -> 1.24 while the reward dipped 0.69 -> 0.34 (then 0.58 over the next three); at
+    30, 0.79 -> 1.40 with the reward flat: a jump of 0.5 nats alone called both collapses."""
+    fine = {"rollout/format_ok_ratio": 1.0, "rollout/truncated_ratio": 0.0}
+    rollouts = [rollout(i, r, h, **{"rollout/kl": k, **fine})
+                for i, (r, h, k) in enumerate(zip(RECIPE_REWARD, RECIPE_ENTROPY, RECIPE_KL, strict=True))]
+    run = real_run(rollouts, [step(i, 2.5) for i in range(60)], lr=2e-5)
+    check = by_id(run)[2]
+    assert check.verdict == "PASS", check.summary
+    # the same jump from near the reference, the reward never winning back what it lost: named
+    rollouts[27]["rollout/kl"], rollouts[26]["rollout/kl"] = 1.24, 0.1
+    for r in rollouts[28:]:
+        r["rollout/raw_reward"] = 0.0
+    check = by_id(real_run(rollouts, [step(i, 2.5) for i in range(60)], lr=2e-5))[2]
+    assert check.verdict == "FAIL" and check.summary.startswith("training collapsed at rollout 27: KL to the "
+                                                               "reference 0.10 -> 1.24 within one rollout")
+
+
+def test_word_problems_format_is_a_stated_number():
+    """task=word_problems' answer_format (matched whole, as rollout/format_ok_ratio does): what the
+    last_number reward reads, not only a bare number at the end."""
+    import re
+
+    fmt = re.compile(make_cfg("task=word_problems").task.answer_format)
+    for text in ("Finn has 13 + 12 = 25 cookies.", "25", "14 + 11 = 25\nSo 25."):
+        assert fmt.fullmatch(text), text
+    assert not fmt.fullmatch("Noah had cards and gave some of them away, so")
+
+
 def check3(lp: float, entropy: float, **fields) -> Check:
     first = rollout(0, 0.2, entropy) | {"rollout/log_probs": lp, "rollout/ref_log_probs": lp}
     return by_id(real_run([first], [step(0, 2.5)], lr=1e-5, **fields))[3]

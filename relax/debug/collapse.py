@@ -53,7 +53,7 @@ def policy_moves(run: RunData, j: int, i: int, th: Thresholds) -> list[str]:
             moved.append(f"entropy {h0:.2f} -> {h1:.2f}")
     if "rollout/kl" in prev and "rollout/kl" in cur:  # rollouts that ran the reference pass
         k0, k1 = prev["rollout/kl"], cur["rollout/kl"]
-        if over(k1 - k0, th.kl_jump):
+        if over(k1 - k0, th.kl_jump) and over(k1, th.kl_jump_factor * k0):
             moved.append(f"KL to the reference {k0:.2f} -> {k1:.2f}")
     if not run.use_rollout_log_probs:  # else ppo_kl holds the engine/trainer mismatch (check 5)
         ids = {r["rollout_id"] for r in run.rollouts[j:i]}  # the updates that made rollout i's policy
@@ -66,16 +66,38 @@ def policy_moves(run: RunData, j: int, i: int, th: Thresholds) -> list[str]:
     return moved
 
 
+def recovered(rewards: list[float], j: int, i: int) -> bool:
+    """Whether the reward won back at least half of what it lost from before rollout j to
+    rollout i, over the (up to 3) rollouts after i. A collapse does not recover; a healthy
+    run's KL to the reference also jumps now and then beside a dip of a small rollout's reward
+    (measured on the SmolLM2 recipe: KL 0.72 -> 1.24 and reward 0.69 -> 0.34 at rollout 27,
+    back to 0.58 over the next three)."""
+    later = rewards[i + 1:i + 4]
+    if not later:
+        return False  # the run ends here: judged on the move alone (a collapse within 3 rollouts)
+    before = rewards[max(0, j - 2):j + 1]
+    level = sum(before) / len(before)
+    return sum(later) / len(later) >= level - (level - rewards[i]) / 2
+
+
+def finite(run: RunData, j: int, i: int) -> bool:
+    """The statistics of the move from rollout j to i are numbers (a NaN is never recovered from)."""
+    ids = {r["rollout_id"] for r in run.rollouts[j:i]}
+    return all(math.isfinite(r.get(k, 0.0)) for r in (run.rollouts[j], run.rollouts[i])
+               for k in ("rollout/entropy", "rollout/kl")) and \
+        all(math.isfinite(s.get("train/ppo_kl", 0.0)) for s in run.steps if s.get("rollout_id") in ids)
+
+
 def find_fast_collapse(run: RunData, th: Thresholds) -> tuple[int, str] | None:
     """(index, why) of the first rollout at which the policy collapsed within one or two
     rollouts: it moved fast (entropy more than halved, KL to the reference or a step's ppo_kl
-    jumped) while the reward did not rise, or its reward fell to exactly 0 with grad_norm 0
-    (every advantage 0: nothing left to learn from) where the earlier policy would almost never
-    score 0. Learning sharpens a policy too, but its reward rises."""
+    jumped) while the reward did not rise nor recover after, or its reward fell to exactly 0
+    with grad_norm 0 (every advantage 0: nothing left to learn from) where the earlier policy
+    would almost never score 0. Learning sharpens a policy too, but its reward rises."""
     rewards = [r["rollout/raw_reward"] for r in run.rollouts]
     for i in range(1, len(run.rollouts)):
         for j in (i - 1, i - 2):
-            if j < 0 or rewards[i] > rewards[j]:
+            if j < 0 or rewards[i] > rewards[j] or recovered(rewards, j, i) and finite(run, j, i):
                 continue
             moved = policy_moves(run, j, i, th)
             if moved:

@@ -65,7 +65,12 @@ class Thresholds:
     # bits is not collapsing (SmolLM2 healthy, late: 0.26 -> 0.13, under 0.25 x 2.05), and the
     # level follows the model (tiny: 0.36 at the start, SmolLM2 1.70-2.05)
     entropy_collapse_min_share: float = 0.25
-    kl_jump: float = 0.5                  # rollout/kl (to the reference) up by this many nats in 1-2 rollouts
+    # rollout/kl (to the reference) up by this many nats in 1-2 rollouts, and by this factor: a
+    # collapse leaves the reference at once (SmolLM2 at lr 3e-4: 0 -> 1.08 in one rollout); a
+    # healthy run's KL, estimated from 32 samples, wanders in proportion to its level (the
+    # SmolLM2 recipe, late: 0.79 -> 1.40, 0.72 -> 1.24 while it learned)
+    kl_jump: float = 0.5
+    kl_jump_factor: float = 2.0
     # the mean log-ratio of a later step within a rollout (num_steps_per_rollout > 1) as large
     # as PPO's clip range (algo.eps_clip 0.2): the average token left the trust region
     ppo_kl_max: float = 0.2
