@@ -109,6 +109,35 @@ def test_broken_layouts_diverge_at_step_0(tmp_path, long_replay, clean):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3000)  # ~12 min alone on 2 cores; more beside another slow-tier worker
+def test_the_readme_sweep_over_the_default_400_rollouts_is_equivalent_with_and_without_a_twin(tmp_path):
+    """The README's workflow as written, at the default 400 rollouts (no shortened replay, no
+    raised learning rate): the correct layouts depart from the baseline some dozens of steps in
+    (measured: twin 98, dp2 149, tp2 98) and are equivalent, judged against the twin; without
+    it, only the two strict steps are judged, and the output says how to judge the rest."""
+    data = f"{tmp_path}/r/rollout_data/{{rollout_id}}.pt"
+    proc = relax_cli("debug=rollout_only", f"debug.save_rollout_data={data}", cwd=tmp_path, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(list((tmp_path / "r" / "rollout_data").iterdir())) == 400
+    proc = relax_cli("-m", "debug=train_only", f"debug.load_rollout_data={data}",
+                     "parallel=single,twin,dp2,tp2", cwd=tmp_path, timeout=2400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (sweep_dir,) = (tmp_path / "outputs" / "multiruns").iterdir()
+    code, jobs, report = compare(sweep_dir)
+    assert code == 0, jobs
+    departed = report["twin_departed_at_step"]
+    assert departed is not None and 10 <= departed < 400, report  # the run reaches the chaotic regime
+    for layout in ("twin", "dp2", "tp2"):
+        job = jobs[layout]
+        assert job["verdict"] == "equivalent" and len(job["grad_norm"]) == 400, (layout, job["reasons"])
+        assert job["judged_steps"] == departed and job["departed_at_step"] >= departed / 4, job
+    for layout in ("dp2", "tp2"):  # against the baseline alone: the strict steps, and a note
+        code, alone, report = compare(sweep_dir / "parallel=single", sweep_dir / f"parallel={layout}")
+        assert code == 0 and alone[layout]["verdict"] == "equivalent" and alone[layout]["judged_steps"] == 2
+        assert report["notes"][0].startswith("steps >= 2 not judged: add parallel=twin")
+
+
+@pytest.mark.slow
 def test_nan_metrics_are_diverged_naming_the_metric(tmp_path, long_replay, clean):
     proc = relax_cli(*replay(long_replay), "rollout.num_rollout=2", "train.on_nonfinite=skip",
                      f"hydra.run.dir={tmp_path}/nan", cwd=tmp_path, env={"RELAX_FAULT": "nan_log_probs"})
