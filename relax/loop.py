@@ -98,8 +98,8 @@ def prepare(cfg, run_dir: Path) -> Run:
     start = saved["rollout_id"] + 1 if saved else 0
     ref_model = reference_model(checkpoint, saved) if saved else None
     plan = resolve(cfg, start, read_hf_config(ref_model) if saved else None)
-    # as resolved: the trainers read them, maybe in other processes and working dirs
-    cfg.debug.profile_dir, cfg.debug.profile_rollouts = plan.profile_dir, plan.profile_rollouts
+    if plan.profile_dir:  # as resolved: the trainers read them, maybe in other processes and working dirs
+        cfg.debug.profile_dir, cfg.debug.profile_rollouts = plan.profile_dir, plan.profile_rollouts
     if saved and plan.builds_train:
         check_layout(checkpoint, saved, checkpoint_layout(cfg))
     check_dump_dir(plan.dump_dir, source)

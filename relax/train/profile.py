@@ -60,10 +60,10 @@ def write(prof, stem: Path, rollout_id: int, rank: int, seconds: float) -> None:
     phases = phase_seconds(events)
     lines = [f"train() of rollout {rollout_id}, rank {rank}: {seconds:.2f} s under the profiler", "",
              f"{'phase':<26} {'seconds':>9} {'share':>7}"]
-    lines += [f"{name:<26} {phases.get(name, 0.0):9.2f} {phases.get(name, 0.0) / seconds:7.1%}"
+    lines += [f"{name:<26} {phases.get(name, 0.0):9.4f} {phases.get(name, 0.0) / seconds:7.1%}"
               for name in PHASES]
     other = seconds - sum(phases.values())
-    lines += [f"{'(rest of train())':<26} {other:9.2f} {other / seconds:7.1%}", "",
+    lines += [f"{'(rest of train())':<26} {other:9.4f} {other / seconds:7.1%}", "",
               events.table(sort_by="self_cpu_time_total", row_limit=TOP_OPS)]
     atomic_write_text(stem.with_suffix(".txt"), "\n".join(lines) + "\n")
     tmp = stem.with_suffix(".json.tmp")
