@@ -62,7 +62,8 @@ REPO = Path(__file__).resolve().parent.parent
 TRL_VENV = REPO / "bench" / ".venv-trl"
 # -c constraints.txt pins transformers/tokenizers/safetensors/hydra to Relax's versions and
 # torch to the local CPU wheel (an unpinned torch pulls a multi-GB CUDA build).
-TRL_REQUIREMENTS = ["torch==2.13.0", "trl==1.16.0", "hydra-core", "omegaconf"]
+TRL_REQUIREMENTS = ["torch==2.13.0", "trl==1.16.0", "hydra-core", "omegaconf",
+                    "math-verify[antlr4-9-3]==0.9.0"]  # the real job's reward (relax.task.answers)
 LOG_LINE = re.compile(  # relax.log's per-rollout line, with Hydra's millisecond timestamp
     r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]\[[^\]]*\]\[INFO\] - Finish rollout (\d+):")
 
