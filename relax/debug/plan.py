@@ -129,11 +129,16 @@ def check_dump_layers(cfg, dump_layers: str, rollout_ids: list[int], builds_trai
         raise ConfigError(f"debug.dump_layers: train._target_={cfg.train._target_} records no layer dump "
                           f"(train=torch and train=megatron do)")
     wanted = rollout_ids[:1] if d.dump_layers_rollouts is None else list(d.dump_layers_rollouts)
+    return among_rollouts("debug.dump_layers_rollouts", wanted, rollout_ids)
+
+
+def among_rollouts(key: str, wanted: list[int], rollout_ids: list[int]) -> list[int]:
+    """`wanted` (the value of `key`), sorted and distinct, if each is one of the run's rollout ids."""
     outside = sorted(set(wanted) - set(rollout_ids))
     if outside:
-        raise ConfigError(f"debug.dump_layers_rollouts={wanted}: rollout id(s) {outside} are not among this "
-                          f"run's rollouts ({rollout_ids[0] if rollout_ids else '-'}.."
-                          f"{rollout_ids[-1] if rollout_ids else '-'})")
+        first, last = (rollout_ids[0], rollout_ids[-1]) if rollout_ids else ("-", "-")
+        raise ConfigError(f"{key}={wanted}: rollout id(s) {outside} are not among this run's rollouts "
+                          f"({first}..{last})")
     return sorted(set(wanted))
 
 
@@ -150,12 +155,9 @@ def check_profile(cfg, rollout_ids: list[int], builds_train: bool) -> list[int]:
                           f"train=megatron do)")
     profile_rollouts = cfg.debug.profile_rollouts
     wanted = rollout_ids[1:2] or rollout_ids[:1] if profile_rollouts is None else list(profile_rollouts)
-    outside = sorted(set(wanted) - set(rollout_ids))
-    if outside or not wanted:
-        raise ConfigError(f"debug.profile_rollouts={wanted}: rollout id(s) {outside} are not among this "
-                          f"run's rollouts ({rollout_ids[0] if rollout_ids else '-'}.."
-                          f"{rollout_ids[-1] if rollout_ids else '-'})")
-    return sorted(set(wanted))
+    if not wanted:
+        raise ConfigError(f"debug.profile_rollouts={wanted}: expected one or more of this run's rollout ids")
+    return among_rollouts("debug.profile_rollouts", wanted, rollout_ids)
 
 
 def resolve(cfg, start_rollout_id: int = 0, hf_config: dict | None = None) -> Plan:
