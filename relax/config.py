@@ -168,6 +168,7 @@ class AlgoConfig:
     mis_low: float = 0.5  # masked IS: lowest ratio kept
     mis_high: float = 2.0  # masked IS: highest ratio kept
     use_rollout_log_probs: bool = False  # the engine's log-probs are PPO's old policy (verl's bypass mode)
+    routing_replay: Optional[str] = None  # MoE: null, rollout (R3: engine's experts), train (R2: old pass's)
 
 
 @dataclass

@@ -114,7 +114,7 @@ def prepare(cfg, run_dir: Path) -> Run:
                            cfg.rollout.max_new_tokens)
     if plan.replays:
         counts = check_replay_files(plan.replay_files, manifest, cfg.debug.allow_manifest_mismatch,
-                                    cfg.debug.load_rollout_data_subsample, cfg.seed)
+                                    cfg.debug.load_rollout_data_subsample, cfg.seed, cfg.algo.routing_replay)
         for rollout_id, n in counts.items():
             check_batch_split(cfg, n, f"the replay file {plan.replay_files[rollout_id]}")
             if rollout_id in plan.dump_layers_rollouts:

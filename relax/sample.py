@@ -20,6 +20,9 @@ class Sample:
     rollout_log_probs: list[float] = field(default_factory=list)  # engine's, per response token
     status: str = "completed"      # completed (stop token) | truncated | aborted
     metadata: dict = field(default_factory=dict)
+    # MoE models: the engine's top-k expert ids of every token it fed (all but the last), per
+    # MoE layer, flattened [len(tokens) - 1, layers, top_k] (relax/train/routing.py); None: dense
+    routed_experts: list[int] | None = None
 
     @property
     def prompt_length(self) -> int:
@@ -32,10 +35,10 @@ class Sample:
     def from_dict(cls, d: dict) -> "Sample":
         """A saved sample, or a KeyError/ValueError saying what is wrong with it."""
         names = {f.name for f in fields(cls)}
-        missing = names - d.keys()
+        missing = names - d.keys() - OPTIONAL_FIELDS
         if missing:
             raise KeyError(f"sample lacks fields {sorted(missing)}")
-        s = cls(**{k: d[k] for k in names})
+        s = cls(**{k: d[k] for k in names if k in d})
         lists = (s.tokens, s.loss_mask, s.rollout_log_probs)
         if not all(isinstance(x, list) for x in lists) or not isinstance(s.reward, (int, float)) or \
                 not all(isinstance(x, int) for x in (s.index, s.group_index, s.response_length, *s.tokens,
@@ -47,7 +50,14 @@ class Sample:
             raise ValueError(f"sample {s.index}: response_length {s.response_length} does not match "
                              f"its {len(s.tokens)} tokens, {len(s.loss_mask)} loss_mask and "
                              f"{len(s.rollout_log_probs)} rollout_log_probs entries")
+        if s.routed_experts is not None and (not isinstance(s.routed_experts, list) or len(s.tokens) < 2
+                                             or len(s.routed_experts) % (len(s.tokens) - 1)):
+            raise ValueError(f"sample {s.index}: routed_experts must be a list of [len(tokens) - 1 = "
+                             f"{len(s.tokens) - 1}, layers, top_k] expert ids, flattened")
         return s
+
+
+OPTIONAL_FIELDS = {"routed_experts"}  # (added with replay format 2: format 1 files lack it)
 
 
 def group_size_of(samples: list[Sample]) -> int:

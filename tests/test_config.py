@@ -56,7 +56,9 @@ ADDED = {"logger._target_": "relax.logger.MetricsLogger",
          "train.lora.rank": 0, "train.lora.alpha": None, "train.lora.dropout": 0.0,
          "train.lora.target_modules": None,
          # issue 23 (speed): a group's prompt once in train=torch's forward
-         "train.shared_prompt": True}
+         "train.shared_prompt": True,
+         # issue 24 (MoE routing): routing replay, off
+         "algo.routing_replay": None}
 RAY = {"cluster._target_": "relax.cluster.ray_cluster.RayCluster", "cluster.address": None,
        "cluster.num_cpus_per_rank": 1.0, "cluster.num_gpus_per_rank": 0.0, "cluster.num_cpus_per_engine": 1.0,
        "cluster.num_gpus_per_engine": 0.0, "cluster.resources_per_rank": {},

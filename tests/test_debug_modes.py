@@ -195,7 +195,7 @@ def test_replay_reproduces_the_original_run_exactly(tmp_path, dumped):
 def test_rollout_file_contents(dumped, tokenizer):
     dump, _, _ = dumped
     data = safe_load(dump / "rollout_data" / "1.pt")
-    assert data["format_version"] == 1 and data["rollout_id"] == 1
+    assert data["format_version"] == 2 and data["rollout_id"] == 1
     m = data["manifest"]
     assert m["tokenizer"]["vocab_size"] == len(tokenizer.get_vocab())
     assert m["sampling"]["temperature"] == 1.0 and m["sampling"]["n_samples_per_prompt"] == 8

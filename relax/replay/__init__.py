@@ -1,7 +1,8 @@
 """Replay data: save rollouts, load them back safely, and refuse data from another model.
 
 One file per rollout (`torch.save` of plain data only):
-    {"format_version": 1, "rollout_id": int, "manifest": {...}, "samples": [Sample dicts]}
+    {"format_version": 2, "rollout_id": int, "manifest": {...}, "samples": [Sample dicts]}
+(format 2 added Sample.routed_experts; format 1 files load, their samples without it)
 The manifest records the model (path, config fingerprint), the tokenizer (vocab size and
 hash), sampling parameters, the composed-config hash and the Relax version. Files are
 written atomically and read with `torch.load(weights_only=True)`: nothing in them runs.
@@ -25,7 +26,8 @@ from relax.files import atomic_save, fill, safe_load
 from relax.sample import Sample, group_size_of
 from relax.task import check_rewards
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: samples may carry routed_experts (MoE); format 1 files still load
+READABLE_VERSIONS = (1, 2)
 
 
 def discover_rollout_ids(template: str) -> dict[int, Path]:
@@ -91,9 +93,9 @@ def read_rollout(path: Path) -> tuple[dict, list[Sample]]:
     """A rollout file's data and its samples, checked (plain data, Relax's format, well-formed
     samples in whole GRPO groups), or a ReplayError naming the file."""
     data = safe_load(path)
-    if data.get("format_version") != FORMAT_VERSION or "samples" not in data:
+    if data.get("format_version") not in READABLE_VERSIONS or "samples" not in data:
         raise ReplayError(f"{path}: not Relax rollout data (format_version "
-                          f"{data.get('format_version')!r}, expected {FORMAT_VERSION})")
+                          f"{data.get('format_version')!r}, expected one of {READABLE_VERSIONS})")
     if not isinstance(data["samples"], list) or not data["samples"]:
         raise ReplayError(f"{path}: no samples (expected a non-empty list)")
     try:
@@ -125,10 +127,13 @@ def load_rollout(path: Path, manifest: dict | None = None, allow_mismatch: bool 
 
 
 def check_replay_files(files: dict[int, Path], manifest: dict, allow_mismatch: bool,
-                       subsample: float | None, seed: int) -> dict[int, int]:
+                       subsample: float | None, seed: int,
+                       routing_replay: str | None = None) -> dict[int, int]:
     """Start-up: every file a replay will read loads as it will then (plain data, this run's
-    manifest, whole GRPO groups, finite rewards) and holds the rollout its name says. Returns
-    the number of samples each gives."""
+    manifest, whole GRPO groups, finite rewards, the engine's experts for algo.routing_replay=
+    rollout) and holds the rollout its name says. Returns the number of samples each gives."""
+    from relax.train.routing import check_recorded
+
     counts = {}
     for rollout_id, path in tqdm(files.items(), desc="checking replay files", unit="file",
                                  disable=len(files) < 20):
@@ -136,6 +141,7 @@ def check_replay_files(files: dict[int, Path], manifest: dict, allow_mismatch: b
         if saved_id != rollout_id:
             raise ReplayError(f"{path}: holds rollout {saved_id}, but its name says rollout {rollout_id}")
         check_rewards(samples, f"the replay file {path}")
+        check_recorded(samples, routing_replay, f"the replay file {path}")
         counts[rollout_id] = len(samples)
     return counts
 

@@ -46,6 +46,7 @@ class Generation:
     tokens: list[int]          # response tokens, stop token included when produced
     log_probs: list[float]     # log p(token) at relax.sample.log_prob_temperature, per token
     status: str                # completed | truncated | aborted
+    routed_experts: list[int] | None = None  # MoE: top-k expert ids of every fed token (Sample's)
 
 
 def torch_cuda_available() -> bool:

@@ -71,7 +71,8 @@ async def generate(client, prompt, sampling_params: SamplingParams) -> Sample:
     return Sample(index=prompt.index, group_index=prompt.group_index, prompt=prompt.text,
                   tokens=prompt.tokens + response, response_length=len(response), response=text,
                   label=prompt.label, loss_mask=loss_mask, rollout_log_probs=log_probs, status=gen.status,
-                  metadata={**prompt.metadata, "turns": turns})
+                  metadata={**prompt.metadata, "turns": turns},
+                  routed_experts=gen.routed_experts)  # (the last call fed the whole conversation)
 
 
 def reward(sample: Sample) -> float:

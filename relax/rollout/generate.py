@@ -37,7 +37,7 @@ async def single_turn(client, prompt, sampling_params: SamplingParams) -> Sample
         tokens=prompt.tokens + gen.tokens, response_length=len(gen.tokens),
         response=client.tokenizer.decode(gen.tokens, skip_special_tokens=True), label=prompt.label,
         loss_mask=[1] * len(gen.tokens), rollout_log_probs=gen.log_probs, status=gen.status,
-        metadata=dict(prompt.metadata))
+        metadata=dict(prompt.metadata), routed_experts=gen.routed_experts)
 
 
 def rewards_differ(group: list[Sample]) -> bool:

@@ -91,6 +91,9 @@ class TorchEngine:
         storage, so what `named_tensors()` shows is exactly what the forward computes with."""
         params = {k: v.to(self.dtype) for k, v in weights.items()}
         self.layers = []
+        self.routes: list[list[torch.Tensor]] | None = None  # while generating an MoE model: per
+        # MoE layer, each forward's top-k expert ids ([rows, top_k], rows as flattened [B, T])
+        self.num_moe_layers = 0
         for i in range(self.num_layers):
             pre = f"model.layers.{i}."
             qkv = [pre + f"self_attn.{x}_proj" for x in "qkv"]
@@ -124,7 +127,8 @@ class TorchEngine:
 
         if pre + "gate.weight" not in params:  # dense
             return swiglu(fused(pre), params[pre + "down_proj.weight"])
-        router, c = params[pre + "gate.weight"], self.config
+        router, c, moe_layer = params[pre + "gate.weight"], self.config, self.num_moe_layers
+        self.num_moe_layers += 1
         experts = [swiglu(fused(f"{pre}experts.{e}."), params[f"{pre}experts.{e}.down_proj.weight"])
                    for e in range(c.num_experts)]
         shared = None
@@ -137,6 +141,8 @@ class TorchEngine:
                 c.num_experts_per_tok, dim=-1)
             if c.norm_topk_prob:
                 weights = weights / weights.sum(-1, keepdim=True)
+            if self.routes is not None:
+                self.routes[moe_layer].append(chosen)
             out = torch.zeros_like(x)
             for e, expert in enumerate(experts):
                 rows, slot = (chosen == e).nonzero(as_tuple=True)
@@ -259,7 +265,35 @@ class TorchEngine:
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], sp: SamplingParams, seed: int | list[int],
                  first_index: int = 0) -> list[Generation]:
-        """Sample `prompts[i]` with its own seed (see prompt_seeds)."""
+        """Sample `prompts[i]` with its own seed (see prompt_seeds); for an MoE model, with the
+        top-k experts every fed token was routed to (Generation.routed_experts)."""
+        self.routes = [[] for _ in range(self.num_moe_layers)] if self.num_moe_layers else None
+        try:
+            generations, row_of = self._generate(prompts, sp, seed, first_index)
+            if self.routes is not None:
+                routed = self._routed_experts(prompts, row_of, generations)
+                for generation, experts in zip(generations, routed, strict=True):
+                    generation.routed_experts = experts
+            return generations
+        finally:
+            self.routes = None
+
+    def _routed_experts(self, prompts: list[list[int]], row_of: torch.Tensor,
+                        generations: list[Generation]) -> list[list[int]]:
+        """Per sample, its prompt's routing from the prefill (left padding cut off; a group's rows
+        share it) and its response's from the decode steps that fed its tokens (not the last
+        one, which nothing fed), flattened [len(prompt) + len(response) - 1, layers, top_k]."""
+        prefill = torch.stack([forwards[0].view(len(set(row_of.tolist())), -1, forwards[0].shape[-1])
+                               for forwards in self.routes], dim=2)  # [U, P, layers, top_k]
+        decode = torch.stack([torch.stack(forwards[1:], dim=1) if len(forwards) > 1
+                              else prefill.new_empty(len(prompts), 0, prefill.shape[-1])
+                              for forwards in self.routes], dim=2)  # [B, steps, layers, top_k]
+        return [torch.cat([prefill[row_of[b], prefill.shape[1] - len(p):],
+                           decode[b, :len(g.tokens) - 1]]).flatten().tolist()
+                for b, (p, g) in enumerate(zip(prompts, generations, strict=True))]
+
+    def _generate(self, prompts: list[list[int]], sp: SamplingParams, seed: int | list[int],
+                  first_index: int) -> tuple[list[Generation], torch.Tensor]:
         B, P, N = len(prompts), max(map(len, prompts)), sp.max_new_tokens
         # Identical prompts (a GRPO group) are prefilled once and their KV cache shared.
         unique: dict[tuple, int] = {}
@@ -309,4 +343,4 @@ class TorchEngine:
             Generation(out_tokens[b, :n].tolist(), out_logp[b, :n].tolist(),
                        "completed" if finished[b] else "truncated")
             for b, n in enumerate(response_lens.tolist())
-        ]
+        ], row_of

@@ -73,10 +73,14 @@ def check_trainer(cfg, hf_config: dict) -> None:
         raise ConfigError(f"train.ref_log_probs_interval={cfg.train.ref_log_probs_interval}: expected a "
                           f"positive number of rollouts, or null (the reference runs at the first step only)")
     from relax.algo import check_algo
-    from relax.train import lora
+    from relax.train import lora, routing
 
     check_algo(cfg.algo, cfg.rollout)
     lora.check_config(cfg, trainer, hf_config)
+    routing.check_config(cfg.algo, hf_config, cfg.train.num_steps_per_rollout)
+    if cfg.algo.routing_replay and not getattr(trainer, "replays_routing", False):
+        raise ConfigError(f"algo.routing_replay={cfg.algo.routing_replay}: {cfg.train._target_} cannot "
+                          f"route as recorded (use train=torch or train=megatron)")
     if hasattr(trainer, "check_config"):
         trainer.check_config(cfg, hf_config)
 

@@ -22,6 +22,7 @@ from relax.algo import (compute_advantages, gspo_loss, kl_estimate, masked_sum, 
                         policy_loss, rollout_is_weights, sequence_loss_scales, token_log_probs)
 from relax.files import atomic_save, fill
 from relax.sample import Sample, group_size_of
+from relax.train import routing
 from relax.train.parallel import dp_all_gather, dp_all_reduce
 
 FIRST_STEP_SAMPLES = 16  # per-token log-probs of these sample indices go to layout comparisons
@@ -47,6 +48,12 @@ class MicroBatch:
     is_flags: tuple | None = None           # ([b, T] truncated, [b, T] dropped)
     prompt_lengths: list[int] | None = None  # per row: prompt tokens (0: padding row)
     lengths: list[int] | None = None         # per row: prompt + response tokens (0: padding row)
+    # MoE (relax/train/routing.py), [b, T, layers x top_k], -1 where unknown: the engine's
+    # experts per fed token; the trainer's own, recorded at the rollout's weights; the ones replayed
+    routed_experts: torch.Tensor | None = None
+    trainer_experts: torch.Tensor | None = None
+    replay_experts: torch.Tensor | None = None
+    packed: object | None = None  # train.shared_prompt: the packed rows, built once (packing.packed)
 
 
 def nudge_ulps(params, ulps: int, seed: int) -> None:
@@ -107,9 +114,13 @@ def make_micro_batch(samples: list[Sample], advantages: torch.Tensor, pad_id: in
     adv[:len(samples)] = advantages[[s.index for s in samples]]
     scale[:len(samples)] = torch.tensor([(scales or {}).get(s.index, 1.0) for s in samples])
     indices = [s.index for s in samples] + [-1] * (B - len(samples))
+    experts = routing.engine_experts(samples, T)
+    if experts is not None and B > len(samples):
+        experts = torch.cat([experts, experts.new_full((B - len(samples), *experts.shape[1:]), -1)])
     return MicroBatch(indices, tokens[:, :T], tokens[:, 1:], mask, adv, rollout_lp, mask * scale[:, None],
                       prompt_lengths=[s.prompt_length for s in samples] + [0] * (B - len(samples)),
-                      lengths=[len(s.tokens) for s in samples] + [0] * (B - len(samples)))
+                      lengths=[len(s.tokens) for s in samples] + [0] * (B - len(samples)),
+                      routed_experts=experts)
 
 
 def shard_steps(samples: list[Sample], advantages: torch.Tensor, steps: int, dp: int, dp_rank: int,

@@ -36,6 +36,8 @@ class PackedBatch:
     cols: torch.Tensor            # [N] ... and position t (it predicts mb.targets[b, t])
     packed_row: torch.Tensor      # [N] where that token's logits are: packed row ...
     packed_col: torch.Tensor      # [N] ... and index into `keep`
+    fed: tuple[torch.Tensor, torch.Tensor]  # (packed row * L + position, b * T + t) of every token
+    # the forward feeds (a prompt's serve each row of its group): relax/train/routing.py
 
 
 def pack(mb: MicroBatch, pad_id: int, dtype: torch.dtype) -> PackedBatch:
@@ -45,6 +47,7 @@ def pack(mb: MicroBatch, pad_id: int, dtype: torch.dtype) -> PackedBatch:
         if index >= 0:
             groups.setdefault(tuple(mb.tokens[b, :prompt_length].tolist()), []).append(b)
     packed, positions, spans, where = [], [], [], []  # where: (b, t, row, packed position) per token
+    fed = []  # (b, t, row, packed position) of every fed token
     for g, (prompt, rows) in enumerate(groups.items()):
         P, tokens, pos, row_spans = len(prompt), list(prompt), list(range(len(prompt))), [(0, len(prompt))]
         for b in rows:
@@ -52,6 +55,7 @@ def pack(mb: MicroBatch, pad_id: int, dtype: torch.dtype) -> PackedBatch:
             start = len(tokens)
             where.append((b, P - 1, g, P - 1))  # the prompt's last token predicts the first response token
             where += [(b, P + j, g, start + j) for j in range(len(response))]
+            fed += [(b, t, g, t) for t in range(P)] + [(b, P + j, g, start + j) for j in range(len(response))]
             tokens += response
             pos += range(P, P + len(response))
             row_spans.append((start, len(tokens)))
@@ -72,18 +76,27 @@ def pack(mb: MicroBatch, pad_id: int, dtype: torch.dtype) -> PackedBatch:
     b, t, row, col = (torch.tensor(c, dtype=torch.long) for c in zip(*where)) if where else \
         (torch.zeros(0, dtype=torch.long),) * 4
     keep = torch.unique(col)  # sorted: the packed positions any row needs, one output-layer pass
+    T = mb.tokens.shape[1]
     return PackedBatch(
         torch.tensor([r + [pad_id] * (L - len(r)) for r in packed], dtype=torch.long),
         torch.tensor([p + list(range(len(p), L)) for p in positions], dtype=torch.long),
-        mask, keep, b, t, row, torch.searchsorted(keep, col))
+        mask, keep, b, t, row, torch.searchsorted(keep, col),
+        (torch.tensor([g * L + c for _, _, g, c in fed], dtype=torch.long),
+         torch.tensor([b * T + t for b, t, _, _ in fed], dtype=torch.long)))
+
+
+def packed(mb: MicroBatch, pad_id: int, dtype: torch.dtype) -> PackedBatch:
+    """`mb` packed, once: the reference, old-log-prob and training forwards share it."""
+    if mb.packed is None or mb.packed.attention_mask.dtype != dtype:
+        mb.packed = pack(mb, pad_id, dtype)
+    return mb.packed
 
 
 def log_probs(model, mb: MicroBatch, pad_id: int, temperature: float,
               entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs and entropy, [b, T] like the unpacked forward's, zeros outside each
     row's response positions (masked out)."""
-    dtype = next(model.parameters()).dtype
-    p = pack(mb, pad_id, dtype)
+    p = packed(mb, pad_id, next(model.parameters()).dtype)
     logits = model(input_ids=p.tokens, position_ids=p.position_ids, attention_mask=p.attention_mask,
                    logits_to_keep=p.keep).logits  # [G, K, V]
     logits = batch_variant_fault(logits[p.packed_row, p.packed_col], mb)  # [N, V]

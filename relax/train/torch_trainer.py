@@ -22,7 +22,7 @@ from relax import faults
 from relax.model import load_causal_lm, save_hf_dir
 from relax.files import atomic_save, safe_load
 from relax.sample import Sample, log_prob_temperature
-from relax.train import batch_invariance, common, layer_dump, lora, packing
+from relax.train import batch_invariance, common, layer_dump, lora, packing, routing
 from relax.train.common import MicroBatch
 from relax.train.profile import phase, profiled
 from relax.train.weight_sync import DistributedWeightSync
@@ -38,6 +38,7 @@ class TorchTrainer(DistributedWeightSync):
     load_checkpoint / shutdown."""
     runs_in_driver = True  # one rank needs no process of its own
     trains_lora = True  # train.lora.rank > 0: peft's adapters, on every layout
+    replays_routing = True  # algo.routing_replay: hooks on transformers' MoE routers (relax/train/routing.py)
 
     @staticmethod
     def check_config(cfg, hf_config: dict) -> None:
@@ -89,7 +90,12 @@ class TorchTrainer(DistributedWeightSync):
         return contextlib.nullcontext()
 
     def _log_probs(self, model, mb: MicroBatch, shared_prompt: bool | None = None):
-        """Per-token log-probs and entropy, [b, T], zeros where nothing is trained (masked out).
+        return self._forward(model, mb, shared_prompt)[:2]
+
+    def _forward(self, model, mb: MicroBatch, shared_prompt: bool | None = None,
+                 replay: torch.Tensor | None = None):
+        """Per-token log-probs and entropy, [b, T], zeros where nothing is trained (masked out),
+        and an MoE model's routing (relax/train/routing.py: routed to `replay` where given).
         train.shared_prompt: each group's prompt once, logits at response positions only
         (relax/train/packing.py). Else the rows as they are, the softmax only from the first
         trained position on; the output layer still covers every position there: cut to the
@@ -97,11 +103,15 @@ class TorchTrainer(DistributedWeightSync):
         the actor and the frozen reference log-probs 1e-7 apart, and first-step KL must be
         exactly 0 (packing gathers the kept positions into a tensor of their own)."""
         entropy_grad = self.cfg.algo.entropy_coef != 0
-        if self.cfg.train.shared_prompt if shared_prompt is None else shared_prompt:
-            return packing.log_probs(model, mb, self.pad_id, self.temperature, entropy_grad)
-        logits = model(input_ids=mb.tokens).logits
-        return common.trained_log_probs(logits, mb, common.first_trained_position(mb), self.temperature,
-                                        entropy_grad)
+        shared = self.cfg.train.shared_prompt if shared_prompt is None else shared_prompt
+        fed = packing.packed(mb, self.pad_id, next(model.parameters()).dtype).fed if shared else \
+            routing.unpacked_fed(mb.lengths, mb.tokens.shape[1])
+        with routing.routed(model, fed, mb.tokens.numel(), replay) as record:
+            if shared:
+                return (*packing.log_probs(model, mb, self.pad_id, self.temperature, entropy_grad), record)
+            logits = model(input_ids=mb.tokens).logits
+            return (*common.trained_log_probs(logits, mb, common.first_trained_position(mb), self.temperature,
+                                              entropy_grad), record)
 
     def _reference(self):
         """The frozen reference to run forward: its own copy, or the actor with its adapters off."""
@@ -124,21 +134,26 @@ class TorchTrainer(DistributedWeightSync):
         micro_batches = [mb for step in steps for mb in step]
 
         ref, old = common.forward_passes(self.cfg, rollout_id, self.first_step, self.save_train_data)
+        replaying = self.cfg.algo.routing_replay
+        routing.check_recorded(samples, replaying, f"rollout {rollout_id}")
         with torch.no_grad():  # the reference, and the policy that sampled (old), where needed
             if ref:
                 with self._reference() as model, phase("step:reference"):
                     for mb in micro_batches:
-                        mb.ref_log_probs, _ = self._log_probs(model, mb)
+                        mb.ref_log_probs, _, _ = self._forward(
+                            model, mb, replay=routing.replay_for(mb, replaying, "ref"))
             if old:
                 with phase("step:old_log_probs"):
                     for mb in micro_batches:
-                        mb.old_log_probs, mb.entropy = self._log_probs(self.actor, mb)
+                        mb.old_log_probs, mb.entropy, record = self._forward(
+                            self.actor, mb, replay=routing.replay_for(mb, replaying, "old"))
+                        routing.measured(mb, record, replaying)
         if old:  # (without this pass, each training forward attaches its own)
             common.attach_is_weights(micro_batches, self.cfg.algo)
         invariance = batch_invariance.check(self.cfg, self.first_step, micro_batches, lambda mbs: [
             self._log_probs(self.actor, mb)[0] for mb in mbs], self.pad_id, self.layout)
 
-        log = common.TrainLog(self.layout, ref)
+        log, replayed = common.TrainLog(self.layout, ref), torch.zeros(3)
         for step, step_mbs in enumerate(steps):
             t0 = time.perf_counter()
             num_tokens = dp_all_reduce(sum(mb.mask.sum() for mb in step_mbs), self.layout)
@@ -150,7 +165,12 @@ class TorchTrainer(DistributedWeightSync):
             for mb in tqdm(step_mbs, desc="train", leave=False, delay=2, disable=self.layout.rank > 0):
                 # (DDP decides in forward whether backward all-reduces)
                 with self._grad_sync(), phase("step:forward_backward"):
-                    loss, mb_sums = common.objective(*self._log_probs(self.actor, mb), mb, self.cfg.algo)
+                    replay = routing.replay_for(mb, replaying, "train")
+                    log_probs, entropy, record = self._forward(self.actor, mb, replay=replay)
+                    routing.measured(mb, record, replaying)
+                    if replay is not None:
+                        replayed += routing.replayed_sums(record, replay)
+                    loss, mb_sums = common.objective(log_probs, entropy, mb, self.cfg.algo)
                     (masked_sum(loss, mb.loss_weights) * scale).backward()
                 sums += mb_sums
                 mb_losses.append(mb_sums[0])
@@ -168,6 +188,8 @@ class TorchTrainer(DistributedWeightSync):
         out = log.result(micro_batches, self.first_step, self.save_train_data, rollout_id, samples,
                          advantages, self.cfg.algo.kl_loss_type)
         out["steps"][0].update(invariance)
+        agreement = dp_all_reduce(routing.rollout_agreement(micro_batches), self.layout)
+        out["rollout"].update(routing.metrics(agreement, dp_all_reduce(replayed, self.layout)))
         self.first_step = False
         return out
 

@@ -1,0 +1,233 @@
+"""MoE routing: the engine records it, the trainer measures agreement with it, and routing
+replay (algo.routing_replay: R3 the engine's experts, R2 the old-log-prob pass's) makes the
+trainer route as recorded (relax/train/routing.py)."""
+
+import pytest
+import torch
+
+from relax.errors import ConfigError
+from relax.model import families, load_causal_lm, read_hf_config
+from relax.replay import read_rollout, save_rollout
+from relax.rollout import SamplingParams
+from relax.sample import Sample
+from relax.train import routing
+from relax.train.common import make_micro_batch
+
+from .conftest import build_trainer, make_cfg, run_loop
+from .test_engine import chat_prompts, engine_for
+
+MOE = ["model.tiny.num_experts=4", "model.tiny.warmup_max_steps=0",
+       "model.tiny.shared_expert_intermediate_size=64"]
+SHORT = ["rollout.num_rollout=1", "rollout.rollout_batch_size=8", "checkpoint.save_interval=null"]
+
+
+@pytest.fixture(scope="module")
+def moe_path():
+    from relax.model import resolve_model_path
+
+    return resolve_model_path(make_cfg(*MOE).model)
+
+
+def hf_routing(model, tokens: list[int]) -> torch.Tensor:
+    """A transformers forward's own top-k per fed token: [len(tokens) - 1, layers, top_k]."""
+    with torch.no_grad(), routing.routed(model, routing.unpacked_fed([len(tokens)], len(tokens)),
+                                         len(tokens)) as record:
+        model(input_ids=torch.tensor([tokens]))
+    return record.own[:len(tokens) - 1]
+
+
+def same_sets(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a.sort(-1).values == b.sort(-1).values).all(-1)
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe"])
+def test_the_engine_records_the_experts_of_every_fed_token_as_transformers_routes_them(family, family_model,
+                                                                                      tokenizer):
+    path = family_model(family)
+    config = read_hf_config(path)
+    layers, top_k = config["num_hidden_layers"], config["num_experts_per_tok"]
+    # left-padded prompts of several lengths, in groups that share one prefill
+    prompts = chat_prompts(tokenizer, 12, 1, 999, repeat=3)
+    assert len({len(p) for p in prompts}) > 1
+    gens = engine_for(path, tokenizer).generate(prompts, SamplingParams(1.0, 1.0, 6), seed=2)
+    model = load_causal_lm(path, "float32")
+    agree = total = 0
+    for prompt, gen in zip(prompts, gens, strict=True):
+        tokens = prompt + gen.tokens
+        recorded = torch.tensor(gen.routed_experts).view(len(tokens) - 1, layers, top_k)
+        assert recorded.min() >= 0 and recorded.max() < families.num_experts(config)
+        same = same_sets(recorded, hf_routing(model, tokens))
+        agree, total = agree + int(same.sum()), total + same.numel()
+    # fp32 both sides: the kernels differ in rounding only, so a near-tie may flip, rarely; a
+    # misaligned position or layer would agree on ~1/3 of the pairs (4 experts, top-2)
+    assert agree / total > 0.98, (agree, total)
+
+
+def test_a_dense_model_records_no_routing(tiny_path, tokenizer):
+    engine = engine_for(tiny_path, tokenizer)
+    gens = engine.generate(chat_prompts(tokenizer, 4), SamplingParams(1.0, 1.0, 4), seed=0)
+    assert all(g.routed_experts is None for g in gens)
+
+
+def sampled(moe_path, tokenizer, dtype: str, n: int = 16) -> list[Sample]:
+    """`n` samples (groups of 4) from the torch engine in `dtype`, with their recorded routing."""
+    cfg = make_cfg(*MOE, f"rollout.dtype={dtype}")
+    from relax.rollout.torch_engine import TorchEngine
+
+    engine = TorchEngine(cfg, moe_path, [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    prompts = chat_prompts(tokenizer, n, 1, 999, seed=5, repeat=4)
+    gens = engine.generate(prompts, SamplingParams(1.0, 1.0, 8), seed=7)
+    return [Sample(i, i // 4, "", p + g.tokens, len(g.tokens), reward=float(i % 2),
+                   loss_mask=[1] * len(g.tokens), rollout_log_probs=g.log_probs,
+                   routed_experts=g.routed_experts)
+            for i, (p, g) in enumerate(zip(prompts, gens, strict=True))]
+
+
+@pytest.mark.parametrize("shared_prompt", [True, False], ids=["shared-prompt", "rows"])
+def test_r3_the_trainer_runs_every_fed_token_on_the_engines_experts(moe_path, tokenizer, shared_prompt):
+    samples = sampled(moe_path, tokenizer, "bfloat16")
+    cfg = make_cfg(*MOE, "algo.routing_replay=rollout", f"train.shared_prompt={shared_prompt}")
+    trainer = build_trainer(cfg, moe_path, pad_token_id=tokenizer.pad_token_id)
+    mb = make_micro_batch(samples, torch.zeros(len(samples)), tokenizer.pad_token_id)
+    engine = mb.routed_experts.flatten(0, 1).view(mb.tokens.numel(), 2, 2)  # [rows * T, layers, top_k]
+    fed = engine[..., 0] >= 0
+    assert int(fed[:, 0].sum()) == sum(len(s.tokens) - 1 for s in samples)
+    with torch.no_grad():
+        _, _, own = trainer._forward(trainer.actor, mb)
+        _, _, replayed = trainer._forward(trainer.actor, mb, replay=mb.routed_experts)
+    # the trainer routed (and reported) exactly the fed tokens; unreplayed, some differ (bf16 engine)
+    assert torch.equal(own.own[..., 0] >= 0, fed)
+    agreement = same_sets(own.own, engine)[fed].float().mean()
+    assert 0.5 < agreement < 1.0, agreement
+    # replayed: the experts of every fed token and layer are the engine's, its own choice unchanged
+    assert torch.equal(replayed.used[fed], engine[fed])
+    assert torch.equal(replayed.own, own.own)
+    sums = routing.replayed_sums(replayed, mb.routed_experts)
+    assert sums[0] == sums[2] == fed.sum() and sums[1] < sums[2]
+
+
+def test_replay_recomputes_the_routing_weights_from_the_routers_logits(moe_path, tokenizer):
+    """Replaying a forward's own routing changes nothing (weights from the same logits), and
+    the router's weight still gets a gradient."""
+    samples = sampled(moe_path, tokenizer, "float32", n=8)
+    trainer = build_trainer(make_cfg(*MOE), moe_path, pad_token_id=tokenizer.pad_token_id)
+    mb = make_micro_batch(samples, torch.zeros(len(samples)), tokenizer.pad_token_id)
+    free, _, record = trainer._forward(trainer.actor, mb)
+    replayed, _, _ = trainer._forward(trainer.actor, mb, replay=record.own.flatten(1))
+    assert torch.equal(free, replayed)
+    (replayed * mb.mask).sum().backward()
+    gates = [m.weight.grad for m in routing.hf_routers(trainer.model)]
+    assert all(g is not None and g.abs().sum() > 0 for g in gates)
+
+
+@pytest.fixture(scope="module")
+def near_tie(tmp_path_factory, moe_path):
+    """The tiny MoE with a near-tie built in: in every layer expert 1's router row is expert 0's
+    plus 1e-3 noise (wherever the two compete for a top-2 slot, rounding decides), and the
+    experts' outputs 4x larger (a flip shows in the log-probs)."""
+    from relax.model import load_tokenizer
+
+    model = load_causal_lm(moe_path, "float32")
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            gate = layer.mlp.gate.weight
+            gate[1] = gate[0] + 1e-3 * torch.randn(gate.shape[1], generator=generator)
+            layer.mlp.experts.down_proj.mul_(4)
+    path = tmp_path_factory.mktemp("near_tie") / "model"
+    model.save_pretrained(path)
+    load_tokenizer(moe_path).save_pretrained(path)
+    return ["model=hf", f"model.path={path}"]
+
+
+@pytest.fixture(scope="module")
+def bf16_rollout(tmp_path_factory, near_tie):
+    """One rollout of the near-tie model sampled by a bf16 engine, saved for replay."""
+    root = tmp_path_factory.mktemp("bf16_rollout")
+    run_loop(root / "run", *near_tie, *SHORT, "debug=rollout_only", "rollout.dtype=bfloat16",
+             f"debug.save_rollout_data={root}/{{rollout_id}}.pt")
+    return root / "0.pt"
+
+
+@pytest.fixture
+def replay(near_tie, bf16_rollout):
+    def run(tmp_path, *overrides, data=bf16_rollout):
+        rollouts, steps = run_loop(tmp_path, *near_tie, *SHORT, "debug=train_only",
+                                   f"debug.load_rollout_data={data}", *overrides)
+        return rollouts[0], steps
+    return run
+
+
+def test_replay_files_keep_the_engines_experts(bf16_rollout):
+    _, samples = read_rollout(bf16_rollout)
+    assert all(len(s.routed_experts) == (len(s.tokens) - 1) * 2 * 2 for s in samples)
+
+
+def test_r3_removes_the_routing_mismatch_of_a_bf16_engine(tmp_path, replay):
+    """The same replay trained with routing replay off and on. Off: the routers agree with the
+    bf16 engine on most (token, layer) pairs, not all. On (R3): every replayed pair ran on the
+    engine's experts, and the mismatch is what bf16 rounding leaves (measured: mismatch_kl
+    5.5e-5 -> 6.7e-7, mean |Δ log p| 1.9e-3 -> 0.9e-3)."""
+    off, off_steps = replay(tmp_path / "off")
+    on, on_steps = replay(tmp_path / "on", "algo.routing_replay=rollout")
+    assert 0.98 < off["train/routing_agreement"] < 1.0
+    assert off["train/routing_agreement_min_layer"] <= off["train/routing_agreement"]
+    assert "train/routing_replayed" not in off
+    assert on["train/routing_replayed"] == 1.0
+    # (the routers' own choice under R3: after earlier layers ran on the engine's experts)
+    assert 0.98 < on["train/routing_replay_agreement"] < 1.0
+    off_step, on_step = off_steps[0], on_steps[0]
+    assert on_step["train/mismatch_kl"] < off_step["train/mismatch_kl"] / 20
+    diff = "train/train_rollout_logprob_abs_diff"
+    assert on_step[diff] < off_step[diff] / 1.5
+
+
+def test_r2_replays_the_old_passs_routing_in_later_steps(tmp_path, replay):
+    """num_steps_per_rollout=2 at a large learning rate (and an entropy bonus: the untrained
+    model's rewards are mostly equal, so advantages alone hardly move it): step 2's routers would
+    route some tokens elsewhere than the old-log-prob pass did, and run on its experts instead."""
+    rollout, _ = replay(tmp_path, "algo.routing_replay=train", "train.num_steps_per_rollout=2",
+                        "train.lr=0.05", "algo.entropy_coef=0.1")
+    assert rollout["train/routing_replayed"] == 1.0
+    assert rollout["train/routing_replay_agreement"] < 1.0
+
+
+def test_routing_replay_is_refused_where_it_cannot_work(tmp_path, tiny_path, moe_path, near_tie,
+                                                        bf16_rollout):
+    from relax.loop import prepare
+    from relax.train import check_trainer
+
+    moe = read_hf_config(moe_path)
+    with pytest.raises(ConfigError, match="routing_replay='R3'.*expected null, rollout"):
+        check_trainer(make_cfg(*MOE, "algo.routing_replay=R3"), moe)
+    with pytest.raises(ConfigError, match="the model is dense"):
+        check_trainer(make_cfg("algo.routing_replay=rollout"), read_hf_config(tiny_path))
+    with pytest.raises(ConfigError, match="num_steps_per_rollout=1 .* no such pass"):
+        check_trainer(make_cfg(*MOE, "algo.routing_replay=train"), moe)
+    with pytest.raises(ConfigError, match="use_rollout_log_probs=True"):
+        check_trainer(make_cfg(*MOE, "algo.routing_replay=train", "train.num_steps_per_rollout=2",
+                               "algo.use_rollout_log_probs=true"), moe)
+    # rollout data without the engine's experts (saved before Relax recorded them): named at start-up
+    data, samples = read_rollout(bf16_rollout)
+    for s in samples:
+        s.routed_experts = None
+    save_rollout(tmp_path / "old" / "0.pt", 0, samples, data["manifest"])
+    cfg = make_cfg(*near_tie, *SHORT, "debug=train_only", f"debug.load_rollout_data={tmp_path}/old/0.pt",
+                   "algo.routing_replay=rollout", run_dir=tmp_path / "run")
+    with pytest.raises(ConfigError, match=r"samples \[0, 1, .* carry no routed_experts"):
+        prepare(cfg, tmp_path / "run")
+
+
+def test_format_1_replay_files_still_load(tmp_path, bf16_rollout):
+    data = torch.load(bf16_rollout, weights_only=True)
+    for s in data["samples"]:
+        del s["routed_experts"]
+    torch.save({**data, "format_version": 1}, tmp_path / "v1.pt")
+    _, samples = read_rollout(tmp_path / "v1.pt")
+    assert samples and all(s.routed_experts is None for s in samples)
+    data["samples"][0]["routed_experts"] = [1, 2, 3]  # not a whole [tokens - 1, layers x top_k]
+    torch.save(data, tmp_path / "bad.pt")
+    from relax.errors import ReplayError
+
+    with pytest.raises(ReplayError, match="routed_experts must be a list of"):
+        read_rollout(tmp_path / "bad.pt")
