@@ -60,6 +60,19 @@ class Sample:
 OPTIONAL_FIELDS = {"routed_experts"}  # (added with replay format 2: format 1 files lack it)
 
 
+def require_routed_experts(samples: list[Sample], where: str) -> None:
+    """algo.routing_replay=rollout (R3) trains on the engine's experts: every sample must carry
+    them (relax/train/routing.py)."""
+    from relax.errors import ConfigError
+
+    missing = [s.index for s in samples if s.routed_experts is None]
+    if missing:
+        raise ConfigError(f"algo.routing_replay=rollout: samples {missing[:8]} of {where} carry no "
+                          f"routed_experts (rollout data saved before Relax recorded routing, or a "
+                          f"generate_fn that built its Sample without the engine's "
+                          f"Generation.routed_experts); use algo.routing_replay=null for it")
+
+
 def group_size_of(samples: list[Sample]) -> int:
     """The GRPO group size of a rollout, whose samples come in equal, contiguous groups."""
     groups = [s.group_index for s in samples]

@@ -13,7 +13,7 @@ from relax.sample import Sample
 from relax.train import routing
 from relax.train.common import make_micro_batch
 
-from .conftest import build_trainer, make_cfg, run_loop
+from .conftest import build_trainer, make_cfg, relax_cli, run_loop
 from .test_engine import chat_prompts, engine_for
 
 MOE = ["model.tiny.num_experts=4", "model.tiny.warmup_max_steps=0",
@@ -186,8 +186,7 @@ def test_r2_replays_the_old_passs_routing_in_later_steps(tmp_path, replay):
     """num_steps_per_rollout=2 at a large learning rate (and an entropy bonus: the untrained
     model's rewards are mostly equal, so advantages alone hardly move it): step 2's routers would
     route some tokens elsewhere than the old-log-prob pass did, and run on its experts instead."""
-    rollout, _ = replay(tmp_path, "algo.routing_replay=train", "train.num_steps_per_rollout=2",
-                        "train.lr=0.05", "algo.entropy_coef=0.1")
+    rollout, _ = replay(tmp_path, *R2)
     assert rollout["train/routing_replayed"] == 1.0
     assert rollout["train/routing_replay_agreement"] < 1.0
 
@@ -231,3 +230,119 @@ def test_format_1_replay_files_still_load(tmp_path, bf16_rollout):
 
     with pytest.raises(ReplayError, match="routed_experts must be a list of"):
         read_rollout(tmp_path / "bad.pt")
+
+
+R2 = ["algo.routing_replay=train", "train.num_steps_per_rollout=2", "train.lr=0.05", "algo.entropy_coef=0.1"]
+
+
+def test_megatron_measures_and_replays_routing_as_the_torch_trainer_does(tmp_path, replay):
+    """train=megatron (RouterReplay, fed from hooks on its TopKRouters) reports the torch
+    trainer's numbers on the same replay: agreement, R3's replay and the mismatch it leaves;
+    and R2's replay (its drift measured after a large step, where the trainers' rounding
+    differs: 0.584 vs 0.590)."""
+    def both(name, *overrides):
+        return (replay(tmp_path / f"torch_{name}", *overrides),
+                replay(tmp_path / f"megatron_{name}", "train=megatron", *overrides))
+
+    runs = both("off"), both("r3", "algo.routing_replay=rollout")
+    for (t_rollout, t_steps), (m_rollout, m_steps) in runs:
+        assert {k for k in m_rollout if "routing" in k} == {k for k in t_rollout if "routing" in k}
+        for key in (k for k in t_rollout if "routing" in k):
+            assert abs(m_rollout[key] - t_rollout[key]) < 1e-3, key
+        for key in ("train/mismatch_kl", "train/train_rollout_logprob_abs_diff"):
+            assert m_steps[0][key] == pytest.approx(t_steps[0][key], rel=1e-3), key
+    (t_rollout, _), (m_rollout, _) = both("r2", *R2)
+    assert m_rollout["train/routing_replayed"] == t_rollout["train/routing_replayed"] == 1.0
+    drift = "train/routing_replay_agreement"
+    assert m_rollout[drift] == pytest.approx(t_rollout[drift], abs=0.03)
+    assert m_rollout[drift] < 0.9
+
+
+@pytest.mark.slow
+def test_layout_sweeps_with_r3_are_equivalent_and_replay_every_token(tmp_path, near_tie, bf16_rollout):
+    """R3 under every layout that splits tokens or layers (DP, TP, FSDP; Megatron's EP, TP with
+    sequence parallelism, PP, CP): each job ran every replayed pair on the engine's experts and
+    measured the same agreement, and `relax compare` finds every layout equivalent."""
+    import json
+
+    from .conftest import only_run_dir
+
+    common = [*near_tie, *SHORT, "debug=train_only", f"debug.load_rollout_data={bf16_rollout}",
+              "algo.routing_replay=rollout"]
+    sweeps = {"torch": ["parallel=single,dp2,tp2,fsdp2"],
+              "megatron": ["train=megatron", "parallel=single,ep2,tp2sp,pp2,cp2"]}
+    agreements = set()
+    for name, sweep in sweeps.items():
+        cwd = tmp_path / name
+        cwd.mkdir()
+        proc = relax_cli("-m", *common, *sweep, cwd=cwd, timeout=1200)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        multirun = only_run_dir(cwd, "multiruns")
+        out = relax_cli("compare", str(multirun), "--json", cwd=cwd)
+        report = json.loads(out.stdout)
+        assert out.returncode == 0, report
+        assert all(j["verdict"] == "equivalent" for j in report["jobs"][1:]), report["jobs"]
+        for metrics in multirun.glob("*/metrics.jsonl"):
+            rollout = next(r for r in map(json.loads, metrics.read_text().splitlines())
+                           if "train/routing_replayed" in r)
+            assert rollout["train/routing_replayed"] == 1.0, metrics
+            agreements.add(round(rollout["train/routing_agreement"], 5))
+    assert len(agreements) == 1, agreements
+
+
+def test_doctor_names_r3_where_routing_disagrees_and_the_mismatch_is_high(tmp_path, replay, tiny_path):
+    import json
+
+    from relax.debug.checks import check_routing
+    from relax.debug.run_data import load_run
+    from relax.debug.verdicts import Thresholds
+
+    def verdict(run_dir):
+        return check_routing(load_run(run_dir), Thresholds())
+
+    replay(tmp_path / "off")
+    replay(tmp_path / "on", "algo.routing_replay=rollout")
+    off, on = verdict(tmp_path / "off"), verdict(tmp_path / "on")
+    assert off.verdict == "PASS" and "agreement 0.99" in off.summary, off
+    assert on.verdict == "PASS" and "every replayed pair ran on the recorded experts" in on.summary, on
+    dense = tmp_path / "dense"
+    run_loop(dense, "rollout.num_rollout=1", "rollout.rollout_batch_size=4", "checkpoint.save_interval=null")
+    assert verdict(dense).verdict == "SKIP"
+
+    def edited(name, source, **values):
+        """A copy of a run whose records say otherwise (`values`: metric -> value)."""
+        run = tmp_path / name
+        run.mkdir()
+        lines = [json.loads(line) for line in (tmp_path / source / "metrics.jsonl").read_text().splitlines()]
+        for record in lines:
+            record.update({k: v for k, v in values.items() if k in record})
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+        return verdict(run)
+
+    low = {"train/routing_agreement": 0.85, "train/routing_agreement_min_layer": 0.8}
+    high = edited("high", "off", **low, **{"train/train_rollout_logprob_abs_diff": 0.05})
+    assert high.verdict == "WARN" and "0.800 < 0.9" in high.summary and "mismatch of 0.05" in high.summary
+    assert "algo.routing_replay=rollout" in high.next_steps[0]
+    small = edited("small", "off", **low)
+    assert small.verdict == "WARN" and "routing replay would change little" in small.next_steps[0]
+    lost = edited("lost", "on", **{"train/routing_replayed": 0.75})
+    assert lost.verdict == "FAIL" and "75.00%" in lost.summary
+
+
+def test_inspect_shows_routing_agreement_per_layer(tmp_path, replay, bf16_rollout):
+    import shutil
+
+    from relax.debug.inspect import inspect
+
+    (tmp_path / "dump" / "rollout_data").mkdir(parents=True)
+    shutil.copy(bf16_rollout, tmp_path / "dump" / "rollout_data" / "0.pt")
+    train_data = f"{tmp_path}/dump/train_data/{{rollout_id}}_{{rank}}.pt"
+    rollout, _ = replay(tmp_path / "run", f"debug.save_train_data={train_data}")
+    report = inspect(tmp_path / "dump", 0, 0, worst=0)
+    per_layer = report["routing_agreement_per_layer"]
+    assert len(per_layer) == 2 and all(0.98 < a <= 1.0 for a in per_layer)
+    assert min(per_layer) == pytest.approx(rollout["train/routing_agreement_min_layer"])
+    assert "routed_experts" not in report["sample"]
+    proc = relax_cli("inspect", str(tmp_path / "dump"), cwd=tmp_path)
+    assert proc.returncode == 0 and "MoE layer" in proc.stdout, proc.stdout
+    assert f"{per_layer[1]:.4f}" in proc.stdout

@@ -83,8 +83,9 @@ def test_sampled_log_probs_are_the_trainers(sglang_engine, tiny_path, tokenizer)
 def test_each_family_matches_the_torch_engine_and_syncs_by_checkpoint_names(family_model, tokenizer,
                                                                             family, tmp_path):
     """Per family (tests/families.py, sharded fp32 checkpoints): greedy tokens equal the torch
-    engine's; the engine's tensors (MoE experts unfused back to per-expert names) equal the
-    checkpoint's after load and after a sync from the torch trainer."""
+    engine's, and so do an MoE's recorded experts (SGLang's return_routed_experts); the engine's
+    tensors (MoE experts unfused back to per-expert names) equal the checkpoint's after load and
+    after a sync from the torch trainer."""
     path = family_model(family)
     cfg = make_cfg("rollout=sglang")
     engine = SGLangEngine(cfg, path, [tokenizer.eos_token_id], tokenizer.pad_token_id)
@@ -93,6 +94,16 @@ def test_each_family_matches_the_torch_engine_and_syncs_by_checkpoint_names(fami
         ours = engine.generate(prompts, GREEDY, seed=0)
         reference = torch_engine(path, tokenizer).generate(prompts, GREEDY, seed=0)
         assert [g.tokens for g in ours] == [g.tokens for g in reference]
+        if "moe" in family:
+            top_k = FAMILIES[family][1]["num_experts_per_tok"]
+            for a, b in zip(ours, reference, strict=True):
+                assert a.routed_experts is not None and len(a.routed_experts) == len(b.routed_experts)
+            routed = [torch.tensor(g.routed_experts).view(-1, top_k).sort(-1).values for g in ours]
+            expected = [torch.tensor(g.routed_experts).view(-1, top_k).sort(-1).values for g in reference]
+            same = torch.cat([(a == b).all(-1) for a, b in zip(routed, expected, strict=True)])
+            assert same.float().mean() > 0.98, same.float().mean()  # fp32: a near-tie may flip
+        else:
+            assert all(g.routed_experts is None for g in ours)
         engines = EngineGroup(InDriver([engine], ["cpu"]), cfg.rollout)
         check = WeightCheck(engines, path, tmp_path)
         trainer = make_trainer(make_cfg(), str(path), ref_model_path=str(path),
@@ -332,3 +343,17 @@ def test_the_real_model_on_sglang_strict_weight_check_after_every_sync(tmp_path,
     assert steps[0]["train/train_rollout_logprob_abs_diff"] < 1e-3  # two fp32 implementations, 30 layers
     report = json.loads((run / "weight_check.json").read_text())
     assert report["passed"] and [c["stage"] for c in report["checks"]] == ["load", "sync", "sync", "sync"]
+
+
+def test_r3_trains_on_the_experts_sglang_routed(tmp_path):
+    """A loop on a tiny MoE with rollout=sglang and algo.routing_replay=rollout: SGLang's recorded
+    experts reach the trainer, which runs every replayed (token, layer) pair on them."""
+    from .conftest import run_loop
+
+    rollouts, _ = run_loop(tmp_path, "rollout=sglang", "model.tiny.num_experts=4",
+                           "model.tiny.warmup_max_steps=0", "model.tiny.shared_expert_intermediate_size=64",
+                           "algo.routing_replay=rollout",
+                           "rollout.num_rollout=1", "rollout.rollout_batch_size=4",
+                           "checkpoint.save_interval=null")
+    assert rollouts[0]["train/routing_replayed"] == 1.0
+    assert rollouts[0]["train/routing_agreement"] > 0.98

@@ -1,6 +1,6 @@
 """The guide's precision checklist as pure functions of what a run left behind.
 
-Each check (1-8, listed in `relax doctor --help`) returns PASS / WARN / FAIL / SKIP with
+Each check (1-9, listed in `relax doctor --help`) returns PASS / WARN / FAIL / SKIP with
 the evidence, the likely causes and the next command, in the guide's terms. `relax doctor`
 (relax/debug/doctor.py) runs them on a finished run; with `debug.strict_checks=true` the
 loop runs 3-5 and 7 at the first step (`strict_first_step`) and 6 after the first sync
@@ -16,6 +16,7 @@ import math
 from pathlib import Path
 
 from relax.debug.collapse import garbage_signals, find_collapse, find_fast_collapse, lower_lr
+from relax.debug.routing import check_routing
 from relax.debug.run_data import RunData, chat_template_parts, samples_of
 from relax.debug.verdicts import PASS, WARN, FAIL, SKIP, SEVERITY, Thresholds, Check, over, below, worst
 from relax.errors import CheckFailed
@@ -358,7 +359,7 @@ def check_batch_invariance(run: RunData, th: Thresholds) -> Check:
 
 
 CHECKS = [check_first_responses, check_later_responses, check_logprobs_vs_ref, check_first_step,
-          check_train_rollout_diff, check_engine_weights, check_finite, check_batch_invariance]
+          check_train_rollout_diff, check_engine_weights, check_finite, check_batch_invariance, check_routing]
 
 
 def diagnose(run: RunData, th: Thresholds | None = None) -> list[Check]:

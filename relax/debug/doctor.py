@@ -17,6 +17,9 @@ causes and the next command:
 7. non-finite metrics: any NaN or Inf in a rollout or step record (NaN fails every check)
 8. batch invariance: the first step's log-probs recomputed one sample per micro-batch with
    extra padding (when the run recorded debug.check_batch_invariance)
+9. MoE routing: the trainer's experts vs the engine's (train/routing_agreement), its trend,
+   and routing replay's plumbing; names R3 (algo.routing_replay=rollout) where agreement is
+   low and the mismatch high
 
 Writes doctor.md with curves next to the run; exit code 1 if a check FAILs. The checks
 themselves are in relax/debug/checks.py (the run's `debug.strict_checks` uses them too).

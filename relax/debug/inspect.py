@@ -91,6 +91,8 @@ def inspect(root: Path, rollout_id: int | None, sample_index: int, worst: int = 
     if chosen not in files:
         raise ReplayError(f"{root}: no rollout {chosen} (have {min(files)}..{max(files)})")
     samples = [s.to_dict() for s in read_rollout(files[chosen])[1]]
+    for s in samples:  # (MoE: thousands of expert ids; the per-layer agreement below says more)
+        s.pop("routed_experts", None)
     if not 0 <= sample_index < len(samples):
         raise ReplayError(f"rollout {chosen} has samples 0..{len(samples) - 1}")
     train = join_train(root, chosen)
@@ -112,8 +114,11 @@ def inspect(root: Path, rollout_id: int | None, sample_index: int, worst: int = 
     plot = token_views.plot(worst_samples, threshold, chosen, Path(root) / "plots" /
                             f"token_logprobs_{chosen}.png") if worst_samples else None
     status = read_status(root) if Path(root).is_dir() else None
+    routing = next((safe_load(p).get("routing_agreement_per_layer") for p in find_train_files(root, chosen)),
+                   None)
     return {
         "root": str(root), "run_status": describe(status) if status else None,
+        "routing_agreement_per_layer": routing,
         "manifest": manifest, "rollouts": summaries,
         "sample": {"rollout_id": chosen, **sample, "train": train.get(sample_index)},
         "train_join": {
@@ -151,6 +156,14 @@ def render(report: dict, console: Console) -> None:
     console.print(table)
     if len(rows) > len(shown):
         console.print(f"({len(rows) - len(shown)} rollouts not shown; --json has all)")
+
+    if report.get("routing_agreement_per_layer"):
+        console.print(f"MoE routing, rollout {report['sample']['rollout_id']}: the trainer's experts equal "
+                      f"the engine's on this share of (token, layer) pairs, per MoE layer")
+        layers = Table("MoE layer", "agreement")
+        for i, agreement in enumerate(report["routing_agreement_per_layer"]):
+            layers.add_row(str(i), "-" if agreement is None else f"{agreement:.4f}")
+        console.print(layers)
 
     s, train = report["sample"], report["sample"]["train"]
     console.print(f"\n[bold]Rollout {s['rollout_id']}, sample {s['index']}[/] (group "

@@ -44,6 +44,15 @@ class Thresholds:
     # 2e-7); a bf16 engine against the fp32 trainer, a real mismatch, grows with depth (SmolLM2's
     # 30 layers: 0.030, 3x under this); a dropped or corrupted tensor gives far more
     train_rollout_diff_max: float = 0.1
+    # check 9 (MoE): the fraction of (token, MoE layer) pairs whose experts the trainer's router
+    # picks as the engine's did. Rounding flips only near-ties: a bf16 engine against the fp32
+    # trainer agrees on 0.992 of the tiny MoE's pairs, 0.9957 with a near-tie built into every
+    # router (relax/train/routing.py); a layer under this routes a tenth of its tokens elsewhere
+    routing_agreement_min: float = 0.9
+    routing_agreement_drop: float = 0.05  # last third vs first third of the rollouts' agreement
+    # ... and R3 is the next step where the mismatch is also high: a flip moves the log-probs of
+    # every later token (the near-tie model's bf16 engine: mean |Δ| 1.9e-3, 0.9e-3 with R3)
+    routing_mismatch_min: float = 0.01
     drift_ratio: float = 2.0              # last third vs first third of that diff (relative: any size)
     drift_floor: float = 1e-3             # ... once it is at least this large
     # garbage signals are shares of responses or tokens, not of the model: SmolLM2 and the tiny

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 import relax
 from relax.errors import ReplayError
 from relax.files import atomic_save, fill, safe_load
-from relax.sample import Sample, group_size_of
+from relax.sample import Sample, group_size_of, require_routed_experts
 from relax.task import check_rewards
 
 FORMAT_VERSION = 2  # 2: samples may carry routed_experts (MoE); format 1 files still load
@@ -132,7 +132,6 @@ def check_replay_files(files: dict[int, Path], manifest: dict, allow_mismatch: b
     """Start-up: every file a replay will read loads as it will then (plain data, this run's
     manifest, whole GRPO groups, finite rewards, the engine's experts for algo.routing_replay=
     rollout) and holds the rollout its name says. Returns the number of samples each gives."""
-    from relax.train.routing import check_recorded
 
     counts = {}
     for rollout_id, path in tqdm(files.items(), desc="checking replay files", unit="file",
@@ -141,7 +140,8 @@ def check_replay_files(files: dict[int, Path], manifest: dict, allow_mismatch: b
         if saved_id != rollout_id:
             raise ReplayError(f"{path}: holds rollout {saved_id}, but its name says rollout {rollout_id}")
         check_rewards(samples, f"the replay file {path}")
-        check_recorded(samples, routing_replay, f"the replay file {path}")
+        if routing_replay == "rollout":
+            require_routed_experts(samples, f"the replay file {path}")
         counts[rollout_id] = len(samples)
     return counts
 

@@ -29,14 +29,13 @@ from safetensors.torch import load_file, save_file
 from relax import faults
 from relax.targets import require_extra
 from relax.errors import ConfigError
-from relax.model import read_hf_config, torch_dtype
+from relax.model import families, read_hf_config, torch_dtype
 from relax.rollout import Generation, SamplingParams, engine_dtype, num_engines, prompt_seeds
 
 log = logging.getLogger(__name__)
 GPU = torch.cuda.is_available()
 FINISH = {"stop": "completed", "length": "truncated", "abort": "aborted"}
 EXPORT_TENSORS = f"{__name__}.export_tensors"  # the custom weight loader that reads tensors back
-CPU_KERNELS = f"{__name__}.cpu_kernels"  # ...and the one that replaces Triton kernels on CPU
 
 
 def engine_args(cfg, model_path: Path, base_gpu_id: int = 0) -> dict:
@@ -49,7 +48,9 @@ def engine_args(cfg, model_path: Path, base_gpu_id: int = 0) -> dict:
     memory = r.mem_fraction_static or (0.8 if GPU else cpu_mem_fraction(cfg, model_path))
     common = dict(model_path=str(model_path), dtype=engine_dtype(cfg), tp_size=tp,
                   mem_fraction_static=memory, skip_tokenizer_init=True,
-                  random_seed=cfg.seed, log_level="error")
+                  random_seed=cfg.seed, log_level="error",
+                  # MoE: every request returns its tokens' experts (relax/train/routing.py)
+                  enable_return_routed_experts=bool(families.num_experts(read_hf_config(model_path))))
     if GPU:  # CUDA graphs stay on; the memory saver lets a colocated engine free GPU memory
         common.update(enable_memory_saver=r.colocate)
     else:
@@ -57,7 +58,7 @@ def engine_args(cfg, model_path: Path, base_gpu_id: int = 0) -> dict:
                       max_total_tokens=r.max_total_tokens)
     common.update(dict(r.sglang_server_args))  # anything else, passed through as-is
     # Relax's functions that run inside the scheduler (see export_tensors), kept beside any of yours.
-    common["custom_weight_loader"] = [EXPORT_TENSORS, CPU_KERNELS, faults.SGLANG_DROP_BUFFER,
+    common["custom_weight_loader"] = [EXPORT_TENSORS, faults.SGLANG_DROP_BUFFER,
                                       *(common.get("custom_weight_loader") or [])]
     return {**common, "base_gpu_id": base_gpu_id} if GPU else common
 
@@ -132,6 +133,15 @@ class SGLangEngine:
             raise ConfigError(f"rollout=sglang on CPU runs one engine; got rollout.num_engines="
                               f"{cfg.rollout.num_engines} (rollout=torch runs several)")
         require_extra("rollout=sglang", "sglang")  # at start-up, not when the engine is built
+        if cfg.algo.routing_replay == "rollout":
+            from sglang.srt.server_args import ServerArgs
+
+            if not hasattr(ServerArgs, "enable_return_routed_experts"):
+                import sglang
+
+                raise ConfigError(f"algo.routing_replay=rollout trains on the engine's experts, which SGLang "
+                                  f"{sglang.__version__} cannot return (no enable_return_routed_experts; "
+                                  f"0.5.23 can): upgrade SGLang, or use rollout=torch")
 
     def __init__(self, cfg, model_path: Path, eos_token_ids: list[int], pad_token_id: int,
                  base_gpu_id: int = 0):
@@ -140,8 +150,8 @@ class SGLangEngine:
         self.cfg, self.eos = cfg, eos_token_ids
         self.hf_config = read_hf_config(model_path)
         self.engine = sglang.Engine(**engine_args(cfg, model_path, base_gpu_id))
-        if not GPU:
-            _run_in_scheduler(self.engine, CPU_KERNELS)
+        moe = families.moe_layers(self.hf_config) if families.num_experts(self.hf_config) else None
+        self.moe_layers = None if moe is None else [i for i, sparse in enumerate(moe) if sparse]
         self.deterministic = bool(cfg.rollout.sglang_server_args.get("enable_deterministic_inference"))
         log.info("SGLang %s engine on %s", sglang.__version__,
                  f"GPUs {base_gpu_id}.." if GPU else "CPU")
@@ -149,9 +159,24 @@ class SGLangEngine:
     def generate(self, prompts: list[list[int]], sp: SamplingParams, seed: int | list[int],
                  first_index: int = 0) -> list[Generation]:
         params = sglang_sampling_params(sp, self.eos, seed, len(prompts), self.deterministic, first_index)
-        results = self.engine.generate(input_ids=prompts, return_logprob=True, sampling_params=params)
+        routed = {"return_routed_experts": True, "routed_experts_start_len": 0} if self.moe_layers else {}
+        results = self.engine.generate(input_ids=prompts, return_logprob=True, sampling_params=params,
+                                       **routed)
         return [Generation(r["output_ids"], [lp for lp, _, _ in r["meta_info"]["output_token_logprobs"]],
-                           FINISH[r["meta_info"]["finish_reason"]["type"]]) for r in results]
+                           FINISH[r["meta_info"]["finish_reason"]["type"]],
+                           self._routed_experts(r["meta_info"]) if self.moe_layers else None)
+                for r in results]
+
+    def _routed_experts(self, meta_info: dict) -> list[int]:
+        """SGLang's `routed_experts`: base64 of int32 [prompt + output - 1, every layer, top_k]
+        (top-k in router order), as Sample.routed_experts (the MoE layers only, flattened)."""
+        import base64
+
+        import numpy as np
+
+        ids = np.frombuffer(base64.b64decode(meta_info["routed_experts"]), dtype=np.int32)
+        layers, top_k = self.hf_config["num_hidden_layers"], self.hf_config["num_experts_per_tok"]
+        return ids.reshape(-1, layers, top_k)[:, self.moe_layers].flatten().tolist()
 
     def update_weights(self, named: dict[str, torch.Tensor]) -> None:
         """Push trainer weights by HF name: tensors in buckets, or via disk
@@ -260,11 +285,20 @@ def export_tensors(model, named_tensors) -> None:
               f"{_argument(named_tensors)}/tp{get_parallel().tp_rank}.safetensors")
 
 
-def cpu_kernels(model, named_tensors) -> None:
-    """Runs once inside SGLang's scheduler on CPU (a custom weight loader, like export_tensors):
-    SGLang 0.5.23's Qwen2-MoE adds its gated shared expert with a Triton kernel even off CUDA
-    (Triton has no CPU driver); the same arithmetic in torch, HF's, replaces it."""
+def cpu_plugin() -> None:
+    """An SGLang plugin (setup.cfg's `sglang.srt.plugins` entry point): SGLang runs it at the
+    start of each of its processes, the scheduler's included, before a model is built. On CPU it
+    replaces two things SGLang 0.5.23 has only for CUDA: the routed-experts capturer's host
+    buffer, which it allocates pinned through cudart ("Torch not compiled with CUDA enabled" at
+    start-up with enable_return_routed_experts), by a plain CPU tensor; and Qwen2-MoE's gated
+    shared expert, a Triton kernel even off CUDA (Triton has no CPU driver), by the same
+    arithmetic in torch, HF's."""
+    if torch.cuda.is_available():
+        return
+    from sglang.srt.mem_cache.pool_host import common
     from sglang.srt.models import qwen2_moe
+
+    common.ALLOC_MEMORY_FUNCS["cpu"] = lambda dims, dtype, *args, **kwargs: torch.empty(dims, dtype=dtype)
 
     def gated(hidden, gate_weight, shared):
         return torch.sigmoid(hidden @ gate_weight)[:, None] * shared

@@ -248,16 +248,18 @@ class TrainLog:
                                       peak_memory_mb, skipped_steps, self.with_ref))
 
     def result(self, micro_batches: list[MicroBatch], first_step: bool, save_to: str | None,
-               rollout_id: int, samples: list[Sample], advantages: torch.Tensor, kl_type: str) -> dict:
+               rollout_id: int, samples: list[Sample], advantages: torch.Tensor, kl_type: str,
+               routed: tuple = (None, None)) -> dict:
         """What `train()` returns, from the micro-batches of the steps that ran (all, unless
-        train.on_nonfinite=error stopped the rollout); `save_to`: the debug.save_train_data template."""
+        train.on_nonfinite=error stopped the rollout); `save_to`: the debug.save_train_data template;
+        `routed`: an MoE model's routing sums over all ranks (relax/train/routing.py)."""
         layout = self.layout
         trained = [mb for mb in micro_batches if mb.old_log_probs is not None]
-        out = {"rollout": rollout_record(dp_all_reduce(rollout_sums(trained), layout), self.with_ref),
-               "steps": self.steps, "nonfinite": self.nonfinite}
+        out = {"rollout": rollout_record(dp_all_reduce(rollout_sums(trained), layout), self.with_ref)
+               | routing.metrics(*routed), "steps": self.steps, "nonfinite": self.nonfinite}
         if save_to and layout.writes_data:
             save_train_data(save_to, rollout_id, layout.dp_rank, layout.rank, samples, trained, advantages,
-                            kl_type, self.steps)
+                            kl_type, self.steps, routing.per_layer(routed[0]))
         if first_step:
             first = dp_all_gather(first_step_log_probs(trained), layout)
             out["first_step_log_probs"] = {i: lp for part in first for i, lp in part.items()}
@@ -320,7 +322,7 @@ def first_step_log_probs(micro_batches: list[MicroBatch]) -> dict[int, list[floa
 
 def save_train_data(template: str, rollout_id: int, dp_rank: int, rank: int, samples: list[Sample],
                     micro_batches: list[MicroBatch], advantages: torch.Tensor, kl_type: str,
-                    step_metrics: list[dict]) -> None:
+                    step_metrics: list[dict], routing_per_layer: list | None = None) -> None:
     rows = []
     for mb in micro_batches:
         kl = kl_estimate(mb.old_log_probs, mb.ref_log_probs, kl_type)
@@ -335,4 +337,5 @@ def save_train_data(template: str, rollout_id: int, dp_rank: int, rank: int, sam
         "format_version": 1, "rollout_id": rollout_id, "dp_rank": dp_rank, "rank": rank,
         "samples": rows,
         "steps": [{"loss": m["train/loss"], "grad_norm": m["train/grad_norm"]} for m in step_metrics],
+        **({"routing_agreement_per_layer": routing_per_layer} if routing_per_layer else {}),
     }, fill(template, rollout_id, dp_rank))

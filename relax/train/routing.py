@@ -58,17 +58,6 @@ def check_config(algo, hf_config: dict, num_steps_per_rollout: int) -> None:
                           f"to replay: use rollout (R3), or num_steps_per_rollout >= 2")
 
 
-def check_recorded(samples, mode: str | None, where: str) -> None:
-    """R3 trains on the engine's experts: every sample must carry them."""
-    if mode == "rollout":
-        missing = [s.index for s in samples if s.routed_experts is None]
-        if missing:
-            raise ConfigError(f"algo.routing_replay=rollout: samples {missing[:8]} of {where} carry no "
-                              f"routed_experts (rollout data saved before Relax recorded routing, or a "
-                              f"generate_fn that built its Sample without the engine's "
-                              f"Generation.routed_experts); use algo.routing_replay=null for it")
-
-
 def engine_experts(samples, length: int) -> torch.Tensor | None:
     """The samples' recorded experts as [rows, length, layers x top_k] (-1: not recorded: the
     last token, padding, a sample without them); None when no sample has any."""
@@ -188,6 +177,13 @@ def replayed_sums(record: Record, replay: torch.Tensor) -> torch.Tensor:
     same = (record.own.sort(-1).values == replay.sort(-1).values).all(-1)
     return torch.stack([((record.used == replay).all(-1) & known).sum(), (same & known).sum(),
                         known.sum()]).float()
+
+
+def per_layer(agreement: torch.Tensor | None) -> list | None:
+    """Per MoE layer, the agreement of DP-summed agreement_sums (None: a layer nothing compared)."""
+    if agreement is None or agreement[1].sum() == 0:
+        return None
+    return [(a / n).item() if n else None for a, n in zip(agreement[0], agreement[1])]
 
 
 def metrics(agreement: torch.Tensor | None, replayed: torch.Tensor | None) -> dict:

@@ -21,7 +21,7 @@ from relax.algo import masked_sum, sequence_loss_scales
 from relax import faults
 from relax.model import load_causal_lm, save_hf_dir
 from relax.files import atomic_save, safe_load
-from relax.sample import Sample, log_prob_temperature
+from relax.sample import Sample, log_prob_temperature, require_routed_experts
 from relax.train import batch_invariance, common, layer_dump, lora, packing, routing
 from relax.train.common import MicroBatch
 from relax.train.profile import phase, profiled
@@ -135,7 +135,8 @@ class TorchTrainer(DistributedWeightSync):
 
         ref, old = common.forward_passes(self.cfg, rollout_id, self.first_step, self.save_train_data)
         replaying = self.cfg.algo.routing_replay
-        routing.check_recorded(samples, replaying, f"rollout {rollout_id}")
+        if replaying == "rollout":
+            require_routed_experts(samples, f"rollout {rollout_id}")
         with torch.no_grad():  # the reference, and the policy that sampled (old), where needed
             if ref:
                 with self._reference() as model, phase("step:reference"):
@@ -185,11 +186,11 @@ class TorchTrainer(DistributedWeightSync):
                      self.optimizer.param_groups[0]["lr"], t0, peak_memory_mb(), self.skipped_steps)
             if not finite and t.on_nonfinite == "error":
                 break
+        routed = (dp_all_reduce(routing.rollout_agreement(micro_batches), self.layout),
+                  dp_all_reduce(replayed, self.layout))
         out = log.result(micro_batches, self.first_step, self.save_train_data, rollout_id, samples,
-                         advantages, self.cfg.algo.kl_loss_type)
+                         advantages, self.cfg.algo.kl_loss_type, routed)
         out["steps"][0].update(invariance)
-        agreement = dp_all_reduce(routing.rollout_agreement(micro_batches), self.layout)
-        out["rollout"].update(routing.metrics(agreement, dp_all_reduce(replayed, self.layout)))
         self.first_step = False
         return out
 

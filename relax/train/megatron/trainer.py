@@ -10,6 +10,7 @@ optimizer, and its grad clipping (`train/grad_norm` comes from Megatron).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 import time
@@ -21,14 +22,15 @@ import torch
 import torch.distributed as dist
 
 from relax.algo import masked_sum, sequence_loss_scales
-from relax.model import save_hf_dir
-from relax.sample import Sample, log_prob_temperature
+from relax.model import families, save_hf_dir
+from relax.sample import Sample, log_prob_temperature, require_routed_experts
 from relax.train import batch_invariance, common
 from relax.train.common import MicroBatch
 from relax.train.profile import phase, profiled
 from relax.train.megatron import checks, layer_dump
 from relax.train.megatron.context_parallel import cp_full, cp_local
 from relax.train.megatron.layout import init_layout
+from relax.train.megatron.routing import Routing as MoERouting
 from relax.train.megatron.model import (
     GPU, build_chunks, deterministic_mode, transformer_config, wrap_for_training)
 from relax.train.megatron.weights import Weights, load_optimizer_state, save_optimizer_state
@@ -46,6 +48,7 @@ class MegatronTrainer(DistributedWeightSync):
     load_checkpoint / shutdown."""
     check_config = staticmethod(checks.check_config)
     checkpoint_layout = staticmethod(checks.checkpoint_layout)
+    replays_routing = True  # algo.routing_replay: Megatron-core's RouterReplay (routing.py)
 
     def __init__(self, cfg, model_path: str, ref_model_path: str | None = None,
                  pad_token_id: int = 0, save_train_data: str | None = None,
@@ -66,9 +69,17 @@ class MegatronTrainer(DistributedWeightSync):
         self.temperature = log_prob_temperature(cfg.rollout.temperature)
         self.layout = init_layout(cfg.parallel, cfg.seed, rank, world_size)
         self.config = transformer_config(self.hf_config, self.layout, cfg.train, cfg.model.dtype)
+        self.config.moe_enable_routing_replay = bool(cfg.algo.routing_replay)
+        if cfg.algo.routing_replay:  # (its routers register in a process-wide list: only this trainer's)
+            from megatron.core.transformer.moe.router_replay import RouterReplay
+
+            RouterReplay.clear_global_router_replay_instances()
         self.weights = Weights(self.hf_config, self.layout)
         self.ref = self.weights.load(self._build(), ref_model_path or model_path)
         actor = self.weights.load(self._build(), model_path)  # the actor's passthrough is kept
+        self.moe_routing = MoERouting([self.ref, actor], self.layout, self.hf_config.num_hidden_layers,
+                                  self.hf_config.num_experts_per_tok, cfg.algo.routing_replay) \
+            if families.num_experts(self.hf_config.to_dict()) else None
         common.nudge_ulps([p for chunk in actor for p in chunk.parameters()], cfg.parallel.noise_ulp,
                           cfg.seed)
         self.actor, self.optimizer = wrap_for_training(actor, self.config, cfg.train, cfg.model.dtype)
@@ -92,13 +103,15 @@ class MegatronTrainer(DistributedWeightSync):
         last = layout.is_last_stage  # computes the logits, hence every result
 
         ref, old = common.forward_passes(self.cfg, rollout_id, self.first_step, self.save_train_data)
+        if self.cfg.algo.routing_replay == "rollout":
+            require_routed_experts(samples, f"rollout {rollout_id}")
         ref_out = old_out = None
         if ref:
             with phase("step:reference"):
-                ref_out = self._forward_log_probs(self.ref, micro_batches)
+                ref_out = self._forward_log_probs(self.ref, micro_batches, "ref")
         if old:
             with phase("step:old_log_probs"):
-                old_out = self._forward_log_probs(self.actor, micro_batches)
+                old_out = self._forward_log_probs(self.actor, micro_batches, "old")
         if last:
             for k, mb in enumerate(micro_batches):
                 if ref:
@@ -119,7 +132,7 @@ class MegatronTrainer(DistributedWeightSync):
                 chunk.zero_grad_buffer()
             self.optimizer.zero_grad()
             with phase("step:forward_backward"):
-                losses = self._schedule(self.actor, step_mbs, self._loss, forward_only=False)
+                losses = self._schedule(self.actor, step_mbs, self._loss, forward_only=False, forward="train")
             with phase("step:optimizer"):
                 # per-position sums were taken on CP-local chunks: sum over CP ranks too
                 sums = _sum(sum(losses), layout.dp_cp_group) if last else None
@@ -132,10 +145,11 @@ class MegatronTrainer(DistributedWeightSync):
                          self.optimizer.param_groups[0]["lr"], t0, peak, self.skipped_steps)
             if not stepped and t.on_nonfinite == "error":
                 break
+        routed = self.moe_routing.rollout_sums() if self.moe_routing else (None, None)  # (a collective)
         result = None
         if last:
             result = log.result(micro_batches, self.first_step, self.save_train_data, rollout_id, samples,
-                                advantages, self.cfg.algo.kl_loss_type)
+                                advantages, self.cfg.algo.kl_loss_type, routed)
             result["steps"][0].update(invariance)
         self.first_step = False
         return self._from_last_stage(result)
@@ -225,15 +239,18 @@ class MegatronTrainer(DistributedWeightSync):
 
     # -- forward/backward through Megatron's schedules ------------------------------------
     def _schedule(self, chunks, micro_batches: list[MicroBatch], loss_func, forward_only: bool,
-                  force_all_reduce: bool = False):
+                  force_all_reduce: bool = False, forward: str | None = None):
         """`force_all_reduce`: every DP rank's grad buffer ends up whole (not reduce-scattered
-        for the distributed optimizer)."""
+        for the distributed optimizer). `forward` ("ref", "old", "train"): the pass, for MoE
+        routing (None: not measured, not replayed)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator, model):
             whole = next(data_iterator)
             mb, positions = cp_local(whole, self.layout)
-            output = model(input_ids=mb.tokens, position_ids=positions, attention_mask=None)
+            with self.moe_routing.forward(whole, positions, forward) if self.moe_routing and forward \
+                    else contextlib.nullcontext():
+                output = model(input_ids=mb.tokens, position_ids=positions, attention_mask=None)
             return output, partial(loss_func, mb, whole)
 
         vpp = len(chunks)
@@ -245,7 +262,7 @@ class MegatronTrainer(DistributedWeightSync):
             micro_batch_size=micro_batches[0].tokens.shape[0],
             forward_only=forward_only, collect_non_loss_data=forward_only, force_all_reduce=force_all_reduce)
 
-    def _forward_log_probs(self, chunks, micro_batches: list[MicroBatch]):
+    def _forward_log_probs(self, chunks, micro_batches: list[MicroBatch], forward: str | None = None):
         """Per-position log-probs and entropy of every micro-batch (last pipeline stage only)."""
         def collect(mb, whole, logits, non_loss_data=False):
             return self._log_probs(logits, mb)
@@ -253,7 +270,7 @@ class MegatronTrainer(DistributedWeightSync):
         for chunk in chunks:
             chunk.eval()
         with torch.no_grad():
-            outputs = self._schedule(chunks, micro_batches, collect, forward_only=True)
+            outputs = self._schedule(chunks, micro_batches, collect, forward_only=True, forward=forward)
         return [tuple(cp_full(x, self.layout) for x in out) for out in outputs]
 
     def _from_last_stage(self, obj):
