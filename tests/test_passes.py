@@ -75,12 +75,12 @@ def test_reused_old_log_probs_change_no_number(tiny_path, rollouts, algo):
 
 def count_forwards(trainer) -> list[str]:
     """Which model each forward of `trainer` ran on: 'ref', or 'actor' with or without grad."""
-    calls, log_probs = [], trainer._log_probs
+    calls, forward = [], trainer._forward
 
-    def counted(model, mb):
+    def counted(model, mb, *args, **kwargs):
         calls.append("ref" if model is trainer.ref else "actor" if torch.is_grad_enabled() else "old")
-        return log_probs(model, mb)
-    trainer._log_probs = counted
+        return forward(model, mb, *args, **kwargs)
+    trainer._forward = counted
     return calls
 
 
