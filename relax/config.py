@@ -97,6 +97,7 @@ class LoraConfig:  # train.lora: LoRA adapters through peft (train=torch only; d
     alpha: Optional[float] = None  # the update is alpha / rank x B @ A (null: 2 x rank)
     dropout: float = 0.0  # dropout on the adapters' input, in [0, 1) (0: a deterministic forward)
     target_modules: Optional[list[str]] = None  # modules adapted (null: the attention and MLP projections)
+    save_merged: bool = False  # checkpoints also hold the merged model, an HF dir (hf/), beside the adapter
 
 
 class TrainConfig:

@@ -20,8 +20,8 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from relax import faults
 from relax.checkpoint import (
-    check_config, check_layout, check_run_dir, find_checkpoint, read_state, reference_model, restore_history,
-    resumed_run, save_checkpoint, scan)
+    adapter_only, check_config, check_layout, check_run_dir, find_checkpoint, read_state, reference_model,
+    restore_history, resumed_run, save_checkpoint, scan)
 from relax.cluster import check_cluster, open_cluster
 from relax.debug import checks
 from relax.debug.health import SAMPLES_FILE, response_health, sample_record
@@ -98,6 +98,10 @@ def prepare(cfg, run_dir: Path) -> Run:
     start = saved["rollout_id"] + 1 if saved else 0
     ref_model = reference_model(checkpoint, saved) if saved else None
     plan = resolve(cfg, start, read_hf_config(ref_model) if saved else None)
+    if saved and adapter_only(checkpoint) and not plan.builds_train:
+        raise ConfigError(f"resume: {checkpoint} holds a LoRA adapter without the merged model, which only "
+                          f"a trainer merges, and debug.rollout_only builds none: resume with the trainer, "
+                          f"or from a checkpoint saved with train.lora.save_merged=true")
     if plan.profile_dir:  # as resolved: the trainers read them, maybe in other processes and working dirs
         cfg.debug.profile_dir, cfg.debug.profile_rollouts = plan.profile_dir, plan.profile_rollouts
     if saved and plan.builds_train:
@@ -129,8 +133,10 @@ def prepare(cfg, run_dir: Path) -> Run:
         if not plan.rollout_ids:
             log.warning("resume: %s is at the run's last rollout (rollout.num_rollout=%d): nothing "
                         "left to run", checkpoint, cfg.rollout.num_rollout)
-    return Run(cfg, run_dir, plan, start, checkpoint, model_path,
-               checkpoint / "hf" if checkpoint else model_path, tokenizer, manifest, task, evaluator)
+    # the engine's weights: the checkpoint's, or for a LoRA adapter alone the base, synced in build()
+    actor_path = checkpoint / "hf" if checkpoint and not adapter_only(checkpoint) else model_path
+    return Run(cfg, run_dir, plan, start, checkpoint, model_path, actor_path, tokenizer, manifest, task,
+               evaluator)
 
 
 def build(run: Run, cluster):
@@ -145,11 +151,15 @@ def build(run: Run, cluster):
         (run.actor_path, run.model_path, run.tokenizer.pad_token_id, plan.save_train_data)
         if plan.builds_train else None)
     write_json(run.dir / "built.json", {**built, "placement": cluster.placement()})
+    merged = None
     if trainer and run.checkpoint:
         trainer.load_checkpoint(str(run.checkpoint))
         log.info("Resumed from %s at rollout %d", run.checkpoint, run.start)
+        if engine and adapter_only(run.checkpoint):  # the engine loaded the base: base + adapter in
+            merged = trainer.named_weights()
+            engine.update_weights(merged)
     if engine and cfg.debug.check_weight_update_equal:
-        weight_check = WeightCheck(engine, run.actor_path, run.dir)
+        weight_check = WeightCheck(engine, run.actor_path, run.dir, merged)
         if trainer:
             weight_check.check_first_sync(engine, trainer)
         if cfg.debug.strict_checks:

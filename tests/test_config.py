@@ -54,7 +54,7 @@ ADDED = {"logger._target_": "relax.logger.MetricsLogger",
          "debug.profile_dir": None, "debug.profile_rollouts": None,
          # issue 25 (LoRA): off
          "train.lora.rank": 0, "train.lora.alpha": None, "train.lora.dropout": 0.0,
-         "train.lora.target_modules": None,
+         "train.lora.target_modules": None, "train.lora.save_merged": False,
          # issue 23 (speed): a group's prompt once in train=torch's forward
          "train.shared_prompt": True,
          # issue 24 (MoE routing): routing replay, off

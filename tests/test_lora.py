@@ -93,9 +93,10 @@ def test_adapter_dropout_runs_in_the_actors_forward_and_not_in_the_references(ti
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory, tiny_path):
     run = tmp_path_factory.mktemp("lora")
-    run_loop(run, *LORA, "rollout.rollout_batch_size=8", "rollout.num_rollout=3",
-             "checkpoint.save_interval=3", "debug.check_weight_update_equal=true",
-             "debug.check_weight_update_every_sync=true", "debug.strict_checks=true", "debug=dump")
+    run_loop(run, *LORA, "rollout.rollout_batch_size=8", "rollout.num_rollout=3", "debug=dump",
+             "checkpoint.save_interval=3", "train.lora.save_merged=true",
+             "debug.check_weight_update_equal=true",
+             "debug.check_weight_update_every_sync=true", "debug.strict_checks=true")
     return run
 
 
@@ -171,9 +172,10 @@ def test_a_resumed_lora_run_ends_with_the_adapter_of_an_uninterrupted_one(tmp_pa
     assert resumed_rollouts[2]["rollout/ref_log_probs"] == full_rollouts[2]["rollout/ref_log_probs"]
     assert resumed_rollouts[2]["rollout/kl"] == full_rollouts[2]["rollout/kl"] != 0
     last = [run / "checkpoints" / "rollout_000003" for run in (tmp_path / "full", tmp_path / "resumed")]
-    for name in ("adapter/adapter_model.safetensors", "hf/model.safetensors"):
-        a, b = (load_file(c / name) for c in last)
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    a, b = (load_file(c / "adapter" / "adapter_model.safetensors") for c in last)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # the adapter alone (train.lora.save_merged=false): 28 small tensors, no second copy of the model
+    assert not any((c / "hf").exists() for c in [middle, *last])
     state = safe_load(last[1] / "trainer_state.pt")["optimizer"]["state"]
     assert state and all(".lora_" in name for name in state)  # Adam's moments: the adapters' only
 
@@ -264,3 +266,24 @@ def test_the_tiny_default_learns_with_lora(tmp_path):
     rewards = [r["rollout/raw_reward"] for r in rollouts]
     assert len(rewards) == 400
     assert sum(rewards[-3:]) / 3 - sum(rewards[:3]) / 3 > 0.3  # measured: 0.335 -> 0.871
+
+
+def test_an_adapter_only_checkpoint_resumes_with_the_merged_model_in_the_engine(tmp_path, tiny_path):
+    """Without train.lora.save_merged a checkpoint holds the adapter, not the merged model: the
+    resumed engine loads the base and gets base + adapter from the trainer, which the strict
+    engine-weights check confirms; train.lora.save_merged=true writes the merged hf/ dir too."""
+    common = [*LORA, *SHORT, "rollout.num_rollout=3", "checkpoint.save_interval=2"]
+    full, _ = run_loop(tmp_path / "full", *common)
+    checkpoint = tmp_path / "full" / "checkpoints" / "rollout_000001"
+    assert (checkpoint / "adapter").is_dir() and not (checkpoint / "hf").exists()
+    resumed, _ = run_loop(tmp_path / "resumed", *common, f"resume={checkpoint}", "debug.strict_checks=true",
+                          "debug.check_weight_update_equal=true", "debug.check_weight_update_every_sync=true")
+    report = json.loads((tmp_path / "resumed" / "weight_check.json").read_text())
+    assert report["passed"] and [c["stage"] for c in report["checks"]][:2] == ["load", "sync"]
+    # the engine served base + adapter: its rollout 2 equals the uninterrupted run's
+    assert resumed[2]["rollout_id"] == full[2]["rollout_id"] == 2
+    assert resumed[2]["rollout/raw_reward"] == full[2]["rollout/raw_reward"]
+    with pytest.raises(ConfigError, match="only a trainer merges"):
+        run_loop(tmp_path / "rollout_only", *common, f"resume={checkpoint}", "debug=rollout_only")
+    run_loop(tmp_path / "merged", *common, "train.lora.save_merged=true")
+    assert (tmp_path / "merged" / "checkpoints" / "rollout_000001" / "hf" / "model.safetensors").is_file()

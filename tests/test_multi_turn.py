@@ -180,6 +180,12 @@ async def no_log_probs(client, prompt, sampling_params):
     return s
 
 
+async def routed_by_response(client, prompt, sampling_params):
+    s = await single_turn(client, prompt, sampling_params)
+    s.routed_experts = [0, 1] * (s.response_length * 7 + 1)  # not [tokens - 1, layers, top_k]
+    return s
+
+
 async def not_a_sample(client, prompt, sampling_params):
     return {"tokens": prompt.tokens}
 
@@ -188,6 +194,7 @@ async def not_a_sample(client, prompt, sampling_params):
     ("short_mask", r"loss_mask has \d+ entries for \d+ response tokens"),
     ("no_log_probs", r"rollout_log_probs has no finite number at response tokens \[\d+\] \(e.g. nan"),
     ("not_a_sample", r"returned for sample 0 .* dict .*: expected a relax.sample.Sample"),
+    ("routed_by_response", r"routed_experts has \d+ entries: expected \[len\(tokens\) - 1 = \d+, MoE layers"),
 ])
 def test_a_sample_that_cannot_be_trained_on_is_named(engine, tokenizer, fn, message):
     with pytest.raises(RolloutError, match=rf"rollout.generate_fn=tests.test_multi_turn.{fn} in a test .*"

@@ -291,10 +291,12 @@ def test_deterministic_mode_reproduces_a_sampled_rollout(tiny_path, tokenizer):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA GPUs (NCCL)")
-def test_nccl_weight_sync_on_gpu(tmp_path):
-    """On GPU: trainer rank 0 broadcasts the weights into SGLang over NCCL each rollout."""
+@pytest.mark.parametrize("lora", [[], ["train.lora.rank=8"]], ids=["full", "lora"])
+def test_nccl_weight_sync_on_gpu(tmp_path, lora):
+    """On GPU: trainer rank 0 broadcasts the weights into SGLang over NCCL each rollout (with
+    LoRA, the merged projections only)."""
     proc = relax_cli("rollout=sglang", "rollout.weight_update_mode=distributed", "rollout.num_rollout=3",
-                     "rollout.rollout_batch_size=4", "checkpoint.save_interval=null",
+                     "rollout.rollout_batch_size=4", "checkpoint.save_interval=null", *lora,
                      "hydra.run.dir=outputs/nccl", cwd=tmp_path, entry=[sys.executable, "-m", "relax"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = [json.loads(line) for line in (tmp_path / "outputs/nccl/metrics.jsonl").read_text().splitlines()

@@ -1,7 +1,9 @@
 """Checkpoints and resume (`checkpoint.*`, `resume`).
 
 <run dir>/checkpoints/rollout_000099/
-    hf/                  the actor as a normal HF directory (config, safetensors, tokenizer)
+    hf/                  the actor as a normal HF directory (config, safetensors, tokenizer);
+                         with LoRA only on request (train.lora.save_merged)
+    adapter/             LoRA: the adapters in peft's format (relax/train/lora.py)
     trainer_state.pt     optimizer and RNG state (plain tensors; loaded weights_only);
                          train=megatron: trainer_state_rank<R>.pt, one per rank
     history/             the run's metrics.jsonl, samples.jsonl and first_step_log_probs.pt as at
@@ -99,12 +101,13 @@ def _ensure_space(root: Path, complete: list[Path], keep_last: int | None) -> No
                        f"needed, {free / 2**20:.0f} MiB free")
 
 
-def check_finite_weights(hf_dir: Path) -> None:
-    """Refuse to checkpoint NaN/Inf weights, tensor by tensor (nothing is held in memory)."""
+def check_finite_weights(folder: Path) -> None:
+    """Refuse to checkpoint NaN/Inf weights (its HF dir's, its LoRA adapter's), tensor by tensor
+    (nothing is held in memory)."""
     import torch
     from safetensors import safe_open
 
-    for file in sorted(Path(hf_dir).glob("*.safetensors")):
+    for file in sorted(Path(folder).rglob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 if not torch.isfinite(f.get_tensor(name)).all():
@@ -124,11 +127,12 @@ def save_checkpoint(trainer, tokenizer, run_dir: Path, rollout_id: int, ref_mode
     faults.kill_point("checkpoint_start")
     try:
         trainer.save_checkpoint(str(tmp))
-        check_finite_weights(tmp / "hf")
+        check_finite_weights(tmp)
         faults.kill_point("checkpoint_weights")
         if faults.active("disk_full"):
             raise OSError(errno.ENOSPC, "No space left on device", str(tmp / "hf"))
-        tokenizer.save_pretrained(tmp / "hf")
+        if (tmp / "hf").is_dir():  # (a LoRA adapter alone: the reference model has the tokenizer)
+            tokenizer.save_pretrained(tmp / "hf")
         (tmp / "history").mkdir()
         for name in HISTORY:
             if (Path(run_dir) / name).is_file():
@@ -248,13 +252,18 @@ def reference_model(checkpoint: Path, state: dict) -> Path:
     """The model the checkpoint's run started from (its reference), which must still be whole,
     like the checkpoint's own weights."""
     path = Path(state["ref_model_path"])
-    for folder, what in ((path, "its run's reference model (relax_state.json ref_model_path)"),
-                         (Path(checkpoint) / "hf", "its weights")):
+    weights = [] if adapter_only(checkpoint) else [(Path(checkpoint) / "hf", "its weights")]
+    for folder, what in ((path, "its run's reference model (relax_state.json ref_model_path)"), *weights):
         try:
             check_model_dir(folder)
         except ConfigError as e:
             raise ConfigError(f"resume: {checkpoint} needs {what} {folder}, which is unusable: {e}") from None
     return path
+
+
+def adapter_only(checkpoint: Path) -> bool:
+    """A LoRA checkpoint without train.lora.save_merged: the adapter, no merged hf/ dir."""
+    return not (Path(checkpoint) / "hf").is_dir() and (Path(checkpoint) / "adapter").is_dir()
 
 
 def check_layout(checkpoint: Path, state: dict, layout: dict) -> None:

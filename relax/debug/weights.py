@@ -69,11 +69,13 @@ def describe(report: dict) -> str:
 class WeightCheck:
     """Runs the load and sync comparisons on every engine and records them in the run dir."""
 
-    def __init__(self, engines, model_path: Path, run_dir: Path):
+    def __init__(self, engines, model_path: Path, run_dir: Path, weights: dict | None = None):
+        """`weights`: what the engines hold instead of `model_path`'s (a resumed LoRA adapter,
+        merged into the base by the trainer)."""
         from relax.model import load_safetensors_dir
 
         self.loaded = snapshots(engines)
-        checkpoint = load_safetensors_dir(model_path)
+        checkpoint = weights if weights is not None else load_safetensors_dir(model_path)
         self.dtype = next(iter(self.loaded[0].values())).dtype  # the engines' compute dtype
         self.reference = {k: v.to(self.dtype) for k, v in checkpoint.items()}
         # buffers, which no checkpoint holds, are expected to stay as each engine loaded them

@@ -262,7 +262,8 @@ class TorchTrainer(DistributedWeightSync):
         if self.lora:  # the adapters themselves, which a resumed run trains on
             self.lora.save(path, write=self.layout.rank == 0)
         if self.layout.rank == 0:
-            save_hf_dir(Path(path) / "hf", self.model.config, weights)
+            if not self.lora or self.cfg.train.lora.save_merged:  # (an adapter: the base is the reference)
+                save_hf_dir(Path(path) / "hf", self.model.config, weights)
             atomic_save({"optimizer": optim, "torch_rng": torch.get_rng_state(),
                          "skipped_steps": self.skipped_steps}, Path(path) / "trainer_state.pt")
 
