@@ -63,8 +63,9 @@ def main() -> None:
                           f"train {seconds:7.2f} s/rollout, peak {peak:7.0f} MB", flush=True)
     print(f"\n{'job':<5} {'train s/rollout off':>20} {'on':>8} {'off / on':>9} {'peak MB off':>12} {'on':>8}")
     for job in jobs:
-        (off, off_mb), (on, on_mb) = ((statistics.median(x[i] for x in results[job, s]) for i in (0, 1))
-                                      for s in (False, True))
+        # (lists: a generator inside a generator would read `shared` late, both sides the `on` runs')
+        (off, off_mb), (on, on_mb) = [[statistics.median(x[i] for x in results[job, shared]) for i in (0, 1)]
+                                      for shared in (False, True)]
         print(f"{job:<5} {off:20.2f} {on:8.2f} {off / on:8.2f}x {off_mb:12.0f} {on_mb:8.0f}")
 
 

@@ -122,3 +122,24 @@ def test_the_real_model_replays_equivalently_through_every_trainer_and_layout_ki
     report = json.loads(proc.stdout)
     assert "noise twin torch-twin" in report["compared"]
     assert {j["job"] for j in report["jobs"] if not j["departs"]} == {d.name for d in dirs[1:]}
+
+
+def test_lora_on_the_real_model_keeps_the_first_step_exact_and_the_engine_merged(tmp_path, smollm2_path):
+    """LoRA on SmolLM2 (30 layers, tied embeddings, GQA): the first step's reference is the base
+    with the adapters off, bit for bit the actor's; the engine equals base + merged adapters after
+    every sync; only the adapters moved; the checkpoint is the adapter alone."""
+    from safetensors.torch import load_file
+
+    rollouts, steps = run_loop(tmp_path, *REAL, "train.lora.rank=8", "train.lr=2e-4", "rollout.num_rollout=2",
+                               "checkpoint.save_interval=2", "debug.strict_checks=true",
+                               "train.ref_log_probs_interval=1", "debug.check_weight_update_equal=true",
+                               "debug.check_weight_update_every_sync=true")
+    first = rollouts[0]
+    assert first["rollout/log_probs"] == first["rollout/ref_log_probs"] and first["rollout/kl"] == 0.0
+    assert steps[0]["train/ppo_kl"] == 0.0 and all(s["train/grad_norm"] > 0 for s in steps)
+    assert rollouts[1]["rollout/kl"] > 0  # the adapters moved the policy off the base
+    report = json.loads((tmp_path / "weight_check.json").read_text())
+    assert report["passed"] and [c["stage"] for c in report["checks"]] == ["load", "sync", "sync", "sync"]
+    checkpoint = tmp_path / "checkpoints" / "rollout_000001"
+    adapter = load_file(checkpoint / "adapter" / "adapter_model.safetensors")
+    assert len(adapter) == 30 * 7 * 2 and not (checkpoint / "hf").exists()  # A and B of 7 projections x 30
