@@ -50,11 +50,17 @@ class Sample:
             raise ValueError(f"sample {s.index}: response_length {s.response_length} does not match "
                              f"its {len(s.tokens)} tokens, {len(s.loss_mask)} loss_mask and "
                              f"{len(s.rollout_log_probs)} rollout_log_probs entries")
-        if s.routed_experts is not None and (not isinstance(s.routed_experts, list) or len(s.tokens) < 2
-                                             or len(s.routed_experts) % (len(s.tokens) - 1)):
+        if not routed_experts_fit(s):
             raise ValueError(f"sample {s.index}: routed_experts must be a list of [len(tokens) - 1 = "
                              f"{len(s.tokens) - 1}, layers, top_k] expert ids, flattened")
         return s
+
+
+def routed_experts_fit(s: Sample) -> bool:
+    """Sample.routed_experts is None, or a non-empty list of [len(tokens) - 1, layers, top_k] ids."""
+    routed = s.routed_experts
+    return routed is None or (isinstance(routed, list) and len(s.tokens) > 1 and len(routed) > 0
+                              and len(routed) % (len(s.tokens) - 1) == 0)
 
 
 OPTIONAL_FIELDS = {"routed_experts"}  # (added with replay format 2: format 1 files lack it)

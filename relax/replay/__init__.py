@@ -132,7 +132,6 @@ def check_replay_files(files: dict[int, Path], manifest: dict, allow_mismatch: b
     """Start-up: every file a replay will read loads as it will then (plain data, this run's
     manifest, whole GRPO groups, finite rewards, the engine's experts for algo.routing_replay=
     rollout) and holds the rollout its name says. Returns the number of samples each gives."""
-
     counts = {}
     for rollout_id, path in tqdm(files.items(), desc="checking replay files", unit="file",
                                  disable=len(files) < 20):

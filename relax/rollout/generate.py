@@ -21,7 +21,7 @@ from relax.targets import load_function
 from relax.errors import ConfigError, RolloutError
 from relax.rollout import SamplingParams
 from relax.rollout.client import Batcher
-from relax.sample import Sample
+from relax.sample import Sample, routed_experts_fit
 from relax.task import Prompt, check_rewards
 from relax.task.rewards import raised
 
@@ -79,9 +79,8 @@ def check_sample(sample, prompt, source: str) -> None:
         bad = [t for t, lp in enumerate(sample.rollout_log_probs) if not _finite_sum([lp])]
         problems.append(f"rollout_log_probs has no finite number at response tokens {bad[:8]} "
                         f"(e.g. {sample.rollout_log_probs[bad[0]]!r}; masked tokens take 0.0)")
-    routed = sample.routed_experts
-    if routed is not None and (not isinstance(routed, list) or len(sample.tokens) < 2
-                               or len(routed) % (len(sample.tokens) - 1) or not routed):
+    if not routed_experts_fit(sample):
+        routed = sample.routed_experts
         count = len(routed) if isinstance(routed, list) else repr(routed)
         problems.append(f"routed_experts has {count} entries: expected [len(tokens) - 1 = "
                         f"{len(sample.tokens) - 1}, MoE layers, top_k] expert ids, flattened (the "

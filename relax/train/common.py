@@ -48,8 +48,9 @@ class MicroBatch:
     is_flags: tuple | None = None           # ([b, T] truncated, [b, T] dropped)
     prompt_lengths: list[int] | None = None  # per row: prompt tokens (0: padding row)
     lengths: list[int] | None = None         # per row: prompt + response tokens (0: padding row)
-    # MoE (relax/train/routing.py), [b, T, layers x top_k], -1 where unknown: the engine's
-    # experts per fed token; the trainer's own, recorded at the rollout's weights; the ones replayed
+    # MoE (relax/train/routing.py), -1 where unknown: the engine's experts per fed token, [b, T,
+    # layers x top_k]; the trainer's own, recorded at the rollout's weights, [b * T, layers, top_k];
+    # R2's replayed ones (that record), [b * T, layers x top_k]
     routed_experts: torch.Tensor | None = None
     trainer_experts: torch.Tensor | None = None
     replay_experts: torch.Tensor | None = None

@@ -136,12 +136,18 @@ def unpacked_fed(lengths: list[int], T: int) -> tuple[torch.Tensor, torch.Tensor
     return positions, positions
 
 
-def replay_for(mb, mode: str | None, forward: str) -> torch.Tensor | None:
-    """The experts a forward ("ref", "old" or "train") of `mb` routes to: R3 the engine's in
-    every forward, R2 the old-log-prob pass's in the training forwards."""
+def replay_source(mode: str | None, forward: str) -> str | None:
+    """Whose experts a forward ("ref", "old" or "train") routes to: R3 the engine's ("rollout")
+    in every forward, R2 the old-log-prob pass's ("train") in the training forwards, else none."""
     if mode == "rollout":
-        return mb.routed_experts
-    return mb.replay_experts if mode == "train" and forward == "train" else None
+        return "rollout"
+    return "train" if mode == "train" and forward == "train" else None
+
+
+def replay_for(mb, mode: str | None, forward: str) -> torch.Tensor | None:
+    """The experts a forward of `mb` routes to (replay_source), [b * T, layers x top_k]."""
+    source = replay_source(mode, forward)
+    return mb.routed_experts if source == "rollout" else mb.replay_experts if source == "train" else None
 
 
 def measured(mb, record: Record | None, mode: str | None) -> None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from relax.train.routing import agreement_sums
+from relax.train.routing import agreement_sums, replay_source
 
 
 @dataclass
@@ -62,9 +62,7 @@ class Routing:
         if self.layout.sequence_parallel and self.layout.tp_size > 1:
             share = len(pos) // self.layout.tp_size
             pos = pos[self.layout.tp_rank * share:(self.layout.tp_rank + 1) * share]
-        replay = "rollout" if self.mode == "rollout" else \
-            "train" if self.mode == "train" and forward == "train" else None
-        self.current = _Forward(mb, pos, forward, replay)
+        self.current = _Forward(mb, pos, forward, replay_source(self.mode, forward))
         try:
             yield
         finally:
@@ -83,20 +81,27 @@ class Routing:
         c = self.current
         if c is None:
             return
+        key = (id(c.mb), layer)
+        measuring = c.forward != "ref" and key not in self.measured  # first forward at the rollout's weights
+        replay = router.router_replay
+        if replay is not None:
+            replay.clear_indices()
+        if not measuring and c.replay is None:  # nothing to measure or replay: no second gating matmul
+            if replay is not None:
+                replay.clear_router_replay_action()
+            return
         with torch.no_grad():
             own = router.gating(hidden).view(-1, router.config.num_moe_experts).topk(self.top_k).indices
-        engine, key = self._engine(layer), (id(c.mb), layer)
-        if c.forward != "ref" and key not in self.measured:  # the first forward at the rollout's weights
+        engine = self._engine(layer)
+        if measuring:
             self.measured.add(key)
             if engine is not None:
                 self.agreement[:, layer] += agreement_sums(own[:, None], engine[:, None])[:, 0]
             if self.mode == "train":
                 self.recorded[key] = own
         target = engine if c.replay == "rollout" else self.recorded.get(key) if c.replay == "train" else None
-        replay = router.router_replay
         if replay is None:
             return
-        replay.clear_indices()
         if target is None:
             replay.clear_router_replay_action()
             return
