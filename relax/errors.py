@@ -34,3 +34,8 @@ class RolloutError(RuntimeError):
     """A user's rollout function failed (rollout.generate_fn, task.reward_fn, a remote reward,
     rollout.dynamic_sampling_filter) or returned what cannot be trained on; the message names
     the function, the sample and, for a raise, its traceback. Nothing was trained on that rollout."""
+
+
+# raised in another process (a trainer rank, an engine's process, a Ray actor), these reach the
+# driver as themselves, not as a traceback: the run ends with their message (exit 2)
+USER_ERRORS = (ConfigError, ReplayError, CheckFailed, NonFiniteError, RolloutError)

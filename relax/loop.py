@@ -179,12 +179,10 @@ def make_rollout(run: Run, engine, rollout_id: int, policy_version: int) -> tupl
                                   cfg.debug.load_rollout_data_subsample, cfg.seed)
         check_rewards(samples, f"the replay file {source}")
         return samples, {}
-    from relax.rollout.generate import generate_rollout
-
     evals = {}
     if run.evaluator and run.evaluator.due(rollout_id):
         evals = run.evaluator.evaluate(engine, rollout_id)  # with perf/eval_time
-    samples, stats = generate_rollout(engine, run.task, run.tokenizer, cfg.rollout, rollout_id, cfg.seed)
+    samples, stats = engine.generate_rollout(run.task, run.tokenizer, cfg.rollout, rollout_id, cfg.seed)
     for s in samples:
         s.metadata["policy_version"] = policy_version
     return samples, {**stats, **evals}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from relax.errors import ConfigError
+from relax.errors import ConfigError, RolloutError
 from relax.files import safe_load
 from relax.train.torch_trainer import TorchTrainer
 
@@ -43,6 +43,53 @@ def test_generation_runs_in_the_engine_process_while_the_driver_trains(tmp_path,
     assert all(ns > 2e6 for _, ns in during[:-1]) and during[-1][1] < min(ns for _, ns in during[:-1]), during
     assert [r["rollout/staleness"] for r in rollouts] == [0, 1, 1, 1]
     assert [s["rollout_id"] for s in steps] == [0, 1, 2, 3]
+
+
+async def pid_generate(client, prompt, sampling_params):
+    """single_turn, recording the process that ran it (and, through the reward, that scored it)."""
+    from relax.rollout.generate import single_turn
+
+    sample = await single_turn(client, prompt, sampling_params)
+    sample.metadata["pid"] = os.getpid()
+    return sample
+
+
+async def raising_generate(client, prompt, sampling_params):
+    if prompt.index == 5:
+        raise ValueError("the tool crashed")
+    from relax.rollout.generate import single_turn
+
+    return await single_turn(client, prompt, sampling_params)
+
+
+def test_the_whole_rollout_is_made_in_the_engine_process(tmp_path):
+    """generate_fn, decoding and rewards run beside the engine: the driver only receives the
+    finished samples, the same ones a synchronous run makes from the same weights."""
+    pid_fn = "rollout.generate_fn=tests.test_async.pid_generate"
+    run_loop(tmp_path / "async", *ASYNC, pid_fn, "rollout.num_rollout=2", "checkpoint.save_interval=null",
+             f"debug.save_rollout_data={tmp_path}/async/data/{{rollout_id}}.pt")
+    engine_pid = json.loads((tmp_path / "async" / "built.json").read_text())["placement"]["engines"][0]["pid"]
+    made = safe_load(tmp_path / "async" / "data" / "0.pt")["samples"]
+    assert engine_pid != os.getpid() and {s["metadata"]["pid"] for s in made} == {engine_pid}
+    run_loop(tmp_path / "sync", "rollout.rollout_batch_size=16", pid_fn, "rollout.num_rollout=1",
+             "checkpoint.save_interval=null",
+             f"debug.save_rollout_data={tmp_path}/sync/data/{{rollout_id}}.pt")
+    in_driver = safe_load(tmp_path / "sync" / "data" / "0.pt")["samples"]
+    assert {s["metadata"]["pid"] for s in in_driver} == {os.getpid()}
+    for a, b in zip(made, in_driver, strict=True):  # rollout 0: the same weights on both sides
+        assert (a["tokens"], a["rollout_log_probs"], a["reward"]) == (b["tokens"], b["rollout_log_probs"],
+                                                                      b["reward"])
+
+
+def test_a_generate_fn_error_in_the_engine_process_stops_the_run_as_itself(tmp_path):
+    with pytest.raises(RolloutError) as e:
+        run_loop(tmp_path, *ASYNC, "rollout.generate_fn=tests.test_async.raising_generate",
+                 "rollout.num_rollout=2", "checkpoint.save_interval=1")
+    message = str(e.value)
+    assert "rollout.generate_fn=tests.test_async.raising_generate at rollout 0 raised on sample 5" in message
+    assert "ValueError: the tool crashed" in message
+    assert any(note.startswith("in rollout engine 0 (pid ") for note in e.value.__notes__)
+    assert not (tmp_path / "checkpoints").exists()
 
 
 def test_resumed_async_run_trains_every_rollout_once(tmp_path):

@@ -59,7 +59,7 @@ class LocalCluster:
         return self.engines, self.trainer
 
     def _engines(self, model_path, tokenizer):
-        from relax.cluster.engines import EngineGroup, InDriver, make_engine
+        from relax.cluster.engines import EngineGroup, InDriver, make_engine, make_engine_host
         from relax.rollout import num_engines, uses_gpus
 
         cfg, engines = self.cfg, []
@@ -68,7 +68,7 @@ class LocalCluster:
         if cfg.train["async"]:  # generation overlaps training: each engine in a process of its own
             from relax.cluster.engine_processes import EngineProcesses
 
-            return EngineGroup(EngineProcesses(make_engine, (OmegaConf.to_container(cfg, resolve=True),
+            return EngineGroup(EngineProcesses(make_engine_host, (OmegaConf.to_container(cfg, resolve=True),
                                                              model_path, tokenizer), devices,
                                                [i * tp for i in range(len(devices))], self.log_dir,
                                                cfg.train.num_threads), cfg.rollout)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch.multiprocessing as mp
 
 from relax.cluster.ranks import RankError, _die_with_parent, on_this_host, receive, stop_processes
+from relax.errors import USER_ERRORS
 
 
 @dataclass
@@ -64,6 +65,8 @@ def _engine_main(conn, index: int, factory, args, kwargs, log_file: str | None, 
                 break
     except EOFError:  # the driver went away
         pass
+    except USER_ERRORS as e:  # (a rollout made here: a generate_fn's or reward's error) as itself
+        conn.send(("error", e))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
 

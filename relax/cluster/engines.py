@@ -25,6 +25,34 @@ def make_engine(cfg, model_path, tokenizer, base_gpu_id: int = 0):
     return build_engine(cfg, model_path, tokenizer, base_gpu_id)
 
 
+def make_engine_host(cfg, model_path, tokenizer, base_gpu_id: int = 0) -> EngineHost:
+    """make_engine, for an engine in a process of its own (a local process or a Ray actor)."""
+    return EngineHost(make_engine(cfg, model_path, tokenizer, base_gpu_id))
+
+
+class EngineHost:
+    """An engine in a process of its own: the engine's methods, and whole rollouts made in
+    that process (`generate_rollout`: prompts, the generate_fn's client loop, decoding, rewards),
+    so that with train.async only the finished samples reach the driver, whose thread trains
+    meanwhile and keeps the interpreter to itself."""
+
+    def __init__(self, engine):
+        self.engine, self.rollout = engine, None
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+    def set_rollout(self, task, tokenizer, rollout_cfg) -> None:
+        """What every rollout made here needs; sent once."""
+        self.rollout = task, tokenizer, rollout_cfg
+
+    def generate_rollout(self, rollout_id: int, seed: int) -> tuple[list, dict]:
+        from relax.rollout.generate import generate_rollout
+
+        task, tokenizer, rollout_cfg = self.rollout
+        return generate_rollout(self.engine, task, tokenizer, rollout_cfg, rollout_id, seed)
+
+
 class InDriver:
     """Engines as objects in the driver process."""
 
@@ -73,6 +101,7 @@ class EngineGroup:
     def __init__(self, hosts, rollout_cfg):
         self.hosts, self.rollout_cfg = hosts, rollout_cfg
         self._sync_metadata = None  # (name, dtype, shape) of what NCCL weight sync broadcasts
+        self._rollout_set = False  # generate_rollout's task, tokenizer and config sent to the engine
 
     @property
     def num_engines(self) -> int:
@@ -80,6 +109,19 @@ class EngineGroup:
 
     def _all(self, method: str, *args) -> list:
         return self.hosts.map(method, [args] * self.num_engines)
+
+    def generate_rollout(self, task, tokenizer, rollout_cfg, rollout_id: int, seed: int) -> tuple[list, dict]:
+        """One rollout (relax/rollout/generate.py). A single engine in a process of its own
+        (train.async on cluster=local, or cluster=ray) makes it there; otherwise it is made
+        here, each engine call spread over the engines."""
+        from relax.rollout.generate import generate_rollout
+
+        if self.num_engines > 1 or isinstance(self.hosts, InDriver):
+            return generate_rollout(self, task, tokenizer, rollout_cfg, rollout_id, seed)
+        if not self._rollout_set:
+            self._all("set_rollout", task, tokenizer, rollout_cfg)
+            self._rollout_set = True
+        return self._all("generate_rollout", rollout_id, seed)[0]
 
     def generate(self, prompts: list[list[int]], sp, seed: int | list[int]) -> list:
         """`seed`: the rollout's (prompt i is sample i), or one per prompt (relax.rollout.client)."""

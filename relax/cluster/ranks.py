@@ -28,6 +28,7 @@ import torch.multiprocessing as mp
 
 from relax import faults
 from relax.distributed import free_port
+from relax.errors import USER_ERRORS
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,9 @@ def receive(conn, proc, who: str, log: str, kill) -> object:
         raise RankError(f"{who} died (exit code {code}); see {log}") from None
     if status == "error":
         kill()
+        if isinstance(payload, USER_ERRORS):  # raised as itself
+            payload.add_note(f"in {who}")
+            raise payload
         raise RankError(f"{who} failed:\n{payload}")
     return payload
 

@@ -32,17 +32,16 @@ except ImportError:
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from relax.cluster.engines import EngineGroup, make_engine
+from relax.cluster.engines import EngineGroup, make_engine_host
 from relax.cluster.placement import check_cluster, plan_bundles, reserve
 from relax.cluster.ranks import RankError, RankGroup, open_store, run_method, start_rank
 from relax.cluster.reaper import Reaper
 from relax.distributed import free_port
-from relax.errors import CheckFailed, ConfigError, ReplayError
+from relax.errors import USER_ERRORS, ConfigError
 from relax.rollout import num_engines
 from relax.train import make_trainer
 
 log = logging.getLogger(__name__)
-USER_ERRORS = (ConfigError, ReplayError, CheckFailed)  # re-raised as themselves, not as RankError
 
 
 class Host:
@@ -285,7 +284,7 @@ class RayCluster:
         builds = []
         if engines.actors:
             model_path, tokenizer = engine_spec
-            args = [(make_engine, (plain, model_path, tokenizer), {"base_gpu_id": 0})] * len(engines)
+            args = [(make_engine_host, (plain, model_path, tokenizer), {"base_gpu_id": 0})] * len(engines)
             builds.append((engines, [a.build.remote(*x) for a, x in zip(engines.actors, args, strict=True)]))
         if ranks.actors:
             model_path, ref_model_path, pad_token_id, save_train_data = trainer_spec
