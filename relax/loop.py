@@ -317,6 +317,7 @@ def rl_loop(cfg, run_dir: Path, stop: Stop | None = None) -> None:
                     rollouts.wait()  # train.async: the next rollout is generated on the weights it began with
                     seconds = sync_weights(run, trainer, engine, weight_check, rollout_id)
                     record["perf/weight_sync_time"] = seconds
+                    rollouts.synced(rollout_id)  # ... and the one after starts on these
                 record.update(out["rollout"], **{"perf/train_time": time.perf_counter() - t0})
                 first_step(run, rollout_id, samples, record, out)
                 for step, step_metrics in enumerate(out["steps"]):

@@ -166,3 +166,34 @@ def test_weights_reach_the_engine_process_through_shared_memory(tmp_path, monkey
     assert sent == [True, False, False, False, False]
     report = json.loads((tmp_path / "weight_check.json").read_text())
     assert report["passed"] and [c["rollout_id"] for c in report["checks"]] == [None, None, 0, 1, 2]
+
+
+def test_the_rollout_after_next_starts_at_the_weight_sync_on_its_weights():
+    """Rollouts: get(k) starts k+1 (unless started); synced(k) starts k+2 at once, on the weights
+    trained through k (policy version k + 1), before the loop takes up k+1."""
+    import threading
+
+    from relax.rollout.prefetch import Rollouts
+
+    started, gate = [], threading.Event()
+
+    def make(rollout_id, policy_version):
+        started.append((rollout_id, policy_version))
+        gate.wait(5)
+        return [], {}
+    rollouts = Rollouts(make, [3, 4, 5, 6], prefetch=True)
+    gate.set()
+    assert rollouts.get(3)[2] == 3 and rollouts.pending.keys() == {4}  # a resumed run's first: made now
+    rollouts.wait()
+    gate.clear()
+    rollouts.synced(3)
+    assert rollouts.pending.keys() == {4, 5}
+    gate.set()
+    assert rollouts.get(4)[2] == 3 and rollouts.pending.keys() == {5}  # 5 is not started twice
+    rollouts.wait()
+    rollouts.synced(4)
+    assert rollouts.get(5)[2] == 4
+    rollouts.synced(5)  # nothing after 6
+    assert rollouts.get(6)[2] == 5 and not rollouts.pending
+    rollouts.close()
+    assert started == [(3, 3), (4, 3), (5, 4), (6, 5)]

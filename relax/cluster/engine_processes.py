@@ -21,6 +21,7 @@ import faulthandler
 import logging
 import os
 import signal
+import threading
 import traceback
 from dataclasses import dataclass
 
@@ -90,6 +91,9 @@ class EngineProcesses:
             self.procs.append(proc)
             self.ready.append(False)
         self.buckets: dict[tuple, dict] = {}  # a bucket's names -> its shared-memory tensors
+        # one call at a time on the pipes: the loop's thread (e.g. a layer dump's forward) and
+        # train.async's rollout thread both call the engines
+        self.lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self.procs)
@@ -101,14 +105,15 @@ class EngineProcesses:
     def map(self, method: str, args: list[tuple], engines: list[int] | None = None) -> list:
         """`method(*args[k])` on engine engines[k] (default: engine k), results in that order."""
         engines = list(engines or range(len(args)))
-        if not self.conns:
-            raise RankError("the rollout engines were stopped (an engine failed earlier)")
-        for i, a in zip(engines, args, strict=True):
-            if not self.ready[i]:  # its build's answer
-                self._reply(i)
-                self.ready[i] = True
-            self.conns[i].send((method, a))
-        return [self._reply(i) for i in engines]
+        with self.lock:
+            if not self.conns:
+                raise RankError("the rollout engines were stopped (an engine failed earlier)")
+            for i, a in zip(engines, args, strict=True):
+                if not self.ready[i]:  # its build's answer
+                    self._reply(i)
+                    self.ready[i] = True
+                self.conns[i].send((method, a))
+            return [self._reply(i) for i in engines]
 
     def share(self, named: dict) -> SharedBucket:
         """A weights bucket for every engine: copied into this bucket's shared-memory tensors

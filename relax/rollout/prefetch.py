@@ -2,15 +2,15 @@
 
 `Rollouts.get(rollout_id)` returns what making that rollout returned (the loop's
 make_rollout: its samples and metrics). Synchronous (the default), it
-makes them then and there. With `prefetch`, it also starts making the next one in a
-background thread, so that rollout k+1 is generated (by the engine in its own process or
-Ray actor) while the driver trains on rollout k: slime's train_async.py. The loop calls
-`wait()` before each weight sync, so a generation always ends on the weights it began
-with, and the weights it gets next are the ones trained on the rollout before: rollout
-k+1 comes from the policy trained through k-1, one step behind the trainer (one-step
-off-policy). Every sample records that policy as `metadata["policy_version"]`: the number
-of rollouts trained into the weights that generated it (= the rollout_id of the
-iteration that started it; the loop trains every rollout once).
+makes them then and there. With `prefetch`, making the next one starts in a background
+thread, so that rollout k+1 is generated (by the engine in its own process or Ray actor)
+while the driver trains on rollout k: slime's train_async.py. The loop calls `wait()`
+before each weight sync, so a generation always ends on the weights it began with, and
+`synced(k)` after it, which starts rollout k+2 at once on the new weights (the engine
+does not idle while the driver logs rollout k and takes up k+1): rollout k+1 comes from
+the policy trained through k-1, one step behind the trainer (one-step off-policy). Every
+sample records that policy as `metadata["policy_version"]`: the number of rollouts trained
+into the weights that generated it (the loop trains every rollout once).
 
 A resumed run starts by generating its first rollout from the checkpoint's weights (its
 staleness is 0, where the uninterrupted run's was 1); no rollout is trained twice or
@@ -50,33 +50,35 @@ class Rollouts:
                  prefetch: bool):
         self.make, self.next_id = make, dict(zip(rollout_ids, rollout_ids[1:]))
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="relax-prefetch") if prefetch else None
-        self.pending: tuple[int, Future] | None = None
+        self.pending: dict[int, Future] = {}  # rollout_id -> its making, in order
 
     def _timed(self, rollout_id: int, policy_version: int) -> tuple[tuple, float, int]:
         t0 = time.perf_counter()
         made = self.make(rollout_id, policy_version)
         return made, time.perf_counter() - t0, policy_version
 
+    def _start(self, rollout_id: int | None, policy_version: int) -> None:
+        if self.pool and rollout_id is not None and rollout_id not in self.pending:
+            self.pending[rollout_id] = self.pool.submit(self._timed, rollout_id, policy_version)
+
     def get(self, rollout_id: int) -> tuple[tuple, float, int]:
         """What `make` returned, the seconds their making took (prefetched: in the background)
         and the policy version that made them."""
-        if self.pending and self.pending[0] == rollout_id:
-            made = self.pending[1].result()
-        else:
-            made = self._timed(rollout_id, rollout_id)
-        self.pending = None
-        if self.pool and rollout_id in self.next_id:  # the engine's weights: trained through rollout_id - 1
-            self.pending = (self.next_id[rollout_id], self.pool.submit(self._timed, self.next_id[rollout_id],
-                                                                       rollout_id))
+        future = self.pending.pop(rollout_id, None)
+        made = future.result() if future else self._timed(rollout_id, rollout_id)
+        self._start(self.next_id.get(rollout_id), rollout_id)  # (unless synced() started it)
         return made
 
     def wait(self) -> None:
         """Before a weight sync: the generation in flight ends on the weights it began with."""
-        if self.pending:
-            wait_for([self.pending[1]])
+        wait_for(list(self.pending.values()))
+
+    def synced(self, rollout_id: int) -> None:
+        """After rollout_id's weight sync: the rollout after the next starts on those weights."""
+        self._start(self.next_id.get(self.next_id.get(rollout_id)), rollout_id + 1)
 
     def close(self) -> None:
         """Let a generation in flight finish (its engine is shut down next); its result is dropped."""
         if self.pool:
             self.pool.shutdown(wait=True, cancel_futures=True)
-        self.pending = None
+        self.pending = {}
