@@ -46,20 +46,12 @@ def test_generation_runs_in_the_engine_process_while_the_driver_trains(tmp_path,
 
 
 async def pid_generate(client, prompt, sampling_params):
-    """single_turn, recording the process that ran it (and, through the reward, that scored it)."""
+    """single_turn, recording the process that ran it."""
     from relax.rollout.generate import single_turn
 
     sample = await single_turn(client, prompt, sampling_params)
     sample.metadata["pid"] = os.getpid()
     return sample
-
-
-async def raising_generate(client, prompt, sampling_params):
-    if prompt.index == 5:
-        raise ValueError("the tool crashed")
-    from relax.rollout.generate import single_turn
-
-    return await single_turn(client, prompt, sampling_params)
 
 
 def test_the_whole_rollout_is_made_in_the_engine_process(tmp_path):
@@ -83,10 +75,11 @@ def test_the_whole_rollout_is_made_in_the_engine_process(tmp_path):
 
 def test_a_generate_fn_error_in_the_engine_process_stops_the_run_as_itself(tmp_path):
     with pytest.raises(RolloutError) as e:
-        run_loop(tmp_path, *ASYNC, "rollout.generate_fn=tests.test_async.raising_generate",
+        run_loop(tmp_path, *ASYNC, "rollout.generate_fn=tests.test_multi_turn.raising_generate",
                  "rollout.num_rollout=2", "checkpoint.save_interval=1")
     message = str(e.value)
-    assert "rollout.generate_fn=tests.test_async.raising_generate at rollout 0 raised on sample 5" in message
+    assert "rollout.generate_fn=tests.test_multi_turn.raising_generate at rollout 0 raised on sample 5" \
+        in message
     assert "ValueError: the tool crashed" in message
     assert any(note.startswith("in rollout engine 0 (pid ") for note in e.value.__notes__)
     assert not (tmp_path / "checkpoints").exists()
