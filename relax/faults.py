@@ -14,14 +14,19 @@ def active(name: str) -> bool:
 _visits: dict[str, int] = {}
 
 
-def kill_point(site: str) -> None:
-    """`kill_at:<site>:<n>`: the process dies with SIGKILL the n-th time it passes `site`, as
-    it would in a power loss there (the kill-anywhere test resumes from what is left)."""
+def point(site: str) -> None:
+    """The n-th time the process passes `site`: `kill_at:<site>:<n>` kills it with SIGKILL, as
+    a power loss there would (the kill-anywhere test resumes from what is left);
+    `pause_at:<site>:<n>` holds it there for 10 minutes, so a test's signals surely land there."""
     _visits[site] = _visits.get(site, 0) + 1
     if active(f"kill_at:{site}:{_visits[site]}"):
         import signal
 
         os.kill(os.getpid(), signal.SIGKILL)
+    if active(f"pause_at:{site}:{_visits[site]}"):
+        import time
+
+        time.sleep(600)
 
 
 def perturb_sync(named: dict) -> dict:

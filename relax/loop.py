@@ -324,7 +324,7 @@ def rl_loop(cfg, run_dir: Path, stop: Stop | None = None) -> None:
                     metrics.log({"rollout_id": rollout_id, "step": step, **step_metrics}, "rollout_id")
                 report_nonfinite(run, rollout_id, samples, out["nonfinite"])
             metrics.log(record, "rollout_id")
-            faults.kill_point("metrics_written")
+            faults.point("metrics_written")
             stopping = stop.requested  # one look: a signal after it stops after the next rollout
             if trainer:
                 checkpoint_on_schedule(run, trainer, rollout_id, stopping)

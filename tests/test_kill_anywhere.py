@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 ROLLOUTS = 5
 ARGS = [f"rollout.num_rollout={ROLLOUTS}", "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=2",
         "rollout.max_new_tokens=4", "checkpoint.save_interval=1", "checkpoint.keep_last=2"]
-# (site, n): SIGKILL the n-th time the run passes relax.faults.kill_point(site)
+# (site, n): SIGKILL the n-th time the run passes relax.faults.point(site)
 SITES = [("checkpoint_start", 1),     # nothing of the first checkpoint written yet
          ("checkpoint_weights", 2),   # weights and optimizer state in .tmp, no history, no state file
          ("checkpoint_state", 3),     # a whole .tmp checkpoint, not yet renamed into place

@@ -75,8 +75,9 @@ def test_ctrl_c_stops_cleanly_and_twice_aborts_at_once(tmp_path, fork_cli):
     stopped_cleanly(once, signal.SIGINT, proc.exitcode)
     assert "SIGINT again aborts at once" in (once / "outputs/run/relax.log").read_text()
 
-    # rollouts of 256 samples: the second Ctrl-C comes while one is being generated or trained
-    proc = fork_cli(twice, *LONG, "rollout.rollout_batch_size=32", "rollout.n_samples_per_prompt=8")
+    # held after rollout 0's metrics, before its checkpoint: the second Ctrl-C surely comes
+    # while the rollout is in progress (on a loaded machine it once came after its checkpoint)
+    proc = fork_cli(twice, *LONG, fault="pause_at:metrics_written:1")
     wait_for(twice / "outputs/run/relax.log", "Finish rollout 0")
     os.kill(proc.pid, signal.SIGINT)
     wait_for(twice / "outputs/run/relax.log", "SIGINT: stopping after the current rollout")

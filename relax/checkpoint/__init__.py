@@ -59,7 +59,7 @@ def _delete(path: Path) -> None:
     trash = path.with_name(f".{path.name}.old")
     shutil.rmtree(trash, ignore_errors=True)
     path.rename(trash)
-    faults.kill_point("checkpoint_delete")
+    faults.point("checkpoint_delete")
     shutil.rmtree(trash, ignore_errors=True)
 
 
@@ -124,11 +124,11 @@ def save_checkpoint(trainer, tokenizer, run_dir: Path, rollout_id: int, ref_mode
     final = root / f"rollout_{rollout_id:06d}"
     tmp = root / f".{final.name}.tmp"
     _ensure_space(root, scan(run_dir)[0], keep_last)
-    faults.kill_point("checkpoint_start")
+    faults.point("checkpoint_start")
     try:
         trainer.save_checkpoint(str(tmp))
         check_finite_weights(tmp)
-        faults.kill_point("checkpoint_weights")
+        faults.point("checkpoint_weights")
         if faults.active("disk_full"):
             raise OSError(errno.ENOSPC, "No space left on device", str(tmp / "hf"))
         if (tmp / "hf").is_dir():  # (a LoRA adapter alone: the reference model has the tokenizer)
@@ -151,11 +151,11 @@ def save_checkpoint(trainer, tokenizer, run_dir: Path, rollout_id: int, ref_mode
                            f"({e.filename or root}): free space there, or lower "
                            f"checkpoint.keep_last") from None
         raise
-    faults.kill_point("checkpoint_state")
+    faults.point("checkpoint_state")
     if final.exists():  # the same rollout saved again (a resumed run)
         _delete(final)
     tmp.rename(final)
-    faults.kill_point("checkpoint_renamed")
+    faults.point("checkpoint_renamed")
     complete, incomplete = scan(run_dir)
     for old in incomplete + (complete[:-keep_last] if keep_last else []):  # resume skips the former
         _delete(old)
