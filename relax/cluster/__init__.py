@@ -82,6 +82,7 @@ class LocalCluster:
         return EngineGroup(InDriver(engines, devices), cfg.rollout)
 
     def _trainer(self, model_path, ref_model_path, pad_token_id, save_train_data):
+        from relax.targets import load_target
         from relax.train import make_trainer, runs_in_driver
 
         cfg = self.cfg
@@ -93,7 +94,8 @@ class LocalCluster:
 
         plain = OmegaConf.to_container(cfg, resolve=True)  # picklable, no resolvers needed
         return LocalRanks(make_trainer, cfg.parallel.world_size, args=(plain, str(model_path)),
-                          kwargs=kwargs, log_dir=self.log_dir, num_threads=cfg.train.num_threads)
+                          kwargs=kwargs, log_dir=self.log_dir, num_threads=cfg.train.num_threads,
+                          preload=getattr(load_target(cfg, "train"), "rank_imports", ()))
 
     def placement(self) -> dict:
         if self.trainer is None or hasattr(self.trainer, "placement"):

@@ -124,13 +124,17 @@ def stop_processes(procs: list, conns: list) -> None:
 
 
 def _die_with_parent() -> None:
-    try:  # Linux: SIGTERM this rank when the driver process dies, however it dies
+    # Linux: SIGTERM this process when its parent dies, however it dies (a local rank's parent
+    # is the fork server, which exits when the driver does)
+    try:
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         pass
 
 
-def _rank_main(conn, rank, world_size, port, factory, args, kwargs, log_dir, num_threads):
+def _rank_main(conn, environ, rank, world_size, port, factory, args, kwargs, log_dir, num_threads):
+    os.environ.clear()  # the driver's environment now, not the fork server's when it started
+    os.environ.update(environ)
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every process: the driver stops the ranks
     start_rank(rank, world_size, "127.0.0.1", port, log_dir, num_threads, rank)
@@ -180,20 +184,36 @@ class RankGroup:
         return self.call("load_checkpoint", path)
 
 
+def rank_context(preload: tuple[str, ...]):
+    """The multiprocessing context local ranks start in. Without CUDA, forkserver: its server
+    process imports `preload` (the trainer's heavy modules: Megatron-core alone takes ~7 s of
+    CPU) once per driver, and every rank of every job of a sweep forks from it with them
+    imported. Only the first call's `preload` counts (one server per driver). With CUDA,
+    spawn: an import that asks CUDA anything in the server would break CUDA in its forks."""
+    import torch
+
+    if torch.cuda.is_available():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["relax.cluster.ranks", *preload])
+    return ctx
+
+
 class LocalRanks(RankGroup):
-    """One spawned process per rank on this host (torch.multiprocessing, gloo on 127.0.0.1)."""
+    """One process per rank on this host (torch.multiprocessing, gloo on 127.0.0.1), forked
+    from a server that has the trainer's modules imported (rank_context)."""
 
     def __init__(self, factory, world_size: int, args=(), kwargs=None, log_dir: str | None = None,
-                 num_threads: int = 1):
-        ctx = mp.get_context("spawn")
+                 num_threads: int = 1, preload: tuple[str, ...] = ()):
+        ctx = rank_context(preload)
         self.store = open_store(world_size)  # held by the driver while the ranks live
         port = self.store.port
         self.conns, self.procs, self.busy = [], [], True
         for rank in range(world_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_rank_main, daemon=True, name=f"relax-rank{rank}",
-                               args=(child, rank, world_size, port, factory, args,
-                                     kwargs or {}, log_dir, num_threads))
+                               args=(child, dict(os.environ), rank, world_size, port, factory,
+                                     args, kwargs or {}, log_dir, num_threads))
             proc.start()
             child.close()
             self.conns.append(parent)

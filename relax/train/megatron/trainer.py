@@ -49,6 +49,7 @@ class MegatronTrainer(DistributedWeightSync):
     check_config = staticmethod(checks.check_config)
     checkpoint_layout = staticmethod(checks.checkpoint_layout)
     replays_routing = True  # algo.routing_replay: Megatron-core's RouterReplay (routing.py)
+    rank_imports = ("relax.train.megatron.rank_imports",)  # see relax/train/__init__.py
 
     def __init__(self, cfg, model_path: str, ref_model_path: str | None = None,
                  pad_token_id: int = 0, save_train_data: str | None = None,
