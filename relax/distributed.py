@@ -10,3 +10,29 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def gather_tensors(mine: dict, rank: int, world_size: int) -> dict:
+    """Every rank's named tensors, merged on rank 0 (a collective; other ranks get {}).
+
+    Names, shapes and dtypes travel as objects, the tensors themselves by send/recv:
+    `gather_object` would pickle every byte (measured: ~8 s for SmolLM2's 538 MB on one rank)."""
+    import torch
+    import torch.distributed as dist
+
+    if world_size == 1:
+        return mine
+    meta = [(name, t.shape, t.dtype) for name, t in mine.items()]
+    metas = [None] * world_size if rank == 0 else None
+    dist.gather_object(meta, metas, dst=0)
+    if rank != 0:
+        for t in mine.values():
+            dist.send(t.contiguous(), dst=0)
+        return {}
+    merged = dict(mine)
+    device = next(iter(mine.values())).device if mine else "cpu"  # (NCCL: rank 0's GPU)
+    for src in range(1, world_size):
+        for name, shape, dtype in metas[src]:
+            merged[name] = torch.empty(shape, dtype=dtype, device=device)
+            dist.recv(merged[name], src=src)
+    return merged

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from relax.distributed import gather_tensors
 from relax.files import atomic_save, safe_load
 from relax.model import load_safetensors_dir
 from relax.train.megatron import convert
@@ -91,11 +92,9 @@ class Weights:
                     data = convert.unshard(global_name, parts, dim)
                 if self.layout.owns(param):
                     mine.update(convert.megatron_to_hf(global_name, data.clone(), self.heads))
-        gathered = [None] * self.layout.world_size if self.layout.rank == 0 else None
-        dist.gather_object(mine, gathered, dst=0)
+        weights = gather_tensors(mine, self.layout.rank, self.layout.world_size)
         if self.layout.rank != 0:
             return {}
-        weights = {k: v for part in gathered for k, v in part.items()}
         if self.hf_config.tie_word_embeddings:
             weights.pop("lm_head.weight", None)
         return weights
