@@ -3,6 +3,8 @@
 #
 #   scripts/setup_sglang_cpu.sh            # build, or check and reuse a working one
 #   scripts/setup_sglang_cpu.sh --force    # delete the environment and build it anew
+#   scripts/setup_sglang_cpu.sh --background  # build (or check) it in the background, logging to
+#                                          # <venv>.log; a later run waits for it, then checks it
 #
 # Environment variables:
 #   RELAX_SGLANG_VENV    where the environment lives (default: <repo>/.venv-sglang)
@@ -40,16 +42,36 @@ log() { printf '[setup-sglang-cpu %4ss] %s\n' "$((SECONDS - START))" "$*"; }
 die() { log "ERROR: $*" >&2; exit 1; }
 
 FORCE=0
+BACKGROUND=0
 for arg in "$@"; do
   case "$arg" in
     --force) FORCE=1 ;;
-    -h|--help) sed -n '2,10p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    --background) BACKGROUND=1 ;;
+    -h|--help) sed -n '2,12p' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) die "unknown argument: $arg" ;;
   esac
 done
 
 [[ -f "$REQ" ]] || die "missing $REQ"
 [[ -f "$SHIMS/vllm/_custom_ops.py" ]] || die "missing $SHIMS/vllm/_custom_ops.py"
+
+# One build of an environment at a time: a run that finds another (a --background one) waits
+# for it. A background build holds the lock its starter took (fd 9, inherited).
+if [[ -z "${RELAX_SGLANG_LOCK_HELD:-}" ]]; then
+  command -v flock >/dev/null || die "flock not found (util-linux)"
+  exec 9>"$VENV.lock"
+  if ! flock -n 9; then
+    log "another build of $VENV is running (log: $VENV.log); waiting for it"
+    flock 9
+    log "it finished; checking what it left"
+  fi
+fi
+if [[ "$BACKGROUND" == 1 ]]; then
+  log "building $VENV in the background; log: $VENV.log"
+  RELAX_SGLANG_LOCK_HELD=1 nohup "${BASH_SOURCE[0]}" $([[ "$FORCE" == 1 ]] && echo --force) \
+    >"$VENV.log" 2>&1 </dev/null &
+  exit 0
+fi
 
 # What this build is made of; a stamp with another value means "rebuild".
 STAMP_FILE="$VENV/.relax-sglang-cpu-stamp"
@@ -58,8 +80,9 @@ STAMP="$(cat "${BASH_SOURCE[0]}" "$REQ" "$SHIMS"/vllm/*.py | sha256sum | cut -c1
 # Quiet pip by default, and drop the harmless notes about this machine's local indexes.
 PIP_QUIET=(-q)
 [[ "${RELAX_SGLANG_VERBOSE:-0}" == 1 ]] && PIP_QUIET=()
+# --no-compile: the modules a process imports are compiled then, once (a fraction of the 3.5 GB)
 pip_install() {
-  "$VENV/bin/python" -m pip install --progress-bar off "${PIP_QUIET[@]}" "$@" 2>&1 \
+  "$VENV/bin/python" -m pip install --no-compile --progress-bar off "${PIP_QUIET[@]}" "$@" 2>&1 \
     | { grep -v "is ignored: it is neither a file nor a directory" || true; }
 }
 
