@@ -80,9 +80,9 @@ STAMP="$(cat "${BASH_SOURCE[0]}" "$REQ" "$SHIMS"/vllm/*.py | sha256sum | cut -c1
 # Quiet pip by default, and drop the harmless notes about this machine's local indexes.
 PIP_QUIET=(-q)
 [[ "${RELAX_SGLANG_VERBOSE:-0}" == 1 ]] && PIP_QUIET=()
-# --no-compile: the modules a process imports are compiled then, once (a fraction of the 3.5 GB)
+# (not --no-compile: where PYTHONDONTWRITEBYTECODE is set, every import would compile again)
 pip_install() {
-  "$VENV/bin/python" -m pip install --no-compile --progress-bar off "${PIP_QUIET[@]}" "$@" 2>&1 \
+  "$VENV/bin/python" -m pip install --progress-bar off "${PIP_QUIET[@]}" "$@" 2>&1 \
     | { grep -v "is ignored: it is neither a file nor a directory" || true; }
 }
 
