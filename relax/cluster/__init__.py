@@ -93,9 +93,10 @@ class LocalCluster:
         from relax.cluster.ranks import LocalRanks
 
         plain = OmegaConf.to_container(cfg, resolve=True)  # picklable, no resolvers needed
+        trainer = load_target(cfg, "train")
         return LocalRanks(make_trainer, cfg.parallel.world_size, args=(plain, str(model_path)),
                           kwargs=kwargs, log_dir=self.log_dir, num_threads=cfg.train.num_threads,
-                          preload=getattr(load_target(cfg, "train"), "rank_imports", ()))
+                          preload=(trainer.__module__, *getattr(trainer, "rank_imports", ())))
 
     def placement(self) -> dict:
         if self.trainer is None or hasattr(self.trainer, "placement"):

@@ -18,8 +18,9 @@ Optional class attributes, read before any rank starts:
   checkpoint_layout(cfg)     static method: settings its saved state is tied to (beyond its class)
   trains_lora = True         it trains train.lora's adapters (without it, train.lora.rank > 0 is refused)
   runs_in_driver = True      a single rank may run in the driver process (default: its own)
-  rank_imports = (modules,)  what a rank imports: local ranks fork from a server that imported
-                             them once per driver (relax.cluster.ranks.rank_context)
+  rank_imports = (modules,)  what a rank imports beyond the class's own module: local ranks
+                             fork from a server that imported both once per driver
+                             (relax.cluster.ranks.rank_context)
 relax/cluster/ decides where the ranks run (the driver itself, see runs_in_driver; local rank
 processes; or Ray actors), and the driver cannot tell the difference.
 """

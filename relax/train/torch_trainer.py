@@ -38,7 +38,7 @@ class TorchTrainer(DistributedWeightSync):
     load_checkpoint / shutdown."""
     runs_in_driver = True  # one rank needs no process of its own
     trains_lora = True  # train.lora.rank > 0: peft's adapters, on every layout
-    rank_imports = ("relax.train.torch_trainer", "transformers.modeling_utils")  # see relax/train/__init__.py
+    rank_imports = ("transformers.modeling_utils",)  # see relax/train/__init__.py
     replays_routing = True  # algo.routing_replay: hooks on transformers' MoE routers (relax/train/routing.py)
 
     @staticmethod
