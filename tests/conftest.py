@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -74,13 +75,38 @@ def status_of(run_dir: Path) -> dict:
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
     """Under `--dist loadgroup` (the slow tier) each test file is one group, run on one worker
     like `--dist loadfile`, except that every test on the real model joins one group of its
-    own: two of those at once could hold more memory (5-15 GB each) than the machine has."""
-    for item in items:
-        group = "smollm2" if "smollm2_path" in item.fixturenames else item.module.__name__
+    own: two of those at once could hold more memory (5-15 GB each) than the machine has.
+    Groups go out heaviest first: the real model's (~6 minutes), then by number of tests
+    (what xdist's own reordering would do, which would put the real model's behind the
+    Megatron file's 30 short tests and leave one worker idle for minutes at the end)."""
+    groups = ["smollm2" if "smollm2_path" in item.fixturenames else item.module.__name__ for item in items]
+    for item, group in zip(items, groups):
         item.add_marker(pytest.mark.xdist_group(group))
+    if getattr(config.option, "loadgroup", False) or config.getoption("dist", "no") == "loadgroup":
+        # (a worker sees the controller's --dist as `loadgroup`; its own `dist` is "no")
+        size = Counter(groups)
+        order = sorted(range(len(items)), key=lambda i: (groups[i] != "smollm2", -size[groups[i]]))
+        items[:] = [items[i] for i in order]
+
+
+def pytest_configure(config):
+    if config.getoption("dist", "no") != "loadgroup":
+        return
+    # pytest-xdist 3.8 groups by renaming node ids, which pytest 9.2 no longer lets it do: every
+    # test would be a group of its own (module fixtures built on both workers, two real-model
+    # tests at once, the order above ignored)
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    if Version(pytest.__version__) >= Version("9.2") and Version(version("pytest-xdist")) <= Version("3.8.0"):
+        raise pytest.UsageError(f"--dist loadgroup needs pytest<9.2 with pytest-xdist "
+                                f"{version('pytest-xdist')} (pytest {pytest.__version__} is installed): "
+                                f"pip install -c constraints.txt -e '.[test]'")
+    config.option.loadscopereorder = False  # the order of pytest_collection_modifyitems is the schedule
 
 
 @pytest.fixture(scope="session")
