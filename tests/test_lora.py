@@ -5,7 +5,6 @@ start-up refusals hold with it."""
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ from relax.task import build_task
 from relax.train import make_trainer
 
 from . import extras
-from .conftest import make_cfg, relax_cli, run_loop
+from .conftest import make_cfg, run_loop
 from .test_layouts import compare, replay_dir, sweep  # noqa: F401 (replay_dir: a fixture)
 from .test_startup import relax_without
 
@@ -246,16 +245,12 @@ def test_sglang_serves_the_merged_model_after_every_sync(tmp_path, mode):
     """The merged projections alone into SGLang, by name; the engine then equals the whole merged
     model (the strict engine-weights check, buffers included)."""
     pytest.importorskip("sglang", reason="needs the SGLang environment (scripts/setup_sglang_cpu.sh)")
-    proc = relax_cli(*LORA, "rollout=sglang", f"rollout.weight_update_mode={mode}", "rollout.num_rollout=2",
-                     "rollout.rollout_batch_size=4", "checkpoint.save_interval=null",
-                     "debug.check_weight_update_equal=true", "debug.check_weight_update_every_sync=true",
-                     "debug.strict_checks=true", "hydra.run.dir=outputs/lora", cwd=tmp_path,
-                     entry=[sys.executable, "-m", "relax"])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads((tmp_path / "outputs/lora/weight_check.json").read_text())
+    _, steps = run_loop(tmp_path, *LORA, "rollout=sglang", f"rollout.weight_update_mode={mode}",
+                        "rollout.num_rollout=2", "rollout.rollout_batch_size=4",
+                        "checkpoint.save_interval=null", "debug.check_weight_update_equal=true",
+                        "debug.check_weight_update_every_sync=true", "debug.strict_checks=true")
+    report = json.loads((tmp_path / "weight_check.json").read_text())
     assert report["passed"] and [c["rollout_id"] for c in report["checks"]] == [None, None, 0, 1]
-    steps = [json.loads(line) for line in (tmp_path / "outputs/lora/metrics.jsonl").read_text().splitlines()
-             if '"step"' in line]
     assert steps[1]["train/train_rollout_logprob_abs_diff"] < 1e-4  # SGLang sampled from the merged model
 
 

@@ -53,9 +53,10 @@ def engine_args(cfg, model_path: Path, base_gpu_id: int = 0) -> dict:
                   enable_return_routed_experts=bool(families.num_experts(read_hf_config(model_path))))
     if GPU:  # CUDA graphs stay on; the memory saver lets a colocated engine free GPU memory
         common.update(enable_memory_saver=r.colocate)
-    else:
+    else:  # sleep_on_idle: an idle scheduler otherwise polls for requests at 100% of a core,
+        # which on CPU is a core taken from the trainer (and from everything else on the machine)
         common.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True,
-                      max_total_tokens=r.max_total_tokens)
+                      max_total_tokens=r.max_total_tokens, sleep_on_idle=True)
     common.update(dict(r.sglang_server_args))  # anything else, passed through as-is
     # Relax's functions that run inside the scheduler (see export_tensors), kept beside any of yours.
     common["custom_weight_loader"] = [EXPORT_TENSORS, faults.SGLANG_DROP_BUFFER,
