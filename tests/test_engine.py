@@ -65,6 +65,33 @@ def test_rollout_log_probs_match_teacher_forced_forward(tiny_path, tokenizer, te
     assert worst < 1e-4  # a KV-cache loop and a full forward differ by ~1e-6 in fp32
 
 
+def test_sample_seeds_are_numpys_seed_sequence_value_for_value():
+    """The batched seeding (relax.rollout.sample_seeds) gives what one SeedSequence per engine
+    call gave, so every recorded run and test keeps its numbers: seeds of one and two 32-bit
+    words, negative ones (mod 2**64), indices and call numbers up to 2**32 - 1."""
+    import numpy as np
+
+    from relax.rollout import prompt_seeds, sample_seed, sample_seeds
+
+    def seed_sequence(seed, index, call=0):
+        entropy = [seed % 2**64, index] + ([call] if call else [])
+        return int(np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0] >> 2)
+
+    rng = random.Random(0)
+    seeds = [0, 1, 2**32 - 1, 2**32, 2**63 + 5, -1, 2**64 - 1, 7 * 1_000_003 + 3,
+             *(rng.randrange(-2**70, 2**70) for _ in range(20))]
+    for seed in seeds:
+        indices = [0, 1, 255, 2**32 - 1, *(rng.randrange(2**32) for _ in range(12))]
+        calls = [0, 2, 0, 2**32 - 1, *(rng.choice([0, 1, 3]) for _ in range(12))]
+        want = [seed_sequence(seed, i, c) for i, c in zip(indices, calls)]
+        assert sample_seeds(seed, indices, calls) == want
+        assert sample_seed(seed, 255, 1) == seed_sequence(seed, 255, 1)
+        assert prompt_seeds(seed, 4, first_index=8) == [seed_sequence(seed, i) for i in range(8, 12)]
+    assert sample_seeds(1, []) == []
+    with pytest.raises(ValueError, match="32 bits"):
+        sample_seeds(1, [2**32])
+
+
 def test_sampling_is_seeded_and_top_p_restricts(tiny_path, tokenizer):
     engine = engine_for(tiny_path, tokenizer)
     prompts = chat_prompts(tokenizer, 64)

@@ -21,7 +21,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from relax.rollout import Generation, SamplingParams, sample_seed
+from relax.rollout import Generation, SamplingParams, sample_seeds
 
 QUIET_TURNS = 3  # event-loop turns without a new request before a partial batch goes out
 
@@ -107,7 +107,7 @@ class Batcher:
         for i in sorted(range(len(batch)), key=lambda i: (batch[i].index, batch[i].call)):
             by_params.setdefault(batch[i].sp, []).append(i)
         for sp, rows in by_params.items():
-            seeds = [sample_seed(self.seed, batch[i].index, batch[i].call) for i in rows]
+            seeds = sample_seeds(self.seed, [batch[i].index for i in rows], [batch[i].call for i in rows])
             generations = self.engine.generate([batch[i].tokens for i in rows], sp, seeds)
             for i, generation in zip(rows, generations, strict=True):
                 answers[i] = generation
