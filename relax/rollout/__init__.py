@@ -141,7 +141,7 @@ MIX_MULT_L, MIX_MULT_R, XSHIFT, MASK32 = 0xca01f9dd, 0x4973f715, 16, 0xFFFFFFFF
 def sample_seeds(seed: int, indices, calls=None) -> list[int]:
     """sample_seed(seed, indices[k], calls[k]) for every k, value for value, with numpy's
     SeedSequence hashing done once per step for all samples instead of one SeedSequence each
-    (256 seeds: ~20 ms -> well under 1 ms; a rollout's generation takes ~20 ms on the tiny
+    (256 seeds: 3.6 ms -> 0.3 ms, of a default rollout's ~25 ms generation on the tiny
     model). Its word mixing is unsigned 32-bit arithmetic, which numpy arrays wrap like C does."""
     indices = np.asarray(indices, dtype=np.int64).reshape(-1)
     calls = np.zeros_like(indices) if calls is None else np.asarray(calls, dtype=np.int64).reshape(-1)
