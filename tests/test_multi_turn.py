@@ -162,6 +162,20 @@ def test_concurrent_requests_go_out_as_one_batch_per_turn(engine, tokenizer):
         [s.tokens for s in default]  # the first turn is the single-turn sample
 
 
+async def coroutine_single_turn(client, prompt, sampling_params):
+    return await single_turn(client, prompt, sampling_params)
+
+
+def test_the_default_generate_fns_batched_path_makes_the_coroutines_samples(engine, tokenizer):
+    """single_turn, the default, runs as one engine call and one batch decode, without a coroutine
+    per sample: every field of every sample is what the coroutine path makes of it."""
+    counting = CountingEngine(engine)
+    fast = samples_of(counting, "relax.rollout.generate.single_turn", tokenizer, n=8)
+    slow = samples_of(counting, "tests.test_multi_turn.coroutine_single_turn", tokenizer, n=8)
+    assert counting.calls == [32, 32] and fast == slow
+    assert len({s.response for s in fast}) > 4 and all(s.reward is not None for s in fast)
+
+
 async def raising_generate(client, prompt, sampling_params):
     if prompt.index == 5:
         raise ValueError("the tool crashed")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from relax.targets import load_function
 from relax.errors import ConfigError, RolloutError
-from relax.rollout import SamplingParams
+from relax.rollout import SamplingParams, sample_seeds
 from relax.rollout.client import Batcher
 from relax.sample import Sample, routed_experts_fit
 from relax.task import Prompt, check_rewards
@@ -30,14 +30,18 @@ FILTER_FN = "keep(group: list[Sample]) -> bool"
 
 
 async def single_turn(client, prompt, sampling_params: SamplingParams) -> Sample:
-    """The default generate_fn: one engine call; every response token is the model's."""
+    """The default generate_fn: one engine call; every response token is the model's.
+    (generate_samples makes its samples without coroutines, all in one engine call: the same.)"""
     gen = await client.generate(prompt.tokens, sampling_params)
+    return single_turn_sample(prompt, gen, client.tokenizer.decode(gen.tokens, skip_special_tokens=True))
+
+
+def single_turn_sample(prompt, gen, response: str) -> Sample:
     return Sample(
         index=prompt.index, group_index=prompt.group_index, prompt=prompt.text,
-        tokens=prompt.tokens + gen.tokens, response_length=len(gen.tokens),
-        response=client.tokenizer.decode(gen.tokens, skip_special_tokens=True), label=prompt.label,
-        loss_mask=[1] * len(gen.tokens), rollout_log_probs=gen.log_probs, status=gen.status,
-        metadata=dict(prompt.metadata), routed_experts=gen.routed_experts)
+        tokens=prompt.tokens + gen.tokens, response_length=len(gen.tokens), response=response,
+        label=prompt.label, loss_mask=[1] * len(gen.tokens), rollout_log_probs=gen.log_probs,
+        status=gen.status, metadata=dict(prompt.metadata), routed_experts=gen.routed_experts)
 
 
 def rewards_differ(group: list[Sample]) -> bool:
@@ -104,8 +108,15 @@ def generate_samples(engine, task, tokenizer, prompts: list, n: int, sampling_pa
     source = f"rollout.generate_fn={generate_fn} {where}"
     records = [Prompt(p.text, p.tokens, p.label, p.metadata, first_index + i * n + j, first_index // n + i)
                for i, p in enumerate(prompts) for j in range(n)]
-    samples = Batcher(engine, seed).run(fn, records, sampling_params, tokenizer,
-                                        on_error=lambda record, e: raised(source, _as_sample(record), e))
+    if fn is single_turn:  # the default needs no coroutine per sample: one batched call, one decode
+        gens = engine.generate([r.tokens for r in records], sampling_params,
+                               sample_seeds(seed, [r.index for r in records]))
+        responses = tokenizer.batch_decode([g.tokens for g in gens], skip_special_tokens=True)
+        samples = [single_turn_sample(r, g, text)
+                   for r, g, text in zip(records, gens, responses, strict=True)]
+    else:
+        samples = Batcher(engine, seed).run(fn, records, sampling_params, tokenizer,
+                                            on_error=lambda record, e: raised(source, _as_sample(record), e))
     for sample, record in zip(samples, records, strict=True):
         check_sample(sample, record, source)
         sample.index, sample.group_index = record.index, record.group_index
