@@ -71,7 +71,7 @@ def test_sample_seeds_are_numpys_seed_sequence_value_for_value():
     words, negative ones (mod 2**64), indices and call numbers up to 2**32 - 1."""
     import numpy as np
 
-    from relax.rollout import prompt_seeds, sample_seed, sample_seeds
+    from relax.rollout import prompt_seeds, sample_seeds
 
     def seed_sequence(seed, index, call=0):
         entropy = [seed % 2**64, index] + ([call] if call else [])
@@ -85,7 +85,7 @@ def test_sample_seeds_are_numpys_seed_sequence_value_for_value():
         calls = [0, 2, 0, 2**32 - 1, *(rng.choice([0, 1, 3]) for _ in range(12))]
         want = [seed_sequence(seed, i, c) for i, c in zip(indices, calls)]
         assert sample_seeds(seed, indices, calls) == want
-        assert sample_seed(seed, 255, 1) == seed_sequence(seed, 255, 1)
+        assert sample_seeds(seed, [255], [1]) == [seed_sequence(seed, 255, 1)]
         assert prompt_seeds(seed, 4, first_index=8) == [seed_sequence(seed, i) for i in range(8, 12)]
     assert sample_seeds(1, []) == []
     with pytest.raises(ValueError, match="32 bits"):

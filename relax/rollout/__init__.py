@@ -124,25 +124,20 @@ def build_engine(cfg, model_path: Path, tokenizer, base_gpu_id: int = 0):
                                        **gpus)
 
 
-def sample_seed(seed: int, index: int, call: int = 0) -> int:
-    """The seed of one engine call of a sample, from the rollout's seed, the sample's index
-    in the rollout and the call's number within the sample (a multi-turn rollout calls the
-    engine once per turn): what a sample draws does not depend on how the rollout is split
-    across engines or batched. numpy's SeedSequence of [seed mod 2**64, index(, call if > 0)],
-    its first 64 bits >> 2 (< 2**62); sample_seeds computes many at once."""
-    return sample_seeds(seed, [index], [call])[0]
-
-
 # numpy's SeedSequence constants (numpy/random/bit_generator.pyx): pool of 4 32-bit words
 INIT_A, MULT_A, INIT_B, MULT_B = 0x43b0d7e5, 0x931e8875, 0x8b51f9dd, 0x58f38ded
 MIX_MULT_L, MIX_MULT_R, XSHIFT, MASK32 = 0xca01f9dd, 0x4973f715, 16, 0xFFFFFFFF
 
 
 def sample_seeds(seed: int, indices, calls=None) -> list[int]:
-    """sample_seed(seed, indices[k], calls[k]) for every k, value for value, with numpy's
-    SeedSequence hashing done once per step for all samples instead of one SeedSequence each
-    (256 seeds: 3.6 ms -> 0.3 ms, of a default rollout's ~25 ms generation on the tiny
-    model). Its word mixing is unsigned 32-bit arithmetic, which numpy arrays wrap like C does."""
+    """The seed of each engine call k: from the rollout's seed, the sample's index in the
+    rollout (indices[k]) and the call's number within the sample (calls[k], default 0: a
+    multi-turn rollout calls the engine once per turn). What a sample draws does not depend on
+    how the rollout is split across engines or batched. The value: numpy's SeedSequence of
+    [seed mod 2**64, index(, call if > 0)], its first 64 bits >> 2 (< 2**62), with the hashing
+    done once per step for all calls instead of one SeedSequence each (256 seeds: 3.6 ms ->
+    0.3 ms, of a default rollout's ~25 ms generation on the tiny model). Its word mixing is
+    unsigned 32-bit arithmetic, which numpy arrays wrap like C does."""
     indices = np.asarray(indices, dtype=np.int64).reshape(-1)
     calls = np.zeros_like(indices) if calls is None else np.asarray(calls, dtype=np.int64).reshape(-1)
     if len(indices) and (min(indices.min(), calls.min()) < 0 or max(indices.max(), calls.max()) > MASK32):

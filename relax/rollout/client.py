@@ -7,7 +7,7 @@ function's blocks). Their requests are collected into one batched `engine.genera
 made in the calling thread (SGLang's offline engine runs its own event loop there): a batch
 goes out once every running sample waits on the engine, or when no request arrived for a few
 event-loop turns (so a sample busy with a slow tool does not hold the others back). Each
-request carries its own seed, `sample_seed(rollout seed, sample index, call number)`: what a
+request carries its own seed, `sample_seeds(rollout seed, [sample index], [call number])`: what a
 sample draws does not depend on what it was batched with, and identical prompts in a batch
 (a GRPO group's first turn) are still prefilled once by the torch engine.
 """

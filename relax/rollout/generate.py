@@ -103,7 +103,7 @@ def _finite_sum(values) -> bool:
 def generate_samples(engine, task, tokenizer, prompts: list, n: int, sampling_params: SamplingParams,
                      seed: int, generate_fn: str, where: str, first_index: int = 0) -> list[Sample]:
     """`n` scored samples per prompt; sample k (numbered from `first_index`) draws with
-    sample_seed(seed, first_index + k, call). `where` (e.g. "at rollout 3") goes into errors."""
+    sample_seeds(seed, [first_index + k], [call]). `where` (e.g. "at rollout 3") goes into errors."""
     fn = load_function(generate_fn, "rollout.generate_fn", GENERATE_FN)
     source = f"rollout.generate_fn={generate_fn} {where}"
     records = [Prompt(p.text, p.tokens, p.label, p.metadata, first_index + i * n + j, first_index // n + i)
