@@ -99,7 +99,7 @@ def main() -> None:
             runs[cluster].append(one_run(cluster, args, extra))
             r = runs[cluster][-1]
             print(f"  {cluster:5s} #{i}: start-up {r['startup']:.1f} s, per rollout "
-                  f"{r['per_rollout']:.2f} s, memory {sum(r['memory'].values()):.0f} MB", flush=True)
+                  f"{r['per_rollout'] * 1000:.0f} ms, memory {sum(r['memory'].values()):.0f} MB", flush=True)
     best = {c: {"startup": min(r["startup"] for r in rs), "per_rollout": min(r["per_rollout"] for r in rs),
                 "memory": min((r["memory"] for r in rs), key=lambda m: sum(m.values()))}
             for c, rs in runs.items()}
@@ -109,7 +109,7 @@ def main() -> None:
     print(f"start-up:    local {local['startup']:.1f} s, ray {ray['startup']:.1f} s: "
           f"+{ray['startup'] - local['startup']:.1f} s (goal <= +10 s), "
           f"ratio {ray['startup'] / local['startup']:.2f}")
-    print(f"per rollout: local {local['per_rollout']:.2f} s, ray {ray['per_rollout']:.2f} s: ratio "
+    print(f"per rollout: local {local['per_rollout'] * 1000:.0f} ms, ray {ray['per_rollout'] * 1000:.0f} ms: ratio "
           f"{ray['per_rollout'] / local['per_rollout']:.3f} (goal <= 1.10)")
     for name, b in best.items():
         parts = ", ".join(f"{k} {v:.0f} MB" for k, v in sorted(b["memory"].items()))

@@ -157,6 +157,53 @@ def test_an_unreachable_address_fails_fast_naming_it(tmp_path, monkeypatch, auto
     assert time.monotonic() - start < 30
 
 
+def test_weights_cross_ray_as_one_buffer_with_every_dtype_and_shared_storage():
+    """cluster=ray's weight sync (ray_cluster.Tensors): what arrives equals what was sent, bit
+    for bit, in the order sent; tied tensors (one tensor under two names) and the views an MoE's
+    fused experts split into included, and bf16, where safetensors alone refuses tensors that
+    share memory and numpy has no bf16."""
+    require("ray", RAY)
+    import pickle
+
+    from relax.cluster.ray_cluster import Tensors
+
+    fused = torch.randn(2, 64, 64)
+    embed = torch.randn(16, 8)
+    sent = {"embed": embed, "experts.0": fused[0], "experts.1": fused[1],
+            "bf16": torch.randn(5, 7).bfloat16(), "transposed": torch.randn(3, 4).t(), "int": torch.arange(6),
+            "lm_head": embed}
+    blob = pickle.dumps(Tensors(sent))
+    assert len(blob) < sum(t.nbytes for t in sent.values()) + 2048  # each tensor once, and a header
+    received = pickle.loads(blob)
+    assert type(received) is dict and list(received) == list(sent)
+    for name, t in sent.items():
+        assert received[name].dtype == t.dtype and torch.equal(received[name], t), name
+
+
+def test_a_process_that_serves_calls_freezes_its_heap_after_collecting_the_garbage():
+    """Ray actors, local ranks and engine processes call freeze_heap once built: garbage from
+    start-up is freed (not kept forever), what lives on is frozen (never walked again)."""
+    import gc
+    import weakref
+
+    from relax.cluster.ranks import freeze_heap
+
+    class Node:
+        pass
+
+    garbage = Node()
+    garbage.self = garbage  # a cycle: only the collector frees it
+    gone = weakref.ref(garbage)
+    del garbage
+    kept = [Node() for _ in range(100)]
+    try:
+        freeze_heap()
+        assert gone() is None
+        assert gc.get_freeze_count() >= len(kept)
+    finally:
+        gc.unfreeze()
+
+
 # -- Ray: a real two-node cluster on this machine (`two_nodes`, `ray_replay`: conftest.py) ------
 
 def on(cluster, *more) -> list[str]:

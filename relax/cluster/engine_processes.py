@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 import torch.multiprocessing as mp
 
-from relax.cluster.ranks import RankError, _die_with_parent, on_this_host, receive, stop_processes
+from relax.cluster.ranks import (RankError, _die_with_parent, freeze_heap, on_this_host, receive,
+                                 stop_processes)
 from relax.errors import USER_ERRORS
 
 
@@ -58,6 +59,7 @@ def _engine_main(conn, index: int, factory, args, kwargs, log_file: str | None, 
 
     try:
         engine = factory(*args, **kwargs)
+        freeze_heap()
         conn.send(("ok", None))
         while True:
             method, a = conn.recv()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import faulthandler
+import gc
 import logging
 import os
 import signal
@@ -82,6 +83,16 @@ def start_rank(rank: int, world_size: int, address: str, port: int, log_dir: str
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
 
 
+def freeze_heap() -> None:
+    """Once a process has built what it serves (a trainer rank, an engine): collect the
+    start-up garbage, then freeze what is left. Torch, transformers and the model make ~400k
+    objects that live as long as the process, and every full collection walked them all
+    (~200 ms here); in a Ray trainer actor one fell every few rollouts, inside the unpickling
+    of the samples (a tenth of its time). Frozen, they are never walked again."""
+    gc.collect()
+    gc.freeze()
+
+
 def run_method(trainer, rank: int, method: str, args, kwargs):
     """One call on one rank (`sigkill_rank:<rank>:<rollout_id>`: the test fault of a rank
     killed with SIGKILL as its train step for that rollout starts)."""
@@ -142,6 +153,7 @@ def _rank_main(conn, environ, rank, world_size, port, factory, args, kwargs, log
 
     try:
         trainer = factory(*args, rank=rank, world_size=world_size, **kwargs)
+        freeze_heap()
         conn.send(("ok", None))
         while True:
             method, a, kw = conn.recv()

@@ -34,7 +34,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from relax.cluster.engines import EngineGroup, make_engine_host
 from relax.cluster.placement import check_cluster, plan_bundles, reserve
-from relax.cluster.ranks import RankError, RankGroup, open_store, run_method, start_rank
+from relax.cluster.ranks import RankError, RankGroup, freeze_heap, open_store, run_method, start_rank
 from relax.cluster.reaper import Reaper
 from relax.distributed import free_port
 from relax.errors import USER_ERRORS, ConfigError
@@ -74,16 +74,47 @@ class Host:
             if rank_setup:
                 start_rank(**rank_setup, store=self.store)
             self.obj = factory(*args, **kwargs)
+            freeze_heap()
         return _guarded(build)
 
-    def call(self, method: str, args, kwargs, keep_result: bool = True):
+    def call(self, method: str, args, kwargs, keep_result: bool = True, weights: bool = False):
+        """`weights`: the result is a dict of tensors, sent back as one buffer (Tensors)."""
         def call():
             # a shared object (weights put once into Ray's object store, read by every engine)
             a = [ray.get(x) if isinstance(x, ray.ObjectRef) else x for x in args]
             result = run_method(self.obj, self.index, method, a, kwargs) if self.role == "trainer rank" \
                 else getattr(self.obj, method)(*a, **kwargs)
-            return result if keep_result else None
+            if not keep_result:
+                return None
+            return Tensors(result) if weights else result
         return _guarded(call)
+
+
+class Tensors(dict):
+    """Weights (name -> tensor) that pickle as one safetensors buffer. Ray pickles torch
+    tensors one by one through torch's own reducer: a weight sync of the tiny model (27
+    tensors, 0.5 MB) from the trainer's actor through the driver into the engine's took ~25 ms
+    that way and ~9 ms as one buffer. CUDA tensors pickle as they always did."""
+
+    def __reduce__(self):
+        import torch
+        from safetensors.torch import save
+
+        if not all(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in self.values()):
+            return dict, (dict(self),)
+        flat, storages = {}, set()
+        for name, t in self.items():  # safetensors refuses tensors that share memory: copy those
+            storage = t.untyped_storage().data_ptr()
+            flat[name] = (t.clone() if storage in storages else t.detach()).contiguous()
+            storages.add(storage)
+        return _load_tensors, (save(flat), list(flat))
+
+
+def _load_tensors(buffer: bytes, names: list[str]) -> dict:
+    from safetensors.torch import load
+
+    tensors = load(buffer)
+    return {name: tensors[name] for name in names}  # in the order sent (safetensors sorts them)
 
 
 def _guarded(fn) -> tuple:
@@ -159,8 +190,9 @@ class RayHosts:
     def map(self, method: str, args: list[tuple], engines: list[int] | None = None) -> list:
         return self.collect(self.send(method, args, engines), engines)
 
-    def share(self, obj):
-        return ray.put(obj)
+    def share(self, named: dict):
+        """A weights bucket, put once into the object store for every engine to read."""
+        return ray.put(Tensors(named))
 
     def placement(self) -> list[dict]:
         key = "rank" if self.role == "trainer rank" else "engine"
@@ -180,9 +212,20 @@ class RayRanks(RankGroup):
         self.hosts, self._refs, self.busy = hosts, [], False
 
     def send(self, method: str, *args, **kwargs) -> None:
+        self._send(method, args, kwargs)
+
+    def _send(self, method: str, args: tuple, kwargs: dict, weights: bool = False) -> None:
         self.busy = True
-        self._refs = [actor.call.remote(method, args, kwargs, rank == 0)
+        self._refs = [actor.call.remote(method, args, kwargs, rank == 0, weights)
                       for rank, actor in enumerate(self.hosts.actors)]
+
+    def named_weights(self):
+        self._send("named_weights", (), {}, weights=True)
+        return self.collect()
+
+    def synced_weights(self):
+        self._send("synced_weights", (), {}, weights=True)
+        return self.collect()
 
     def collect(self):
         result = self.hosts.collect(self._refs)[0]
