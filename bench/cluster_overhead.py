@@ -109,7 +109,8 @@ def main() -> None:
     print(f"start-up:    local {local['startup']:.1f} s, ray {ray['startup']:.1f} s: "
           f"+{ray['startup'] - local['startup']:.1f} s (goal <= +10 s), "
           f"ratio {ray['startup'] / local['startup']:.2f}")
-    print(f"per rollout: local {local['per_rollout'] * 1000:.0f} ms, ray {ray['per_rollout'] * 1000:.0f} ms: ratio "
+    print(f"per rollout: local {local['per_rollout'] * 1000:.0f} ms, "
+          f"ray {ray['per_rollout'] * 1000:.0f} ms: ratio "
           f"{ray['per_rollout'] / local['per_rollout']:.3f} (goal <= 1.10)")
     for name, b in best.items():
         parts = ", ".join(f"{k} {v:.0f} MB" for k, v in sorted(b["memory"].items()))

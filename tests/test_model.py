@@ -87,3 +87,41 @@ def test_any_local_hf_dir_via_model_path(tmp_path, tiny_path):
                      "rollout.rollout_batch_size=4", "checkpoint.save_interval=null", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert status_of(only_run_dir(tmp_path))["status"] == "completed"
+
+
+def test_responses_decode_as_batch_decode_does_in_one_call(tokenizer, monkeypatch):
+    """relax.model.decode_responses: the rollout's batch decode, through the Rust tokenizer
+    where transformers would do nothing more, and through transformers where it would."""
+    import random
+
+    from relax.model import decode_responses
+
+    rng = random.Random(0)
+    ids = [[rng.randrange(len(tokenizer)) for _ in range(rng.randrange(0, 12))] for _ in range(64)]
+    ids[0] = [tokenizer.eos_token_id, *ids[1], tokenizer.pad_token_id]  # special tokens are skipped
+    expected = tokenizer.batch_decode(ids, skip_special_tokens=True)
+    assert decode_responses(tokenizer, ids) == expected
+    assert any(expected) and expected[0] == expected[1]
+    calls = []
+    monkeypatch.setattr(type(tokenizer), "batch_decode",
+                        lambda self, *a, **k: calls.append(a) or ["via transformers"] * len(a[0]))
+    assert decode_responses(tokenizer, ids) == expected and not calls
+    monkeypatch.setattr(tokenizer, "clean_up_tokenization_spaces", True)  # transformers would clean up
+    assert decode_responses(tokenizer, ids) == ["via transformers"] * len(ids) and calls == [(ids,)]
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_prompts_are_rendered_and_encoded_as_one_by_one_calls_would(tokenizer, chat):
+    import random
+
+    from relax.task import build_task
+
+    task = build_task(make_cfg(f"task.apply_chat_template={chat}"))
+    questions = task.questions(random.Random(0), 16)
+    prompts = task.to_prompts(questions, tokenizer, "test")
+    one_by_one = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                                tokenize=False) if chat else q for q, *_ in questions]
+    assert [p.text for p in prompts] == one_by_one and len(set(one_by_one)) > 1
+    assert [p.tokens for p in prompts] == [tokenizer(t, add_special_tokens=False)["input_ids"]
+                                           for t in one_by_one]
+    assert task.to_prompts([], tokenizer, "test") == []

@@ -49,6 +49,18 @@ def test_smollm2_is_a_real_checkpoint_obtained_and_checked(smollm2_path):
     assert chat.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
     assert chat.endswith("<|im_start|>assistant\n")
     assert tok.eos_token_id == tok.pad_token_id == 2
+    # the rollout's prompts and responses, made in batches, are what one-by-one calls make
+    from relax.model import decode_responses
+    from relax.task import build_task
+
+    task = build_task(make_cfg(*REAL))
+    questions = ["What is 2 + 3?", "  Tom has 4 apples.\n", "¿Cuántos? 🍎"]
+    assert task.texts(questions, tok) == [tok.apply_chat_template([{"role": "user", "content": q}],
+                                                                  add_generation_prompt=True, tokenize=False)
+                                          for q in questions]
+    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in task.texts(questions, tok)]
+    assert ids[0][0] == tok.convert_tokens_to_ids("<|im_start|>")  # (special tokens, to be skipped)
+    assert decode_responses(tok, ids) == tok.batch_decode(ids, skip_special_tokens=True)
 
 
 @pytest.fixture(scope="module")

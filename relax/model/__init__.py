@@ -121,6 +121,19 @@ def load_tokenizer(path: Path):
     return tokenizer
 
 
+def decode_responses(tokenizer, sequences: list[list[int]]) -> list[str]:
+    """`tokenizer.batch_decode(sequences, skip_special_tokens=True)`, as one call into the Rust
+    tokenizer where that is all transformers would do (a fast tokenizer whose decode is the
+    base class's and cleans up no spaces): transformers first walks every id twice in Python
+    (to_py_obj), 1.2 ms of a default rollout's 256 responses against 0.25 ms."""
+    from transformers import PreTrainedTokenizerFast
+
+    plain = type(tokenizer)._decode is PreTrainedTokenizerFast._decode
+    if plain and not tokenizer.clean_up_tokenization_spaces:
+        return tokenizer.backend_tokenizer.decode_batch(sequences, skip_special_tokens=True)
+    return tokenizer.batch_decode(sequences, skip_special_tokens=True)
+
+
 def tokenizer_fingerprint(tokenizer) -> dict:
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
     digest = hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from relax.targets import load_function
 from relax.errors import ConfigError, RolloutError
+from relax.model import decode_responses
 from relax.rollout import SamplingParams, sample_seeds
 from relax.rollout.client import Batcher
 from relax.sample import Sample, routed_experts_fit
@@ -111,7 +112,7 @@ def generate_samples(engine, task, tokenizer, prompts: list, n: int, sampling_pa
     if fn is single_turn:  # the default needs no coroutine per sample: one batched call, one decode
         gens = engine.generate([r.tokens for r in records], sampling_params,
                                sample_seeds(seed, [r.index for r in records]))
-        responses = tokenizer.batch_decode([g.tokens for g in gens], skip_special_tokens=True)
+        responses = decode_responses(tokenizer, [g.tokens for g in gens])
         samples = [single_turn_sample(r, g, text)
                    for r, g, text in zip(records, gens, responses, strict=True)]
     else:

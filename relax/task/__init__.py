@@ -129,8 +129,7 @@ class Task:
             raise ConfigError(f"rollout.max_new_tokens={max_new_tokens} leaves no room for a prompt "
                               f"within the model's max_position_embeddings={max_positions}")
         rows = self.dataset() or []
-        lengths = tokenizer([self.format(row[0], tokenizer) for row in rows],
-                            add_special_tokens=False)["input_ids"] if rows else []
+        lengths = self.encode(self.texts([row[0] for row in rows], tokenizer), tokenizer)
         for (*_, where), ids in zip(rows, lengths, strict=True):
             self.check_length(len(ids), where)
 
@@ -140,18 +139,24 @@ class Task:
                               f"{self.max_prompt_tokens} the model's max_position_embeddings leaves "
                               f"after rollout.max_new_tokens: shorten it or lower max_new_tokens")
 
-    def format(self, question: str, tokenizer) -> str:
-        if not self.apply_chat_template:
-            return question
-        return tokenizer.apply_chat_template(
-            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
-        )
+    def texts(self, questions: list[str], tokenizer) -> list[str]:
+        """The prompts' texts: each question as the user's turn of the chat template (or as it
+        is), rendered as one batch."""
+        if not self.apply_chat_template or not questions:
+            return list(questions)
+        return tokenizer.apply_chat_template([[{"role": "user", "content": q}] for q in questions],
+                                             add_generation_prompt=True, tokenize=False)
+
+    @staticmethod
+    def encode(texts: list[str], tokenizer) -> list[list[int]]:
+        """Token ids of each text, in one call (the fast tokenizer encodes the batch at once)."""
+        return tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
 
     def to_prompts(self, questions: list[tuple], tokenizer, where: str) -> list[Prompt]:
+        texts = self.texts([q[0] for q in questions], tokenizer)
         out = []
-        for question, label, *metadata in questions:
-            text = self.format(question, tokenizer)
-            tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
+        for (question, label, *metadata), text, tokens in zip(questions, texts, self.encode(texts, tokenizer),
+                                                             strict=True):
             self.check_length(len(tokens), f"{where}, question {question[:80]!r}")
             out.append(Prompt(text, tokens, label, dict(metadata[0]) if metadata else {}))
         return out
