@@ -12,6 +12,12 @@ machines vary up to 3x, and noise only ever adds time). Measured from the run's 
   memory        resident memory of the job's processes once rollout 1 is done: the driver,
                 its ranks or actors, and (cluster=ray) Ray's own processes
 Goals on 2 cores: start-up at most +10 s, per rollout at most +10 %.
+
+Then Ray's own floor on this machine (a private instance, one actor): what a call costs
+beyond its work, alone, around 25 ms of compute, and with a default rollout's 256 samples as
+its argument or its result. A cluster=ray rollout makes four calls (generate the rollout,
+train on it, the trainer's weights, the engine's update) and moves the samples twice, so
+4 x (call) + 2 x (samples) is about the least Ray can add to a rollout here.
 """
 
 from __future__ import annotations
@@ -87,6 +93,47 @@ def one_run(cluster: str, args, extra: list[str]) -> dict:
             "memory": memory, "dir": str(cwd)}
 
 
+def ray_floor(repeats: int = 30) -> dict[str, float]:
+    """Median ms a call costs beyond the work it does (see the module's docstring)."""
+    import ray
+    import torch
+
+    from relax.sample import Sample
+
+    samples = [Sample(i, i // 8, "<|user|>54+37=<|assistant|>", [2, 10, 9, 15, 8, 12, 18, 3, 14, 6, 1], 3,
+                      "91", "91", 1.0, [1, 1, 1], [-0.05, -0.17, -0.004], metadata={"rollout_id": 0})
+               for i in range(256)]
+
+    class Worker:
+        def __init__(self):
+            torch.set_num_threads(1)
+            self.x = torch.randn(256, 256)
+
+        def work(self, ms: float, argument=None, result=None):
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < ms / 1000:
+                self.x @ self.x
+            return time.perf_counter() - t0, result
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    try:
+        worker = ray.remote(Worker).remote()
+        cases = {"a call": (0, None, None), "a call around 25 ms of work": (25, None, None),
+                 "... with the samples as argument": (25, samples, None),
+                 "... with the samples as result": (25, None, samples)}
+        out = {}
+        for name, (ms, argument, result) in cases.items():
+            extra = []
+            for _ in range(repeats + 3):
+                t0 = time.perf_counter()
+                worked, _ = ray.get(worker.work.remote(ms, argument, result))
+                extra.append(time.perf_counter() - t0 - worked)
+            out[name] = statistics.median(extra[3:]) * 1000
+        return out
+    finally:
+        ray.shutdown()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rollouts", type=int, default=6)
@@ -116,6 +163,15 @@ def main() -> None:
         parts = ", ".join(f"{k} {v:.0f} MB" for k, v in sorted(b["memory"].items()))
         print(f"memory {name:5s}: {sum(b['memory'].values()):.0f} MB ({parts})")
     print(f"the Ray instance itself: {ray['memory'].get('ray itself', 0):.0f} MB resident")
+    floor = ray_floor()
+    print("\nRay's floor here, ms beyond the work (median of 30): " + ", ".join(
+        f"{name} {ms:.1f}" for name, ms in floor.items()))
+    call = floor["a call around 25 ms of work"]
+    samples = (floor["... with the samples as argument"] + floor["... with the samples as result"]) / 2 - call
+    least = 4 * call + 2 * samples
+    print(f"least a cluster=ray rollout adds: 4 calls x {call:.1f} + 2 x {samples:.1f} for the samples = "
+          f"{least:.0f} ms; measured {(ray['per_rollout'] - local['per_rollout']) * 1000:.0f} ms; "
+          f"the 1.1x goal allows {local['per_rollout'] * 100:.0f} ms")
 
 
 if __name__ == "__main__":
