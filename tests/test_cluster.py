@@ -269,6 +269,35 @@ def test_engines_on_one_node_trainer_on_the_other_full_loop(two_nodes, tmp_path)
         assert abs(a["rollout/rollout_log_probs"] - b["rollout/rollout_log_probs"]) < 1e-6
 
 
+def test_rank_0_puts_the_weights_into_the_object_store_in_buckets(two_nodes):
+    """cluster=ray's weight sync: trainer rank 0 puts its weights into Ray's object store in
+    buckets of rollout.weight_update_bucket_mb, and only their refs reach the driver (the
+    engines read the buckets; the full loop above checks what they then hold)."""
+    import ray
+
+    from relax.cluster.ray_cluster import Host, StoredWeights
+
+    sent = {f"layers.{i}.weight": torch.randn(10, 10) for i in range(5)}  # 400 bytes each
+
+    def trainer():
+        class Trainer:
+            def named_weights(self):
+                return sent
+        return Trainer()
+
+    ray.init(address=two_nodes.address)
+    try:
+        rank = ray.remote(Host).options(resources={"trainer": 1}).remote("trainer rank", 0, 1)
+        assert ray.get(rank.build.remote(trainer, (), {}))[0] == "ok"
+        status, refs = ray.get(rank.call.remote("named_weights", (), {}, True, 1000))
+        assert status == "ok" and all(isinstance(r, ray.ObjectRef) for r in refs)
+        assert [[name[7] for name in bucket] for bucket in ray.get(refs)] == [["0", "1"], ["2", "3"], ["4"]]
+        received = StoredWeights(refs)
+        assert list(received) == list(sent) and all(torch.equal(received[k], v) for k, v in sent.items())
+    finally:
+        ray.shutdown()
+
+
 def test_errors_name_the_rank_or_engine_node_and_traceback(two_nodes, tiny_path, tokenizer, tmp_path):
     from relax.cluster import open_cluster
     from relax.cluster.ranks import RankError

@@ -133,12 +133,17 @@ class EngineGroup:
                   for a, b in zip(bounds, bounds[1:]) if b > a]
         return [g for part in self.hosts.map("generate", shares) for g in part]
 
-    def update_weights(self, named: dict) -> None:
+    def update_weights(self, named) -> None:
         """Every engine gets the same weights. Through Ray's object store, tensors go in buckets
-        of rollout.weight_update_bucket_mb (each stored once, read by every engine); disk mode
-        writes one checkpoint directory, so it gets them all at once."""
-        whole = self.rollout_cfg.weight_update_mode == "disk" or isinstance(self.hosts, InDriver)
-        for bucket in [named] if whole else buckets(named, self.rollout_cfg.weight_update_bucket_mb * 2**20):
+        of rollout.weight_update_bucket_mb (each stored once, read by every engine), put there
+        by trainer rank 0 itself (`refs`: cluster=ray's StoredWeights); disk mode writes one
+        checkpoint directory, so it gets them all at once."""
+        if self.rollout_cfg.weight_update_mode == "disk" or isinstance(self.hosts, InDriver):
+            parts = [named]
+        else:
+            limit = self.rollout_cfg.weight_update_bucket_mb * 2**20
+            parts = getattr(named, "refs", None) or buckets(named, limit)
+        for bucket in parts:
             self._all("update_weights", self.hosts.share(bucket))
 
     def update_weights_from_trainer(self, trainer) -> None:

@@ -19,6 +19,7 @@ import signal
 import socket
 import time
 import traceback
+from collections.abc import Mapping
 
 from omegaconf import OmegaConf
 
@@ -32,7 +33,7 @@ except ImportError:
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from relax.cluster.engines import EngineGroup, make_engine_host
+from relax.cluster.engines import EngineGroup, buckets, make_engine_host
 from relax.cluster.placement import check_cluster, plan_bundles, reserve
 from relax.cluster.ranks import RankError, RankGroup, freeze_heap, open_store, run_method, start_rank
 from relax.cluster.reaper import Reaper
@@ -77,8 +78,9 @@ class Host:
             freeze_heap()
         return _guarded(build)
 
-    def call(self, method: str, args, kwargs, keep_result: bool = True, weights: bool = False):
-        """`weights`: the result is a dict of tensors, sent back as one buffer (Tensors)."""
+    def call(self, method: str, args, kwargs, keep_result: bool = True, bucket_bytes: int | None = None):
+        """`bucket_bytes`: the result is weights, put into the object store here in buckets of
+        that size (each as one buffer: Tensors); their refs are returned (StoredWeights)."""
         def call():
             # a shared object (weights put once into Ray's object store, read by every engine)
             a = [ray.get(x) if isinstance(x, ray.ObjectRef) else x for x in args]
@@ -86,7 +88,9 @@ class Host:
                 else getattr(self.obj, method)(*a, **kwargs)
             if not keep_result:
                 return None
-            return Tensors(result) if weights else result
+            if bucket_bytes is None:
+                return result
+            return [ray.put(Tensors(bucket)) for bucket in buckets(result, bucket_bytes)]
         return _guarded(call)
 
 
@@ -108,6 +112,29 @@ class Tensors(dict):
             flat[name] = (t.clone() if storage in storages else t.detach()).contiguous()
             storages.add(storage)
         return _load_tensors, (save(flat), list(flat))
+
+
+class StoredWeights(Mapping):
+    """Weights that trainer rank 0 put into Ray's object store, in buckets (`refs`): engines
+    read them from there, so they never pass through the driver, which fetches them only if
+    something here reads them (the engine-weights check)."""
+
+    def __init__(self, refs: list):
+        self.refs, self._tensors = refs, None
+
+    def _fetched(self) -> dict:
+        if self._tensors is None:
+            self._tensors = {name: t for bucket in ray.get(self.refs) for name, t in bucket.items()}
+        return self._tensors
+
+    def __getitem__(self, name: str):
+        return self._fetched()[name]
+
+    def __iter__(self):
+        return iter(self._fetched())
+
+    def __len__(self) -> int:
+        return len(self._fetched())
 
 
 def _load_tensors(buffer: bytes, names: list[str]) -> dict:
@@ -190,9 +217,10 @@ class RayHosts:
     def map(self, method: str, args: list[tuple], engines: list[int] | None = None) -> list:
         return self.collect(self.send(method, args, engines), engines)
 
-    def share(self, named: dict):
-        """A weights bucket, put once into the object store for every engine to read."""
-        return ray.put(Tensors(named))
+    def share(self, named):
+        """A weights bucket, put once into the object store for every engine to read (unless
+        a trainer rank put it there: StoredWeights)."""
+        return named if isinstance(named, ray.ObjectRef) else ray.put(Tensors(named))
 
     def placement(self) -> list[dict]:
         key = "rank" if self.role == "trainer rank" else "engine"
@@ -208,24 +236,26 @@ class RayHosts:
 class RayRanks(RankGroup):
     """The RankGroup contract (relax/cluster/ranks.py) over Host actors."""
 
-    def __init__(self, hosts: RayHosts):
-        self.hosts, self._refs, self.busy = hosts, [], False
+    def __init__(self, hosts: RayHosts, bucket_bytes: int):
+        self.hosts, self.bucket_bytes, self._refs, self.busy = hosts, bucket_bytes, [], False
 
     def send(self, method: str, *args, **kwargs) -> None:
         self._send(method, args, kwargs)
 
-    def _send(self, method: str, args: tuple, kwargs: dict, weights: bool = False) -> None:
+    def _send(self, method: str, args: tuple, kwargs: dict, bucket_bytes: int | None = None) -> None:
         self.busy = True
-        self._refs = [actor.call.remote(method, args, kwargs, rank == 0, weights)
+        self._refs = [actor.call.remote(method, args, kwargs, rank == 0, bucket_bytes)
                       for rank, actor in enumerate(self.hosts.actors)]
 
+    def _stored(self, method: str) -> StoredWeights:
+        self._send(method, (), {}, self.bucket_bytes)
+        return StoredWeights(self.collect())
+
     def named_weights(self):
-        self._send("named_weights", (), {}, weights=True)
-        return self.collect()
+        return self._stored("named_weights")
 
     def synced_weights(self):
-        self._send("synced_weights", (), {}, weights=True)
-        return self.collect()
+        return self._stored("synced_weights")
 
     def collect(self):
         result = self.hosts.collect(self._refs)[0]
@@ -343,7 +373,7 @@ class RayCluster:
         log.info("Ray actors ready in %.1f s: %d trainer rank(s), %d engine(s)", time.perf_counter() - t0,
                  len(ranks), len(engines))
         return (EngineGroup(engines, cfg.rollout) if engines.actors else None,
-                RayRanks(ranks) if ranks.actors else None)
+                RayRanks(ranks, cfg.rollout.weight_update_bucket_mb * 2**20) if ranks.actors else None)
 
     def _start(self, role: str, bundles: list[int], resources: dict, threads: int) -> RayHosts:
         options = dict(num_cpus=resources.get("CPU", 0), num_gpus=resources.get("GPU", 0),
