@@ -165,7 +165,7 @@ def test_weights_cross_ray_as_one_buffer_with_every_dtype_and_shared_storage():
     require("ray", RAY)
     import pickle
 
-    from relax.cluster.ray_cluster import Tensors
+    from relax.cluster.ray_weights import Tensors
 
     fused = torch.randn(2, 64, 64)
     embed = torch.randn(16, 8)
@@ -275,7 +275,8 @@ def test_rank_0_puts_the_weights_into_the_object_store_in_buckets(two_nodes):
     engines read the buckets; the full loop above checks what they then hold)."""
     import ray
 
-    from relax.cluster.ray_cluster import Host, StoredWeights
+    from relax.cluster.ray_cluster import Host
+    from relax.cluster.ray_weights import StoredWeights
 
     sent = {f"layers.{i}.weight": torch.randn(10, 10) for i in range(5)}  # 400 bytes each
 
