@@ -158,7 +158,7 @@ def test_an_unreachable_address_fails_fast_naming_it(tmp_path, monkeypatch, auto
 
 
 def test_weights_cross_ray_as_one_buffer_with_every_dtype_and_shared_storage():
-    """cluster=ray's weight sync (ray_cluster.Tensors): what arrives equals what was sent, bit
+    """cluster=ray's weight sync (ray_weights.Tensors): what arrives equals what was sent, bit
     for bit, in the order sent; tied tensors (one tensor under two names) and the views an MoE's
     fused experts split into included, and bf16, where safetensors alone refuses tensors that
     share memory and numpy has no bf16."""
