@@ -15,7 +15,8 @@ Goals on 2 cores: start-up at most +10 s, per rollout at most +10 %.
 
 Then Ray's own floor on this machine (a private instance, one actor): what a call costs
 beyond its work, alone, around 25 ms of compute, and with a default rollout's 256 samples as
-its argument or its result. A cluster=ray rollout makes four calls (generate the rollout,
+its argument or its result (as a plain list of Sample, and as the Samples the loop sends,
+which pickle field by field). A cluster=ray rollout makes four calls (generate the rollout,
 train on it, the trainer's weights, the engine's update) and moves the samples twice, so
 4 x (call) + 2 x (samples) is about the least Ray can add to a rollout here.
 """
@@ -94,42 +95,45 @@ def one_run(cluster: str, args, extra: list[str]) -> dict:
 
 
 def ray_floor(repeats: int = 30) -> dict[str, float]:
-    """Median ms a call costs beyond the work it does (see the module's docstring)."""
+    """Median ms a call costs beyond the work it does (see the module's docstring); the cases
+    take turns, so that the machine's drift spreads over all of them."""
     import ray
     import torch
 
-    from relax.sample import Sample
+    from relax.sample import Sample, Samples
 
-    samples = [Sample(i, i // 8, "<|user|>54+37=<|assistant|>", [2, 10, 9, 15, 8, 12, 18, 3, 14, 6, 1], 3,
-                      "91", "91", 1.0, [1, 1, 1], [-0.05, -0.17, -0.004], metadata={"rollout_id": 0})
-               for i in range(256)]
+    tokens = [2, 10, 9, 15, 8, 12, 18, 3, 14, 6, 1]
+    samples = Samples(Sample(i, i // 8, "<|user|>54+37=<|assistant|>", list(tokens), 3, "91", "91", 1.0,
+                             [1, 1, 1], [-0.05, -0.17, -0.004], metadata={"rollout_id": 0})
+                      for i in range(256))
+    as_list = list(samples)
 
     class Worker:
-        def __init__(self):
+        def __init__(self, results: dict):
             torch.set_num_threads(1)
-            self.x = torch.randn(256, 256)
+            self.x, self.results = torch.randn(256, 256), results
 
-        def work(self, ms: float, argument=None, result=None):
+        def work(self, ms: float, argument=None, result: str | None = None):
             t0 = time.perf_counter()
             while time.perf_counter() - t0 < ms / 1000:
                 self.x @ self.x
-            return time.perf_counter() - t0, result
+            return time.perf_counter() - t0, self.results.get(result)
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
     try:
-        worker = ray.remote(Worker).remote()
+        worker = ray.remote(Worker).remote({"list": as_list, "Samples": samples})
         cases = {"a call": (0, None, None), "a call around 25 ms of work": (25, None, None),
-                 "... with the samples as argument": (25, samples, None),
-                 "... with the samples as result": (25, None, samples)}
-        out = {}
-        for name, (ms, argument, result) in cases.items():
-            extra = []
-            for _ in range(repeats + 3):
+                 "... with the samples as argument (a list)": (25, as_list, None),
+                 "... with the samples as argument (Samples)": (25, samples, None),
+                 "... with the samples as result (a list)": (25, None, "list"),
+                 "... with the samples as result (Samples)": (25, None, "Samples")}
+        extra = {name: [] for name in cases}
+        for _ in range(repeats + 3):
+            for name, (ms, argument, result) in cases.items():
                 t0 = time.perf_counter()
                 worked, _ = ray.get(worker.work.remote(ms, argument, result))
-                extra.append(time.perf_counter() - t0 - worked)
-            out[name] = statistics.median(extra[3:]) * 1000
-        return out
+                extra[name].append(time.perf_counter() - t0 - worked)
+        return {name: statistics.median(times[3:]) * 1000 for name, times in extra.items()}
     finally:
         ray.shutdown()
 
@@ -167,7 +171,8 @@ def main() -> None:
     print("\nRay's floor here, ms beyond the work (median of 30): " + ", ".join(
         f"{name} {ms:.1f}" for name, ms in floor.items()))
     call = floor["a call around 25 ms of work"]
-    samples = (floor["... with the samples as argument"] + floor["... with the samples as result"]) / 2 - call
+    sent = [ms for name, ms in floor.items() if name.endswith("(Samples)")]  # what the loop sends
+    samples = sum(sent) / len(sent) - call
     least = 4 * call + 2 * samples
     print(f"least a cluster=ray rollout adds: 4 calls x {call:.1f} + 2 x {samples:.1f} for the samples = "
           f"{least:.0f} ms; measured {(ray['per_rollout'] - local['per_rollout']) * 1000:.0f} ms; "

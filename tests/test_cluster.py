@@ -13,11 +13,13 @@ import logging
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 from relax.logger import read_metrics
+from relax.sample import Sample, Samples
 
 from .conftest import REPO, make_cfg, only_run_dir, relax_cli, run_loop
 from .extras import RAY, require
@@ -127,6 +129,41 @@ def test_samples_do_not_depend_on_the_engine_count(tiny_path, tokenizer):
         assert worst < 1e-5
     again = rollout(1)
     assert [s.rollout_log_probs for s in again] == [s.rollout_log_probs for s in one]  # bit-equal
+
+
+@dataclass
+class TaggedSample(Sample):  # a user's Sample with a field of its own
+    tag: str = ""
+
+
+def test_a_rollouts_samples_cross_processes_field_by_field_and_arrive_equal(tiny_path, tokenizer, tmp_path):
+    """generate_rollout and load_rollout return Samples, which pickle as one list per field
+    (to Ray actors, engine and rank processes) where cloudpickle would walk every Sample object:
+    every field arrives equal, metadata and routed_experts included; a subclass pickles whole."""
+    import pickle
+
+    from relax.cluster.engines import EngineGroup, InDriver
+    from relax.replay import load_rollout, save_rollout
+    from relax.rollout.generate import generate_rollout
+    from relax.rollout.torch_engine import TorchEngine
+    from relax.task import build_task
+
+    cfg = make_cfg(*TINY)
+    engine = TorchEngine(cfg, tiny_path, [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    group = EngineGroup(InDriver([engine], ["cpu"]), cfg.rollout)
+    samples, _ = generate_rollout(group, build_task(cfg), tokenizer, cfg.rollout, 0, cfg.seed)
+    assert type(samples) is Samples and len(samples) == 16
+    samples[0].metadata["turns"] = [{"role": "tool", "content": "4"}]
+    samples[1].routed_experts = list(range(len(samples[1].tokens) - 1))
+    blob = pickle.dumps(samples)
+    assert len(blob) < 0.9 * len(pickle.dumps(list(samples)))  # field names and class once, not per sample
+    arrived = pickle.loads(blob)
+    assert type(arrived) is Samples and arrived == samples and arrived[2].routed_experts is None
+    save_rollout(tmp_path / "0.pt", 0, samples, {})
+    _, loaded = load_rollout(tmp_path / "0.pt")
+    assert type(loaded) is Samples and loaded == samples
+    tagged = Samples([TaggedSample(**samples[0].to_dict(), tag="kept")])
+    assert pickle.loads(pickle.dumps(tagged)) == tagged and pickle.loads(pickle.dumps(Samples())) == []
 
 
 def test_cluster_local_never_imports_ray(tmp_path, tiny_path):

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 import relax
 from relax.errors import ReplayError
 from relax.files import atomic_save, fill, safe_load
-from relax.sample import Sample, group_size_of, require_routed_experts
+from relax.sample import Sample, Samples, group_size_of, require_routed_experts
 from relax.task import check_rewards
 
 FORMAT_VERSION = 2  # 2: samples may carry routed_experts (MoE); format 1 files still load
@@ -123,7 +123,7 @@ def load_rollout(path: Path, manifest: dict | None = None, allow_mismatch: bool 
                               + "\nSet debug.allow_manifest_mismatch=true to replay it anyway.")
     if subsample is not None:
         samples = subsample_groups(samples, subsample, seed + data["rollout_id"])
-    return data["rollout_id"], samples
+    return data["rollout_id"], Samples(samples)
 
 
 def check_replay_files(files: dict[int, Path], manifest: dict, allow_mismatch: bool,

@@ -22,7 +22,7 @@ from relax.errors import ConfigError, RolloutError
 from relax.model import decode_responses
 from relax.rollout import SamplingParams, sample_seeds
 from relax.rollout.client import Batcher
-from relax.sample import Sample, routed_experts_fit
+from relax.sample import Sample, Samples, routed_experts_fit
 from relax.task import Prompt, check_rewards
 from relax.task.rewards import raised
 
@@ -160,7 +160,7 @@ def generate_rollout(engine, task, tokenizer, rollout_cfg, rollout_id: int,
             else:
                 filtered += 1
         rounds += 1
-    samples = [s for g in groups[:r.rollout_batch_size] for s in g]
+    samples = Samples(s for g in groups[:r.rollout_batch_size] for s in g)  # (crosses processes)
     for i, s in enumerate(samples):
         s.metadata.update(rollout_id=rollout_id, **({"generation_index": s.index} if keep else {}))
         s.index, s.group_index = i, i // n
