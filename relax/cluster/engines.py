@@ -15,7 +15,7 @@ import socket
 from omegaconf import DictConfig, OmegaConf
 
 from relax.cluster.ranks import RankError, on_this_host
-from relax.rollout import build_engine
+from relax.rollout import buckets, build_engine
 
 
 def make_engine(cfg, model_path, tokenizer, base_gpu_id: int = 0):
@@ -82,17 +82,6 @@ class InDriver:
 
     def kill(self) -> None:
         self.engines = []
-
-
-def buckets(named: dict, limit_bytes: int) -> list[dict]:
-    out, size = [{}], 0
-    for name, tensor in named.items():
-        if out[-1] and size + tensor.nbytes > limit_bytes:
-            out.append({})
-            size = 0
-        out[-1][name] = tensor
-        size += tensor.nbytes
-    return out
 
 
 class EngineGroup:

@@ -32,14 +32,14 @@ except ImportError:
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from relax.cluster.engines import EngineGroup, buckets, make_engine_host
+from relax.cluster.engines import EngineGroup, make_engine_host
 from relax.cluster.placement import check_cluster, plan_bundles, reserve
 from relax.cluster.ranks import RankError, RankGroup, freeze_heap, open_store, run_method, start_rank
 from relax.cluster.ray_weights import StoredWeights, Tensors
 from relax.cluster.reaper import Reaper
 from relax.distributed import free_port
 from relax.errors import USER_ERRORS, ConfigError
-from relax.rollout import num_engines
+from relax.rollout import buckets, num_engines
 from relax.train import make_trainer
 
 log = logging.getLogger(__name__)

@@ -185,6 +185,19 @@ def _seed_sequence_state(words: list) -> np.ndarray:
     return state[0] | (state[1] << np.uint64(32))
 
 
+def buckets(named: dict, limit_bytes: int) -> list[dict]:
+    """Weights (name -> tensor) split in order into buckets of at most `limit_bytes` each
+    (rollout.weight_update_bucket_mb; a tensor larger than that gets a bucket of its own)."""
+    out, size = [{}], 0
+    for name, tensor in named.items():
+        if out[-1] and size + tensor.nbytes > limit_bytes:
+            out.append({})
+            size = 0
+        out[-1][name] = tensor
+        size += tensor.nbytes
+    return out
+
+
 def prompt_seeds(seed: int | list[int], n: int, first_index: int = 0) -> list[int]:
     """Each of an engine call's `n` prompts' seed: given (a list), or the samples first_index..
     of the rollout whose seed is `seed`."""

@@ -30,7 +30,7 @@ from relax import faults
 from relax.targets import require_extra
 from relax.errors import ConfigError
 from relax.model import families, read_hf_config, torch_dtype
-from relax.rollout import Generation, SamplingParams, engine_dtype, num_engines, prompt_seeds
+from relax.rollout import Generation, SamplingParams, buckets, engine_dtype, num_engines, prompt_seeds
 
 log = logging.getLogger(__name__)
 GPU = torch.cuda.is_available()
@@ -207,17 +207,10 @@ class SGLangEngine:
         _check(self.engine.end_weight_update(), "end_weight_update")
 
     def _update_from_tensors(self, named: dict[str, torch.Tensor]) -> None:
-        limit = self.cfg.rollout.weight_update_bucket_mb * 2**20
-        buckets, size = [[]], 0
-        for name, tensor in named.items():
-            if buckets[-1] and size + tensor.nbytes > limit:
-                buckets.append([])
-                size = 0
-            buckets[-1].append((name, tensor.detach().contiguous()))
-            size += tensor.nbytes
         _check(self.engine.begin_weight_update(), "begin_weight_update")
-        for bucket in buckets:
-            _check(self.engine.update_weights_from_tensor(named_tensors=bucket, flush_cache=False),
+        for bucket in buckets(named, self.cfg.rollout.weight_update_bucket_mb * 2**20):
+            tensors = [(name, t.detach().contiguous()) for name, t in bucket.items()]
+            _check(self.engine.update_weights_from_tensor(named_tensors=tensors, flush_cache=False),
                    "update_weights_from_tensor")
         _check(self.engine.end_weight_update(), "end_weight_update")
 
