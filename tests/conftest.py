@@ -1,12 +1,14 @@
 """Shared helpers: compose configs like the CLI does, run the loop in-process or the CLI in
-a subprocess, and the tiny model (built once per machine into the Relax cache)."""
+a process of its own, and the tiny model (built once per machine into the Relax cache)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
 import sys
+import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from relax.cli import CONF_DIR, translate_args
 from . import extras
 
 REPO = Path(__file__).resolve().parents[1]
+FRESH = [sys.executable, "-m", "relax"]  # relax_cli's entry where a run must start a new interpreter
 torch.set_num_threads(1)
 
 
@@ -58,10 +61,26 @@ def build_trainer(cfg, model_path, log_dir=None, pad_token_id=0):
 
 def relax_cli(*args: str, cwd: Path, entry: list[str] | None = None, env: dict | None = None,
               timeout: int = 600) -> subprocess.CompletedProcess:
-    """Run the real CLI in a subprocess (outputs/ lands under `cwd`)."""
-    entry = entry or [sys.executable, "-m", "relax"]
-    return subprocess.run([*entry, *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+    """Run the real CLI (`relax.cli.main`; outputs/ lands under `cwd`) and return what a
+    subprocess would: exit code, stdout, stderr. With `entry` (`python -m relax`, a console
+    script) in a fresh interpreter; without, in a process forked from the session's fork server
+    (`cli_context`), which has imported Relax, torch and transformers once: the same main, argv,
+    cwd and environment, without ~5 s of imports a start."""
+    environ = {**os.environ, **(env or {})}
+    if entry is not None:
+        return subprocess.run([*entry, *args], cwd=cwd, capture_output=True, text=True,
+                              timeout=timeout, env=environ)
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        proc = cli_context().Process(target=_cli_in_fork,
+                                     args=(str(cwd), list(args), environ, str(out), str(err)))
+        proc.start()
+        proc.join(timeout)
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join()
+            raise subprocess.TimeoutExpired(["relax", *args], timeout, out.read_text(), err.read_text())
+        return subprocess.CompletedProcess(["relax", *args], proc.exitcode, out.read_text(), err.read_text())
 
 
 def only_run_dir(cwd: Path, kind: str = "runs") -> Path:
@@ -138,32 +157,40 @@ def tokenizer(tiny_path):
     return load_tokenizer(tiny_path)
 
 
-def _cli_in_fork(cwd: str, args: list[str], fault: str, log: str) -> None:
-    """One `relax` command in a child forked from the forkserver: its own cwd, output, RELAX_FAULT."""
+def _cli_in_fork(cwd: str, args: list[str], environ: dict, stdout: str, stderr: str) -> None:
+    """One `relax` command in a child of the fork server: its own cwd, environment and output."""
     os.chdir(cwd)
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.environ["RELAX_FAULT"] = fault
+    os.environ.clear()  # the caller's environment now, not the fork server's when it started
+    os.environ.update(environ)
+    for fd, path in ((1, stdout), (2, stderr)):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), fd)
     sys.argv = ["relax", *args]
     from relax.cli import main
 
     main(args)
 
 
-@pytest.fixture(scope="session")
-def fork_cli():
-    """Start the real CLI (`relax.cli.main`: Hydra, status.json, signal handlers) in a process
-    forked from a forkserver that imported Relax once: a start costs a fork, not a Python
-    start-up. Returns start(cwd, *args, fault="") -> the process; its output goes to cwd/out.log."""
+@functools.cache
+def cli_context():
+    """The multiprocessing context whose fork server has imported what a run of the tiny
+    default job imports (a fork of it starts a run in milliseconds, not seconds)."""
     import multiprocessing as mp
 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["relax.cli", "relax.loop", "relax.train.torch_trainer",
-                                "relax.rollout.torch_engine", "tests.conftest"])
+                                "relax.rollout.torch_engine", "transformers.models.qwen2.modeling_qwen2",
+                                "tests.conftest"])
+    return ctx
 
+
+@pytest.fixture(scope="session")
+def fork_cli():
+    """Start the real CLI (`relax.cli.main`: Hydra, status.json, signal handlers) in a child of the
+    fork server (`cli_context`) and return at once. Returns start(cwd, *args, fault="") -> the
+    process; its output goes to cwd/out.log."""
     def start(cwd: Path, *args: str, fault: str = ""):
-        proc = ctx.Process(target=_cli_in_fork, args=(str(cwd), list(args), fault, str(cwd / "out.log")))
+        log, environ = str(cwd / "out.log"), {**os.environ, "RELAX_FAULT": fault}
+        proc = cli_context().Process(target=_cli_in_fork, args=(str(cwd), list(args), environ, log, log))
         proc.start()
         return proc
     return start

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from relax.cli import CONF_DIR
 from relax.errors import ConfigError
 
-from .conftest import REPO, make_cfg, only_run_dir, relax_cli, status_of
+from .conftest import FRESH, REPO, make_cfg, only_run_dir, relax_cli, status_of
 
 BEFORE = REPO / "tests" / "data" / "composed_configs.json"
 ENGINE, TRAINER = "relax.rollout.torch_engine.TorchEngine", "relax.train.torch_trainer.TorchTrainer"
@@ -260,7 +260,7 @@ def test_user_classes_plug_in_from_the_command_line(tmp_path, tiny_path):
                      "train._target_=my_plugins.ProcessNamingTrainer",
                      "logger._target_=my_plugins.TaggingLogger", "parallel=dp2", "rollout.num_rollout=1",
                      "rollout.rollout_batch_size=4", "checkpoint.save_interval=null", cwd=tmp_path,
-                     env={"PYTHONPATH": str(tmp_path)})
+                     entry=FRESH, env={"PYTHONPATH": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = only_run_dir(tmp_path)
     assert status_of(run)["status"] == "completed"

@@ -5,7 +5,6 @@ log-probs, never on text."""
 
 import json
 import subprocess
-import sys
 import time
 
 import pytest
@@ -23,7 +22,7 @@ from relax.rollout.torch_engine import TorchEngine  # noqa: E402
 from relax.task import build_task  # noqa: E402
 from relax.train import make_trainer  # noqa: E402
 
-from .conftest import make_cfg, relax_cli  # noqa: E402
+from .conftest import FRESH, make_cfg, relax_cli  # noqa: E402
 from .families import FAMILIES  # noqa: E402
 from .test_engine import chat_prompts  # noqa: E402
 
@@ -197,12 +196,11 @@ def sglang_processes() -> list[str]:
 def test_rollout_only_then_train_only(tmp_path, tiny_path):
     """The CLI with rollout=sglang: save replay data, with no SGLang process left behind, then
     train on it (the full loop: the real model's test below, and on Ray)."""
-    python = [sys.executable, "-m", "relax"]
     already = sglang_processes()
     proc = relax_cli("rollout=sglang", "rollout.num_rollout=2", "rollout.rollout_batch_size=4",
                      "checkpoint.save_interval=null", "debug=rollout_only",
                      f"debug.save_rollout_data={tmp_path}/rd/{{rollout_id}}.pt",
-                     "hydra.run.dir=outputs/rollout", cwd=tmp_path, entry=python)
+                     "hydra.run.dir=outputs/rollout", cwd=tmp_path, entry=FRESH)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sglang_processes() == already  # no orphan scheduler/detokenizer processes
     assert sorted(p.name for p in (tmp_path / "rd").iterdir()) == ["0.pt", "1.pt"]
@@ -211,7 +209,7 @@ def test_rollout_only_then_train_only(tmp_path, tiny_path):
     assert "Finish rollout 0" in log and "Finish rollout 1" in log
     proc = relax_cli("debug=train_only", f"debug.load_rollout_data={tmp_path}/rd/{{rollout_id}}.pt",
                      "checkpoint.save_interval=null", "hydra.run.dir=outputs/train", cwd=tmp_path,
-                     entry=python)
+                     entry=FRESH)
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = [json.loads(line) for line in (tmp_path / "outputs/train/metrics.jsonl").read_text().splitlines()
              if '"step"' in line]
@@ -224,7 +222,7 @@ def test_a_dropped_engine_buffer_is_named_and_stops_a_strict_run(tmp_path):
     already = sglang_processes()
     proc = relax_cli("rollout=sglang", "rollout.num_rollout=2", "rollout.rollout_batch_size=4",
                      "debug.check_weight_update_equal=true", "debug.strict_checks=true",
-                     "hydra.run.dir=outputs/drop", cwd=tmp_path, entry=[sys.executable, "-m", "relax"],
+                     "hydra.run.dir=outputs/drop", cwd=tmp_path, entry=FRESH,
                      env={"RELAX_FAULT": "drop_buffer"})
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert ROTARY_CACHE in proc.stderr + proc.stdout
@@ -271,7 +269,7 @@ def test_colocated_loop_on_gpu(tmp_path):
     proc = relax_cli("rollout=sglang", "rollout.colocate=true", "rollout.num_rollout=2",
                      "rollout.rollout_batch_size=4", "checkpoint.save_interval=null",
                      "debug.check_weight_update_equal=true", "debug.check_weight_update_every_sync=true",
-                     "hydra.run.dir=outputs/colocated", cwd=tmp_path, entry=[sys.executable, "-m", "relax"])
+                     "hydra.run.dir=outputs/colocated", cwd=tmp_path, entry=FRESH)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "outputs/colocated/weight_check.json").read_text())
     assert report["passed"] and [(c["stage"], c["rollout_id"]) for c in report["checks"]] == [
@@ -301,7 +299,7 @@ def test_nccl_weight_sync_on_gpu(tmp_path, lora):
     LoRA, the merged projections only)."""
     proc = relax_cli("rollout=sglang", "rollout.weight_update_mode=distributed", "rollout.num_rollout=3",
                      "rollout.rollout_batch_size=4", "checkpoint.save_interval=null", *lora,
-                     "hydra.run.dir=outputs/nccl", cwd=tmp_path, entry=[sys.executable, "-m", "relax"])
+                     "hydra.run.dir=outputs/nccl", cwd=tmp_path, entry=FRESH)
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = [json.loads(line) for line in (tmp_path / "outputs/nccl/metrics.jsonl").read_text().splitlines()
              if '"step"' in line]
@@ -318,7 +316,7 @@ def test_sglang_engine_as_a_ray_actor(tmp_path):
     proc = relax_cli("rollout=sglang", "cluster=ray", "rollout.num_rollout=2", "rollout.rollout_batch_size=4",
                      "checkpoint.save_interval=null", "debug.check_weight_update_equal=true",
                      "debug.check_weight_update_every_sync=true", "hydra.run.dir=outputs/ray", cwd=tmp_path,
-                     entry=[sys.executable, "-m", "relax"], env={"RAY_AUTH_MODE": "disabled"})
+                     entry=FRESH, env={"RAY_AUTH_MODE": "disabled"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "outputs" / "ray"
     placement = json.loads((run / "built.json").read_text())["placement"]

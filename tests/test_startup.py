@@ -15,7 +15,7 @@ import pytest
 
 from relax.errors import ConfigError
 
-from .conftest import make_cfg, relax_cli, run_loop
+from .conftest import FRESH, make_cfg, relax_cli, run_loop
 
 TINY = ["rollout.num_rollout=1", "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4",
         "checkpoint.save_interval=null"]
@@ -44,7 +44,8 @@ def relax_without(tmp_path, hidden: list[str], *args: str):
     shim.mkdir()
     (shim / "sitecustomize.py").write_text(HIDE.format(hidden=hidden))
     path = os.pathsep.join(filter(None, [str(shim), os.environ.get("PYTHONPATH")]))
-    return relax_cli(*args, cwd=tmp_path, env={"PYTHONPATH": path}, timeout=300)
+    # (a new interpreter: sitecustomize runs at start-up)
+    return relax_cli(*args, cwd=tmp_path, entry=FRESH, env={"PYTHONPATH": path}, timeout=300)
 
 
 @pytest.mark.parametrize("hidden,args,expected", [
