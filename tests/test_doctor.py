@@ -556,13 +556,14 @@ def test_batch_invariance_is_reported_when_recorded(diff, verdict):
 # (reward 0.0 in each of 3 rollouts, grad_norm 0: nothing to learn, nothing to collapse; measured)
 SMOLLM2 = ["model=smollm2", "task=word_problems", "task.operations=[plus]", "task.max_operand=20",
            "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=8", "rollout.max_new_tokens=16",
-           "train.num_threads=2", "checkpoint.save_interval=null", "rollout.num_rollout=3"]
+           "train.num_threads=2", "checkpoint.save_interval=null", "rollout.num_rollout=2"]
 
 
 @pytest.mark.slow
 def test_smollm2_collapse_at_the_tiny_models_lr_is_named(tmp_path, smollm2_path):
     """Measured: at train.lr=3e-4 reward 0.219 -> 0.125 -> 0.0 and entropy 1.70 -> 0.46 -> 0.50
     (grad_norm 0 at rollout 2); at 1e-5 reward 0.219 -> 0.094 -> 0.344, entropy 1.70 -> 1.60 -> 1.49.
+    Two rollouts are enough: a run that ends at the collapse is judged on the move alone.
     (A healthy real-model run passing every check: tests/test_real_model.py, on its dumped run.)"""
     rollouts, _ = run_loop(tmp_path / "collapse", *SMOLLM2, "train.lr=3e-4")
     assert rollouts[0]["rollout/raw_reward"] > 0.1  # a signal to learn from
