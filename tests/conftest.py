@@ -179,7 +179,7 @@ def cli_context():
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["relax.cli", "relax.loop", "relax.train.torch_trainer",
                                 "relax.rollout.torch_engine", "transformers.models.qwen2.modeling_qwen2",
-                                "tests.conftest"])
+                                "matplotlib.pyplot", "tests.conftest"])  # (pyplot: every run plots)
     return ctx
 
 
