@@ -59,13 +59,14 @@ def atomic_write_text(path: Path, text: str) -> None:
         f.write(text)
 
 
-def safe_load(path: Path) -> dict:
-    """Load plain data; a file that would run code, or is corrupt, is refused by name."""
+def safe_load(path: Path, mmap: bool = False) -> dict:
+    """Load plain data; a file that would run code, or is corrupt, is refused by name. `mmap`:
+    tensors are read from the file when used, not all copied in at load (large dumps)."""
     path = Path(path)
     if not path.is_file():
         raise ReplayError(f"{path}: no such file")
     try:
-        data = torch.load(path, weights_only=True, map_location="cpu")
+        data = torch.load(path, weights_only=True, map_location="cpu", mmap=mmap)
     except pickle.UnpicklingError as e:
         # torch wraps the reason in boilerplate paragraphs; keep the reason itself
         paragraphs = [p.strip() for p in str(e).split("\n\n") if p.strip()]

@@ -57,7 +57,7 @@ class Dump:
 
 def load_dump(path: Path) -> Dump:
     """A layer dump, or ValueError naming the file and what is wrong with it."""
-    data = safe_load(path)
+    data = safe_load(path, mmap=True)  # (a real model's dump is ~1 GB of weights and gradients)
     if not isinstance(data, dict) or data.get("format_version") != FORMAT_VERSION:
         raise ValueError(
             f"{path}: not a Relax layer dump of format {FORMAT_VERSION} "
@@ -83,8 +83,13 @@ def rel_diff(a, b) -> float:
     a, b = (a, b) if isinstance(a, list) else ([a], [b])
     if len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b)):
         return math.inf
-    num = math.sqrt(sum(float((x.double() - y.double()).pow(2).sum()) for x, y in zip(a, b)))
-    den = math.sqrt(sum(float(y.double().pow(2).sum()) for y in b))
+    # differences in (at least) fp32, exact for values within 2x of each other; norms summed in
+    # fp64 (without fp64 copies of ~1 GB of a real model's weights and gradients)
+    wide = [torch.promote_types(y.dtype, torch.float32) for y in b]
+    num = math.hypot(*(float(torch.linalg.vector_norm(x.to(w) - y.to(w), dtype=torch.float64))
+                       for x, y, w in zip(a, b, wide)))
+    den = math.hypot(*(float(torch.linalg.vector_norm(y.to(w), dtype=torch.float64))
+                       for y, w in zip(b, wide)))
     return num / den if den > 0 else (0.0 if num == 0 else math.inf)
 
 
