@@ -8,8 +8,8 @@ import torch
 from omegaconf import OmegaConf
 
 from relax.algo import (check_algo, compute_advantages, group_advantages, gspo_loss, kl_estimate,
-                        masked_sum, mismatch_kl, policy_loss, reinforce_plus_plus, rollout_is_weights,
-                        sequence_loss_scales, token_log_probs)
+                        masked_sum, mismatch_kl, mismatch_ratio, policy_loss, reinforce_plus_plus,
+                        rollout_is_weights, sequence_loss_scales, token_log_probs)
 from relax.errors import ConfigError
 
 from .conftest import make_cfg
@@ -35,6 +35,17 @@ def test_reinforce_is_mean_baseline_only():
     cfg = OmegaConf.create({"advantage_estimator": "reinforce", "grpo_std_normalization": True})
     adv = compute_advantages(torch.tensor([1.0, 0.0, 3.0, 1.0]), 2, torch.ones(4), cfg)
     assert adv.tolist() == pytest.approx([0.5, -0.5, 1.0, -1.0])
+
+
+def test_compute_advantages_passes_the_config_and_token_counts_on():
+    """grpo_std_normalization=false leaves GRPO mean-centred only; reinforce_plus_plus whitens
+    over the token counts given (not one token a sample)."""
+    cfg = OmegaConf.create({"advantage_estimator": "grpo", "grpo_std_normalization": False})
+    adv = compute_advantages(torch.tensor([1.0, 0.0, 3.0, 1.0]), 2, torch.ones(4), cfg)
+    assert adv.tolist() == pytest.approx([0.5, -0.5, 1.0, -1.0], abs=1e-6)
+    cfg.advantage_estimator = "reinforce_plus_plus"  # the numbers of the test below
+    adv = compute_advantages(torch.tensor([1.0, 0.0]), 2, torch.tensor([1, 3]), cfg)
+    assert adv.tolist() == pytest.approx([1.5, -0.5], rel=1e-6)
 
 
 def test_reinforce_plus_plus_whitens_over_tokens_by_hand():
@@ -92,6 +103,28 @@ def test_gspo_uses_the_sequence_ratio_by_hand():
     assert clipfrac.tolist() == [[0.0, 0.0], [1.0, 1.0]]
     loss.sum().backward()
     assert lp.grad.flatten().tolist() == pytest.approx([-1.0, -1.0, 0.0, 0.0], abs=1e-6)
+
+
+def test_a_ratio_exactly_at_the_dual_clip_bound_is_not_counted_as_clipped():
+    """verl counts the dual clip with a strict >: r = eps_clip_c exactly (A = -1) leaves the loss at 3."""
+    new = torch.log(torch.tensor([[3.0]]))  # exp(log(3)) == 3.0 in fp32
+    loss, _, lower, _ = policy_loss(new, torch.zeros(1, 1), -torch.ones(1, 1), 0.2, 0.2, eps_clip_c=3.0)
+    assert loss.item() == 3.0 and lower.item() == 0.0
+
+
+def test_gspo_reports_the_same_per_token_kl_as_ppo():
+    """train/ppo_kl is KL(old || new) per token, old - new, whichever the policy loss."""
+    old, new = torch.zeros(1, 3), torch.log(torch.tensor([[2.0, 0.5, 1.0]]))
+    gspo_kl = gspo_loss(new, old, torch.ones(1, 3), torch.ones(1, 3), 0.2, 0.2)[3]
+    assert gspo_kl.tolist()[0] == pytest.approx([-math.log(2), math.log(2), 0.0], abs=1e-6)
+    assert torch.allclose(gspo_kl, policy_loss(new, old, torch.ones(1, 3), 0.2, 0.2)[3])
+
+
+def test_gspo_caps_the_sequence_log_ratio_at_10():
+    """As verl: a stale sequence (mean log-ratio 30) under A = -1 costs e^10 a token, not e^30."""
+    lp, old, adv, mask = torch.full((1, 2), 30.0), torch.zeros(1, 2), -torch.ones(1, 2), torch.ones(1, 2)
+    loss, _, _, _ = gspo_loss(lp, old, adv, mask, 0.2, 0.2)
+    assert loss.tolist()[0] == pytest.approx([math.exp(10)] * 2, rel=1e-6)
 
 
 def test_ratio_one_means_no_clipping_and_zero_kl():
@@ -153,6 +186,46 @@ def test_truncated_and_masked_is_by_hand():
     assert mismatch_kl(old, rollout).tolist()[0] == pytest.approx([5 - 1 - math.log(5), 0.0], abs=1e-6)
 
 
+def test_tis_and_mis_together_weight_the_kept_tokens_by_the_capped_ratio():
+    """Both on: MIS drops ratios outside [0.2, 4] (5 and 0.1), the kept token keeps its TIS weight 1.5."""
+    old, rollout = torch.log(torch.tensor([[5.0, 0.1, 1.5]])), torch.zeros(1, 3)
+    algo = OmegaConf.create({"tis": "token", "tis_cap": 2.0, "mis": "token", "mis_low": 0.2, "mis_high": 4.0})
+    w, truncated, dropped = rollout_is_weights(old, rollout, torch.ones(1, 3), algo)
+    assert w.tolist()[0] == pytest.approx([0.0, 0.0, 1.5], abs=1e-6)
+    assert truncated.tolist() == [[1.0, 0.0, 0.0]] and dropped.tolist() == [[1.0, 1.0, 0.0]]
+
+
+def test_a_ratio_at_the_cap_or_at_the_mis_bounds_is_kept_whole():
+    """TIS truncates only above tis_cap; MIS keeps [mis_low, mis_high], ends included (ratios 0.5, 2)."""
+    old, rollout = torch.log(torch.tensor([[0.5, 1.0, 2.0]])), torch.zeros(1, 3)
+    algo = OmegaConf.create({"tis": "token", "tis_cap": 2.0, "mis": "token", "mis_low": 0.5, "mis_high": 2.0})
+    w, truncated, dropped = rollout_is_weights(old, rollout, torch.ones(1, 3), algo)
+    assert w.tolist() == [[0.5, 1.0, 2.0]]
+    assert truncated.sum() == 0 and dropped.sum() == 0
+
+
+def test_the_sequence_ratio_is_over_response_tokens_only():
+    """Padding's log-probs (7 here) do not enter the product of a sequence's token ratios (2 x 2)."""
+    old, rollout = torch.tensor([[math.log(2.0), math.log(2.0), 7.0]]), torch.zeros(1, 3)
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    assert mismatch_ratio(old, rollout, mask, "sequence").tolist()[0] == pytest.approx([4.0, 4.0, 0.0])
+    algo = OmegaConf.create({"tis": "sequence", "tis_cap": 10.0, "mis": None, "mis_low": 0.5,
+                             "mis_high": 2.0})
+    assert rollout_is_weights(old, rollout, mask, algo)[0].tolist()[0] == pytest.approx([4.0, 4.0, 0.0])
+
+
+def test_mismatch_ratios_stay_finite_for_extreme_log_ratios():
+    """The log-ratio is clamped to +-20 before exp: no Inf, and no Inf x 0 = NaN at padding."""
+    old, rollout = torch.tensor([[100.0, 0.0], [-100.0, 3.0]]), torch.zeros(2, 2)
+    mask = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
+    token = mismatch_ratio(old, rollout, mask, "token")
+    assert token.flatten().tolist() == pytest.approx([math.exp(20), 0.0, math.exp(-20), math.exp(3)],
+                                                     rel=1e-6)
+    sequence = mismatch_ratio(old, rollout, mask, "sequence")
+    assert sequence.flatten().tolist() == pytest.approx([math.exp(20), 0.0, math.exp(-20), math.exp(-20)],
+                                                        rel=1e-6)
+
+
 def test_token_log_probs_and_entropy_by_hand():
     logits = torch.tensor([[[0.0, math.log(3.0)]]])  # p = [0.25, 0.75]
     lp, ent = token_log_probs(logits, torch.tensor([[1]]))
@@ -170,9 +243,11 @@ def test_masked_sum():
 @pytest.mark.parametrize("override, match", [
     ("algo.eps_clip_c=1.0", "eps_clip_c"), ("algo.loss_agg_mode=seq-mean", "loss_agg_mode"),
     ("algo.policy_loss=grpo", "policy_loss"), ("algo.tis=tokens", "algo.tis"),
-    ("algo.mis_low=1.5", "mis_low"), ("algo.advantage_estimator=rloo", "advantage_estimator")])
+    ("algo.mis_low=1.5", "mis_low"), ("algo.advantage_estimator=rloo", "advantage_estimator"),
+    ("algo.tis_cap=0", "tis_cap"), ("algo.mis_high=1.0", "mis_high"),  # the bounds themselves
+    ("algo.loss_agg_mode=seq-mean-token-sum-norm rollout.max_new_tokens=0", "max_new_tokens")])
 def test_bad_algo_config_is_refused(override, match):
-    cfg = make_cfg(override)
+    cfg = make_cfg(*override.split())
     with pytest.raises(ConfigError, match=match):
         check_algo(cfg.algo, cfg.rollout)
 

@@ -267,6 +267,37 @@ def test_the_step_0_tolerances_are_scaled_by_the_twin():
                               "(first step)"]
 
 
+def test_the_envelope_is_the_twins_running_maximum():
+    """A twin whose difference shrinks again (5e-5 at step 1, 1e-6 at step 2) still measured 5e-5
+    of noise: step 2's limit stays 10 x 5e-5."""
+    base = job([0.0] * 3, [1.0] * 3, "base", layout="single")
+    twin = job([0.0, 2e-6, 0.0], [1.0, 1.0 + 5e-5, 1.0 + 1e-6], "twin", layout="twin", noise_ulp=1)
+    env = envelope(twin, base)
+    assert [gn for _, gn in env] == pytest.approx([0.0, 5e-5, 5e-5], abs=1e-12)
+    assert [loss for loss, _ in env] == pytest.approx([0.0, 2e-6, 2e-6], abs=1e-12)
+    assert noise_model(base, TOL, twin).limit(2, "grad_norm") == pytest.approx(5e-4)
+    inside = job([0.0] * 3, [1.0, 1.0, 1.0 + 3e-4])
+    judge(inside, base, TOL, twin)
+    assert inside.verdict == "equivalent", inside.reasons
+
+
+def test_a_twin_of_another_length_is_no_twin():
+    """The envelope is read step by step: a twin with fewer steps than the baseline measures no noise
+    for the steps it lacks."""
+    short = job([0.0] * 9, [1.0] * 9, "twin", layout="twin", noise_ulp=1)
+    assert find_twin([BASE, short], BASE) is None and find_twin([BASE, short, TWIN], BASE) is TWIN
+
+
+def test_the_divergence_step_is_the_earliest_of_log_probs_and_steps():
+    """First-step log_probs beyond their tolerance diverge at step 0, even when a later step's
+    grad_norm diverges too."""
+    base = job([0.0] * 3, [1.0] * 3, "base", {0: [-1.0]}, layout="single")
+    both = job([0.0] * 3, [1.0, 1.0 + 1e-3, 1.0], "both", {0: [-1.0 + 1e-3]})
+    judge(both, base, TOL)
+    assert both.verdict == "DIVERGED" and both.diverged_at_step == 0 == both.departed_at_step
+    assert len(both.reasons) == 2 and both.reasons[1].startswith("step 1: grad_norm rel Δ 1.00e-03")
+
+
 def test_nan_or_inf_anywhere_is_diverged():
     for twin in (TWIN, None):  # also where sizes are not judged: past the twin's departure, no twin
         for where in (0, 3, 9):

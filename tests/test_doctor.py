@@ -550,6 +550,63 @@ def test_batch_invariance_is_reported_when_recorded(diff, verdict):
                                         else f"max |Δ| {diff:.3g} > 0.0002")
 
 
+def test_first_step_kl_must_be_exactly_zero():
+    """Checks 3 and 4 test exactness (kl_tol 1e-8), not a tolerance: a first-step KL of 1e-6, of
+    either sign, or log_probs 1e-6 from ref_log_probs, FAILs; 1e-9 is rounding of the metric."""
+    rollouts = [rollout(0, 0.3, 1.7)]
+    for metric in ("train/ppo_kl", "train/kl_loss"):
+        for value in (1e-6, -1e-6):
+            check = by_id(real_run(rollouts, [step(0, 2.5, **{metric: value})], lr=1e-5))[4]
+            assert check.verdict == "FAIL" and check.summary == f"{metric} = {value:.3g}", check.summary
+    assert by_id(real_run(rollouts, [step(0, 2.5, **{"train/ppo_kl": -1e-9})], lr=1e-5))[4].verdict == "PASS"
+    apart = rollout(0, 0.3, 1.7) | {"rollout/ref_log_probs": -1.7 + 1e-6}
+    check = by_id(real_run([apart], [step(0, 2.5)], lr=1e-5))[3]
+    assert check.verdict == "FAIL"
+    assert check.summary.startswith("log_probs differ from ref_log_probs by 1e-06")
+
+
+def test_check_4_leaves_what_is_not_a_trainer_kl_to_other_checks():
+    """With algo.use_rollout_log_probs the first step's ppo_kl is the engine/trainer mismatch (check 5);
+    with train.num_steps_per_rollout > 1 check 4 SKIPs (later steps are off-policy by design)."""
+    rollouts, mismatch = [rollout(0, 0.3, 1.7)], [step(0, 2.5, **{"train/ppo_kl": 0.03})]
+    assert by_id(real_run(rollouts, mismatch, lr=1e-5))[4].verdict == "FAIL"
+    check = by_id(real_run(rollouts, mismatch, lr=1e-5, use_rollout_log_probs=True))[4]
+    assert check.verdict == "PASS" and check.summary == "KL 0 (train/kl_loss), grad_norm 2.5"
+    steps = [step(0, 50.0, n=n) for n in range(2)]  # a grad_norm check 4 would FAIL
+    two = by_id(real_run(rollouts, steps, lr=1e-5, num_steps_per_rollout=2))[4]
+    assert two.verdict == "SKIP" and two.summary.startswith("num_steps_per_rollout=2")
+
+
+def test_the_train_rollout_mismatch_warns_on_a_doubling_drift_only():
+    """Check 5 WARNs when the last third's mean is over 2x the first third's (and over 1e-3): 1.5x is
+    a mismatch wandering, 2.5x is growing."""
+    def check5(last):
+        diffs = [2e-3, 2e-3, 2e-3, 2e-3, last, last]
+        steps = [step(i, 2.5, **{"train/train_rollout_logprob_abs_diff": d}) for i, d in enumerate(diffs)]
+        return by_id(real_run([rollout(i, 0.3, 1.7) for i in range(6)], steps, lr=1e-5))[5]
+    assert check5(3e-3).verdict == "PASS"
+    check = check5(5e-3)
+    assert check.verdict == "WARN" and check.summary == "steady upward drift: 2.00e-03 -> 5.00e-03"
+
+
+def test_stale_rollouts_of_train_async_are_left_out_of_the_mismatch():
+    """A rollout sampled by an older policy (rollout/staleness > 0) differs by that policy's updates."""
+    rollouts = [rollout(0, 0.3, 1.7), rollout(1, 0.3, 1.7, **{"rollout/staleness": 1})]
+    steps = [step(0, 2.5), step(1, 2.5, **{"train/train_rollout_logprob_abs_diff": 0.5})]
+    check = by_id(real_run(rollouts, steps, lr=1e-5))[5]
+    assert check.verdict == "PASS" and "(1 stale rollouts of train.async left out)" in check.summary
+    assert check.evidence["max"] == 2e-6 and check.evidence["stale_rollouts_left_out"] == 1
+
+
+def test_the_dumps_varentropy_is_the_unbiased_sample_variance():
+    """Surprisal minus entropy 1 and 3 nats: mean 2, sample variance 2 (not the biased 1), slack
+    4 sqrt(2 / 2)."""
+    rows = [{"log_probs": [-1.0, -3.0], "ref_log_probs": [-1.0, -3.0], "entropy": [0.0, 0.0]}]
+    check = check3(-0.9, 0.3, samples_per_rollout=1, first_train_data=rows)
+    assert check.evidence["tokens"] == 2 and check.evidence["varentropy"] == pytest.approx(2.0)
+    assert check.evidence["slack"] == pytest.approx(4.0)
+
+
 # -- the real model, for real (slow tier) ------------------------------------------------------------
 
 # the test geometry for 2 cores; 16 new tokens, not 8: at 8 SmolLM2's answers are all cut short

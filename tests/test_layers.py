@@ -2,6 +2,8 @@
 the module or parameter where it sits; a clean run departs nowhere."""
 
 import json
+import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -198,3 +200,44 @@ def test_rollout_only_has_no_trainer_to_dump(tmp_path, tiny_path):
         cwd=tmp_path,
     )
     assert proc.returncode == 2 and "debug.rollout_only builds no trainer" in proc.stdout + proc.stderr
+
+
+def test_rel_diff_is_relative_to_the_baseline_over_all_samples():
+    """||a - b|| / ||b|| with b the baseline; per-sample lists are one vector (the root of the summed
+    squares); another shape is inf, and so is any difference from an all-zero baseline."""
+    assert layers.rel_diff(torch.tensor([2.0, 0.0]), torch.tensor([1.0, 0.0])) == 1.0
+    assert layers.rel_diff(torch.tensor([1.0, 0.0]), torch.tensor([2.0, 0.0])) == 0.5
+    base = [torch.tensor([3.0]), torch.tensor([0.0, 4.0])]  # norm 5
+    moved = [torch.tensor([3.3]), torch.tensor([0.0, 4.4])]  # differences 0.3 and 0.4: norm 0.5
+    assert layers.rel_diff(moved, base) == pytest.approx(0.1, rel=1e-6)
+    assert layers.rel_diff(torch.zeros(2), torch.zeros(1, 2)) == math.inf
+    assert layers.rel_diff(base[:1], base) == math.inf
+    assert layers.rel_diff(torch.ones(2), torch.zeros(2)) == math.inf
+    assert layers.rel_diff(torch.zeros(2), torch.zeros(2)) == 0.0
+
+
+# HF parameter names in the order backward reaches them: output layer first, layer 1 before layer 0,
+# within a layer the MLP before the attention, the embedding last
+BACKWARD = ["lm_head.weight", "model.norm.weight", "model.layers.1.mlp.down_proj.weight",
+            "model.layers.1.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight",
+            "model.layers.0.input_layernorm.weight", "model.embed_tokens.weight"]
+MODULES = ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm"]  # forward order
+
+
+def synthetic(*off: str) -> layers.Dump:
+    """A dump by hand whose tensors named in `off` are 1.5x the others' (rel 0.5); held in
+    alphabetical order, which is neither forward nor backward order."""
+    def t(name):
+        return torch.full((2,), 1.5 if name in off else 1.0)
+    return layers.Dump(Path("x"), {}, {m: [t(m)] for m in MODULES}, [t("log_probs")],
+                       {n: t(n) for n in sorted(BACKWARD)}, {n: t(n) for n in sorted(BACKWARD)})
+
+
+def test_gradients_are_judged_in_backward_order_and_weights_in_forward_order():
+    d = layers.diffs(synthetic("model.layers.0", "model.norm", "model.layers.1.self_attn.q_proj.weight",
+                               "model.layers.0.mlp.down_proj.weight"), synthetic())
+    assert list(d["grads"]) == BACKWARD and list(d["params"]) == BACKWARD[::-1]
+    dep = layers.judge_layers("job", d, 1e-4, 10.0, None)
+    assert dep.first == {"forward": ("model.layers.0", 0.5, 1e-4),
+                         "grads": ("model.layers.1.self_attn.q_proj.weight", 0.5, 1e-4),
+                         "params": ("model.layers.0.mlp.down_proj.weight", 0.5, 1e-4)}
