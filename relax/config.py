@@ -245,7 +245,7 @@ class EvalConfig:  # evaluation during training: relax/eval/
 
 @dataclass
 class CheckpointConfig:
-    save_interval: Optional[int] = 100  # save every N rollouts (null: never); the last one is always saved
+    save_interval: Optional[int] = 100  # every N rollouts, at the last one and at a signal stop (null: never)
     keep_last: Optional[int] = 2  # checkpoints kept per run, >= 1 (older ones are deleted; null: keep all)
 
 

@@ -155,7 +155,7 @@ CASES = [
     ("doctor", ["train_data_cut"], [], 2,
      r"train_data/0_0.pt: sample 0: per-token lists of different lengths \(log_probs \d+, ref_log_probs \d+"),
     ("doctor", ["rollout_file_cut"], [], 2, r"rollout_data/0.pt: corrupt or truncated file"),
-    ("inspect", ["empty"], [], 2, r"empty: no rollout data"),
+    ("inspect", ["empty"], [], 2, r"empty: no rollout data.*saves it with debug=dump"),
     ("inspect", ["not_a_run"], [], 2, r"not_a_run: no rollout data"),
     ("inspect", ["missing"], [], 2, r"missing: no such file or directory"),
     ("inspect", ["rollout_file_cut"], [], 2, r"rollout_data/0.pt: corrupt or truncated file"),

@@ -81,7 +81,8 @@ def inspect(root: Path, rollout_id: int | None, sample_index: int, worst: int = 
     """`worst` > 0: the plot of that many worst samples (tokens with |Δ| over `threshold` marked)."""
     files = find_rollout_files(root)
     if not files:
-        raise ReplayError(f"{root}: no rollout data (*.pt, or rollout_data/*.pt) found")
+        raise ReplayError(f"{root}: no rollout data (*.pt, or rollout_data/*.pt) found; a run saves it "
+                          f"with debug=dump (or debug.save_rollout_data=<dir>/{{rollout_id}}.pt)")
     summaries, manifest = [], None
     for rid, path in files.items():
         data, samples = read_rollout(path)
