@@ -82,7 +82,7 @@ def inspect(root: Path, rollout_id: int | None, sample_index: int, worst: int = 
     files = find_rollout_files(root)
     if not files:
         raise ReplayError(f"{root}: no rollout data (*.pt, or rollout_data/*.pt) found; a run saves it "
-                          f"with debug=dump (or debug.save_rollout_data=<dir>/{{rollout_id}}.pt)")
+                          "with debug=dump (or debug.save_rollout_data=<dir>/{rollout_id}.pt)")
     summaries, manifest = [], None
     for rid, path in files.items():
         data, samples = read_rollout(path)
