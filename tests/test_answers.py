@@ -32,6 +32,7 @@ extras.require("math_verify", extras.REAL)
     (answers.boxed, "9 without a box", "9", 0.0),
     (answers.gsm8k, "She buys 3 then 4.\n#### 1,234", "1234", 1.0),
     (answers.gsm8k, "#### 12\n#### 13", "13", 1.0),
+    (answers.gsm8k, "She owes 5.\n#### -5", "-5", 1.0),
     (answers.gsm8k, "the answer is 7", "7", 0.0),
     (answers.math_answer, r"The answer is $\boxed{0.5}$", "1/2", 1.0),
     (answers.math_answer, "The answer is 12", "13", 0.0),

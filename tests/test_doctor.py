@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from relax.debug.checks import Check, diagnose, strict_first_step
+from relax.debug.checks import Check, Thresholds, diagnose, strict_first_step
 from relax.debug.run_data import RunData, load_run
 from relax.debug.weights import compare_tensors
 from relax.errors import CheckFailed
@@ -256,6 +256,40 @@ NAN_CASES = [
 ]
 
 
+class TenIds:
+    """A tokenizer of ids 0..9: 0 and 1 special, 1 the stop token."""
+    all_special_ids, eos_token_id = [0, 1], 1
+
+    def get_vocab(self):
+        return {str(i): i for i in range(10)}
+
+
+def test_response_health_by_hand():
+    """Check 1's numbers from the model's own tokens: each turn's closing stop token is not special
+    mid-response, tool tokens (loss_mask 0) are not the model's, an id the vocabulary lacks is
+    invalid; one token over half of 4+ tokens is repetition; the format is matched whole, stripped."""
+    from relax.debug.health import response_health, sample_record
+    from relax.sample import Sample
+
+    def sample(response, mask, text, reward):
+        return Sample(0, 0, "p", [9, 9] + response, len(response), response=text, reward=reward,
+                      loss_mask=mask)
+
+    samples = [sample([5, 6, 7, 1], [1, 1, 1, 1], " 42\n", 1.0),  # a turn that stops: body 5 6 7
+               sample([5, 5, 1, 8, 8, 5, 9], [1, 1, 1, 0, 0, 1, 1], "42 apples", 0.0),  # tool tokens 8 8
+               sample([2, 3, 2, 3, 1], [1, 1, 1, 1, 1], "x", 0.5)]  # 2 of 4: not over half
+    health = response_health(samples, TenIds(), r"\d+")
+    assert health["rollout/invalid_token_ratio"] == 0.0
+    assert health["rollout/repetition_ratio"] == pytest.approx(1 / 3)  # 5 5 5 9
+    assert health["rollout/distinct_2"] == pytest.approx(6 / 8)
+    assert health["rollout/format_ok_ratio"] == pytest.approx(1 / 3)
+    samples[1].tokens[-1] = 10  # not in the vocabulary: 1 of the 4 + 5 + 5 model tokens
+    assert response_health(samples, TenIds(), None)["rollout/invalid_token_ratio"] == pytest.approx(1 / 14)
+    record = sample_record(3, samples, TenIds(), r"\d+")
+    assert record["mean_reward"] == 0.5 and record["num_samples"] == 3
+    assert record["format_ok_ratio"] == 1.0 and record["repetition_ratio"] == 0.0
+
+
 def test_a_healthy_run_by_hand_passes_every_threshold():
     verdicts = {c.id: c.verdict for c in diagnose(healthy_run())}
     assert verdicts == {**dict.fromkeys(range(1, 8), "PASS"), 6: "SKIP", 8: "SKIP", 9: "SKIP"}
@@ -377,6 +411,36 @@ def test_the_same_fast_sharpening_is_learning_when_the_reward_rises(rewards, ver
     if verdict == "FAIL":  # halved within two rollouts, not one
         assert "entropy 2.05 -> 0.90 within two rollouts" in check.summary
         assert "train.lr=1e-06" in check.next_steps[0]
+
+
+def test_the_collapse_readers_edges_by_hand():
+    """A reward collapse is judged on full windows of three rollouts; a dip is recovered when the next
+    three win back half (exactly half included) of what it lost from the level of the three rollouts
+    before; an update's ppo_kl counts for the rollouts sampled after it; an entropy halving counts
+    only when it is a quarter of the run's first entropy."""
+    from relax.debug.collapse import find_collapse, find_fast_collapse, recovered
+
+    def rewards(*values):
+        return [{"rollout/raw_reward": r} for r in values]
+
+    assert find_collapse(rewards(0.5, 0.5, 0.5, 0.5, 0.5, 0.0), Thresholds()) is None  # 0.0 alone: no window
+    assert find_collapse(rewards(0.5, 0.5, 0.5, 0.0, 0.0, 0.0), Thresholds()) == (
+        3, "mean reward 0.000 vs 0.500 at the start")
+    assert recovered([0.5, 0.5, 0.5, 0.0, 0.125, 0.375, 0.25], 2, 3)  # back to 0.25 = 0.5 - 0.5 / 2
+    assert not recovered([0.5, 0.5, 0.5, 0.0, 0.125, 0.25, 0.25], 2, 3)
+    assert recovered([1.0, 0.5, 0.5, 0.5, 0.0, 0.25, 0.25, 0.25], 3, 4)  # the level: rollouts 1-3 (0.5)
+
+    # rollout 1's second step jumps: the policy of rollout 2 moved, not rollout 1's
+    rollouts = [rollout(0, 0.219, 1.70), rollout(1, 0.0, 1.50), rollout(2, 0.0, 1.45)]
+    steps = [step(0, 3.6), step(0, 1.2, n=1), step(1, 0.06), step(1, 0.1, n=1, **{"train/ppo_kl": 1.64}),
+             step(2, 0.05), step(2, 0.2, n=1)]
+    assert find_fast_collapse(real_run(rollouts, steps, lr=3e-4, num_steps_per_rollout=2), Thresholds()) == (
+        2, "train/ppo_kl 1.64 at rollout 1 step 1 within one rollout while the reward did not rise "
+           "(0.000 -> 0.000)")
+    # entropy 0.2 -> 0.08 late in a run that started at 2.0: sharpening, 0.12 < a quarter of 2.0
+    late = [rollout(i, r, h) for i, (r, h) in enumerate(zip((0.2, 0.3, 0.4, 0.5, 0.6, 0.55),
+                                                            (2.0, 1.2, 0.7, 0.4, 0.2, 0.08)))]
+    assert find_fast_collapse(real_run(late, [step(i, 2.5) for i in range(6)], lr=1e-5), Thresholds()) is None
 
 
 def healthy_smollm2(n: int = 30) -> RunData:

@@ -18,6 +18,10 @@ def never(group):
     return False
 
 
+def odd_groups(group):
+    return group[0].group_index % 2 == 1
+
+
 @pytest.fixture(scope="module")
 def filtered_run(tmp_path_factory):
     """Two trained rollouts, one prompt per generation round, every detail dumped."""
@@ -52,6 +56,26 @@ def test_the_metrics_count_the_dropped_groups_and_the_rounds(filtered_run):
         assert len(kept_rounds) == 2 and kept_rounds[-1] == r["rollout/generation_rounds"] - 1
         assert [s["index"] for s in samples] == list(range(2 * N))  # re-numbered for training
         assert [s["metadata"]["generation_index"] % N for s in samples] == list(range(N)) * 2
+
+
+def test_a_round_with_more_passing_groups_than_needed_keeps_the_first_and_renumbers(tiny_path, tokenizer):
+    """Rounds of 3 prompts, generation groups 0, 1, 2 then 3, 4, 5, of which the odd ones pass:
+    groups 1 and 3 are trained (5 passed too, one more than rollout_batch_size), numbered 0 and 1."""
+    from relax.rollout import build_engine
+    from relax.rollout.generate import generate_rollout
+    from relax.task import build_task
+
+    from .conftest import make_cfg
+
+    cfg = make_cfg(*DYNAMIC, "rollout.dynamic_sampling_filter=tests.test_dynamic_sampling.odd_groups",
+                   "rollout.over_sampling_batch_size=3", "rollout.max_new_tokens=2")
+    samples, metrics = generate_rollout(build_engine(cfg, tiny_path, tokenizer), build_task(cfg), tokenizer,
+                                        cfg.rollout, 4, seed=1)
+    assert metrics == {"rollout/filtered_groups": 3, "rollout/generation_rounds": 2}
+    assert [s.metadata["generation_index"] for s in samples] == [*range(4, 8), *range(12, 16)]
+    assert [s.index for s in samples] == list(range(2 * N))
+    assert [s.group_index for s in samples] == [0] * N + [1] * N
+    assert all(s.metadata["rollout_id"] == 4 for s in samples)
 
 
 def test_the_round_cap_stops_the_rollout_naming_it(tmp_path):

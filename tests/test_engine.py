@@ -7,8 +7,9 @@ import torch
 
 from relax.algo import token_log_probs
 from relax.model import load_causal_lm
-from relax.rollout import SamplingParams
+from relax.rollout import SamplingParams, prompt_seeds
 from relax.rollout.torch_engine import TorchEngine
+from relax.sample import log_prob_temperature
 from relax.task.arithmetic import make_problem
 
 from .conftest import make_cfg
@@ -49,8 +50,9 @@ def test_greedy_equals_hf_greedy(tiny_path, tokenizer, lo, hi, repeat):
     assert any(g.status == "completed" for g in gens)
 
 
-@pytest.mark.parametrize("temperature,repeat", [(1.0, 1), (0.7, 1), (1.0, 8)])
+@pytest.mark.parametrize("temperature,repeat", [(1.0, 1), (0.7, 1), (1.0, 8), (0.0, 4)])
 def test_rollout_log_probs_match_teacher_forced_forward(tiny_path, tokenizer, temperature, repeat):
+    """At every temperature, greedy (0: the unscaled softmax) included."""
     prompts = chat_prompts(tokenizer, 32, 1, 999, seed=1, repeat=repeat)
     gens = engine_for(tiny_path, tokenizer).generate(
         prompts, SamplingParams(temperature, 1.0, 8), seed=3)
@@ -59,7 +61,8 @@ def test_rollout_log_probs_match_teacher_forced_forward(tiny_path, tokenizer, te
     for prompt, gen in zip(prompts, gens, strict=True):
         tokens = torch.tensor([prompt + gen.tokens])
         with torch.no_grad():
-            lp, _ = token_log_probs(model(tokens).logits[:, :-1], tokens[:, 1:], temperature)
+            lp, _ = token_log_probs(model(tokens).logits[:, :-1], tokens[:, 1:],
+                                    log_prob_temperature(temperature))
         trained = lp[0, len(prompt) - 1:]
         worst = max(worst, (trained - torch.tensor(gen.log_probs)).abs().max().item())
     assert worst < 1e-4  # a KV-cache loop and a full forward differ by ~1e-6 in fp32
@@ -88,8 +91,24 @@ def test_sample_seeds_are_numpys_seed_sequence_value_for_value():
         assert sample_seeds(seed, [255], [1]) == [seed_sequence(seed, 255, 1)]
         assert prompt_seeds(seed, 4, first_index=8) == [seed_sequence(seed, i) for i in range(8, 12)]
     assert sample_seeds(1, []) == []
+    assert prompt_seeds([4, 5], 2) == [4, 5]  # an EngineClient's seeds, one per prompt
+    with pytest.raises(ValueError, match="2 seeds for 3 prompts"):
+        prompt_seeds([4, 5], 3)
     with pytest.raises(ValueError, match="32 bits"):
         sample_seeds(1, [2**32])
+
+
+def test_weights_go_in_buckets_of_at_most_the_limit_in_order():
+    """rollout.weight_update_bucket_mb: tensors in order, a bucket filled up to the limit exactly; a
+    tensor over the limit alone in a bucket of its own, never after an empty one."""
+    from relax.rollout import buckets
+
+    def tensors(**sizes):
+        return {name: torch.zeros(n, dtype=torch.uint8) for name, n in sizes.items()}
+
+    out = buckets(tensors(a=40, b=60, c=30, d=150, e=10, f=90), 100)
+    assert [list(b) for b in out] == [["a", "b"], ["c"], ["d"], ["e", "f"]]
+    assert [list(b) for b in buckets(tensors(big=200, x=1), 100)] == [["big"], ["x"]]
 
 
 def test_sampling_is_seeded_and_top_p_restricts(tiny_path, tokenizer):
@@ -103,6 +122,56 @@ def test_sampling_is_seeded_and_top_p_restricts(tiny_path, tokenizer):
     tiny_p = engine.generate(prompts, SamplingParams(1.0, 1e-6, 8), seed=5)
     greedy = engine.generate(prompts, SamplingParams(0.0, 1.0, 8), seed=0)
     assert [g.tokens for g in tiny_p] == [g.tokens for g in greedy]
+
+
+def test_each_step_draws_the_next_uniform_of_its_samples_own_stream(tiny_path, tokenizer):
+    """Sample i's token t is the inverse CDF of softmax(logits / T) at torch.rand(N, seed_i)[t]
+    (seed_i = prompt_seeds(seed, n)[i]): a fresh uniform every step, from its own seed's stream."""
+    prompts, sp = chat_prompts(tokenizer, 6, 1, 999, seed=2), SamplingParams(0.8, 1.0, 6)
+    gens = engine_for(tiny_path, tokenizer).generate(prompts, sp, seed=11)
+    model = load_causal_lm(tiny_path, "float32")
+    for prompt, gen, seed in zip(prompts, gens, prompt_seeds(11, 6), strict=True):
+        uniforms = torch.rand(6, generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + gen.tokens])).logits[0, len(prompt) - 1:].float()
+        cdf = (logits / 0.8).softmax(-1).cumsum(-1)
+        want = [torch.searchsorted(cdf[t], uniforms[t:t + 1] * cdf[t, -1], right=True).item()
+                for t in range(len(gen.tokens))]
+        assert gen.tokens == want
+
+
+def test_top_p_samples_the_nucleus_in_proportion():
+    """A token stays while the probability mass before it (tokens sorted, most likely first) is at
+    most top_p (SGLang's rule, ties kept); the draw is the renormalised nucleus' inverse CDF at the
+    row's uniform; the log-prob is the token's under the whole softmax. A uniform of exactly 0
+    (torch.rand can draw it) takes the first token with any probability, never a dropped one."""
+    probs = torch.tensor([0.05, 0.5, 0.3, 0.15])  # sorted: 1, 2, 3, 0; mass before 0, .5, .8, .95
+    logits = probs.log()[None].expand(4000, -1)
+    uniforms = (torch.arange(4000) + 0.5) / 4000
+    tokens, logp = TorchEngine._sample(logits, SamplingParams(1.0, 0.6, 8), uniforms)
+    assert tokens.unique().tolist() == [1, 2]
+    assert (tokens == 1).float().mean().item() == pytest.approx(0.5 / 0.8, abs=1e-3)
+    assert torch.equal(logp, probs.log().log_softmax(-1)[tokens])
+    whole = probs.log().log_softmax(-1).exp()
+    ordered = whole.sort(descending=True).values
+    before_3 = (ordered.cumsum(-1) - ordered)[2].item()  # the mass before token 3, exactly as computed
+    tokens, _ = TorchEngine._sample(logits, SamplingParams(1.0, before_3, 8), uniforms)
+    assert tokens.unique().tolist() == [1, 2, 3]
+    assert (tokens == 3).float().mean().item() == pytest.approx(0.15 / 0.95, abs=1e-3)
+    zero, _ = TorchEngine._sample(probs.log()[None], SamplingParams(1.0, 0.6, 8), torch.zeros(1))
+    assert zero.tolist() == [1]
+
+
+def test_a_second_engine_draws_its_share_of_the_rollout_as_one_engine_would(tiny_path, tokenizer):
+    """rollout.num_engines > 1: the engine given prompts first_index.. draws them with those samples'
+    seeds, so the rollout does not depend on how it is split."""
+    engine, prompts = engine_for(tiny_path, tokenizer), chat_prompts(tokenizer, 8)
+    sp = SamplingParams(1.0, 1.0, 8)
+    whole = engine.generate(prompts, sp, seed=5)
+    second = engine.generate(prompts[5:], sp, seed=5, first_index=5)
+    assert [g.tokens for g in second] == [g.tokens for g in whole[5:]]
+    diffs = [abs(a - b) for g, h in zip(second, whole[5:]) for a, b in zip(g.log_probs, h.log_probs)]
+    assert max(diffs) < 1e-5  # another batch: rounding only
 
 
 def test_truncated_status_at_max_new_tokens(tiny_path, tokenizer):
@@ -143,6 +212,33 @@ def test_moe_model_greedy_and_log_probs_match_hf(moe_path, tokenizer):
         with torch.no_grad():
             lp, _ = token_log_probs(model(tokens).logits[:, :-1], tokens[:, 1:])
         assert (lp[0, len(prompt) - 1:] - torch.tensor(gen.log_probs)).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("override,message", [
+    ("rollout.top_p=0.0", r"rollout.top_p=0.0: expected a probability in \(0, 1\]"),
+    ("rollout.temperature=-0.1", r"rollout.temperature=-0.1: expected a number >= 0 \(0: greedy\)"),
+    ("rollout.max_new_tokens=0", r"rollout.max_new_tokens=0: expected a positive integer"),
+    ("rollout.num_engines=0", r"rollout.num_engines=0: expected at least 1 \(or null\)"),
+])
+def test_rollout_values_no_run_can_use_are_refused_at_their_bounds(override, message):
+    from relax.errors import ConfigError
+    from relax.rollout import check_engine, check_rollout
+
+    cfg = make_cfg(override)
+    with pytest.raises(ConfigError, match=message):
+        check_rollout(cfg.rollout)
+        check_engine(cfg)
+
+
+def test_greedy_and_top_p_1_are_valid_sampling_and_reach_the_engine():
+    from relax.rollout import check_engine, check_rollout
+
+    cfg = make_cfg("rollout.temperature=0", "rollout.top_p=1.0", "rollout.num_engines=1",
+                   "rollout.max_new_tokens=1")
+    check_rollout(cfg.rollout)
+    check_engine(cfg)
+    cfg = make_cfg("rollout.temperature=0.6", "rollout.top_p=0.9", "rollout.max_new_tokens=5")
+    assert SamplingParams.of(cfg.rollout) == SamplingParams(0.6, 0.9, 5)
 
 
 def test_nccl_weight_sync_is_refused_without_gpus():

@@ -1,16 +1,20 @@
 """Custom and multi-turn rollouts (rollout.generate_fn): the calculator example's masks and
 log-probs through a real run, its replay, `relax inspect`, the engine batching, and bad input."""
 
+import asyncio
+from dataclasses import replace
+
 import pytest
 import torch
 
 from relax.errors import RolloutError
 from relax.files import safe_load
-from relax.rollout import build_engine
+from relax.rollout import Generation, SamplingParams, build_engine, sample_seeds
 from relax.rollout.calculator import CALL, calculate, tool_turn
+from relax.rollout.client import Batcher
 from relax.rollout.generate import generate_samples, single_turn
 from relax.sample import Sample
-from relax.task import build_task
+from relax.task import Prompt, build_task
 
 from .conftest import make_cfg, run_loop
 
@@ -176,6 +180,160 @@ def test_the_default_generate_fns_batched_path_makes_the_coroutines_samples(engi
     assert len({s.response for s in fast}) > 4 and all(s.reward is not None for s in fast)
 
 
+def test_a_single_turn_sample_is_its_engine_generation_whole(engine, tokenizer):
+    """Every response token is trained, with the engine's own log-probs and status, drawn with its
+    sample's seed: at max_new_tokens=3 some responses stop (completed) and others are cut (truncated)."""
+    samples = samples_of(engine, "relax.rollout.generate.single_turn", tokenizer, "rollout.max_new_tokens=3")
+    gens = engine.generate([s.tokens[:s.prompt_length] for s in samples],
+                           SamplingParams.of(make_cfg("rollout.max_new_tokens=3").rollout),
+                           sample_seeds(7, range(16)))
+    assert {s.status for s in samples} == {"completed", "truncated"}
+    for s, g in zip(samples, gens, strict=True):
+        assert s.tokens[s.prompt_length:] == g.tokens and s.response_length == len(g.tokens)
+        assert s.loss_mask == [1] * len(g.tokens)
+        assert s.rollout_log_probs == g.log_probs and s.status == g.status
+
+
+async def numbered_by_hand(client, prompt, sampling_params):
+    s = await single_turn(client, prompt, sampling_params)
+    s.index = s.group_index = 0  # a generate_fn that numbers its samples wrong
+    return s
+
+
+def test_the_samples_are_numbered_by_their_prompt_records(engine, tokenizer):
+    samples = samples_of(engine, "tests.test_multi_turn.numbered_by_hand", tokenizer)
+    assert [s.index for s in samples] == list(range(16))
+    assert [s.group_index for s in samples] == [i // 4 for i in range(16)]
+
+
+def test_each_rollout_draws_its_own_samples(engine, tokenizer):
+    """The rollout's seed mixes in the rollout id: the same prompts at another rollout are new draws,
+    at the same rollout (a resumed run) the same ones."""
+    from relax.rollout.generate import generate_rollout
+
+    cfg = make_cfg("rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4")
+    task = build_task(cfg)
+    prompts = task.prompts
+    task.prompts = lambda rollout_id, *args: prompts(0, *args)  # every rollout asks the same questions
+
+    def draws(rollout_id, seed=1):
+        samples, _ = generate_rollout(engine, task, tokenizer, cfg.rollout, rollout_id, seed)
+        return [s.tokens for s in samples]
+
+    first = draws(0)
+    assert draws(0) == first
+    assert draws(1) != first and draws(0, seed=2) != first
+
+
+class EngineDied(Exception):
+    pass
+
+
+class RecordingEngine:
+    """An engine without a model: each prompt's response is [its first token, 1]; records every
+    call's prompts, sampling params and seeds (or raises `error`)."""
+
+    def __init__(self, error=None):
+        self.calls, self.error = [], error
+
+    def generate(self, prompts, sp, seeds):
+        self.calls.append((prompts, sp, list(seeds)))
+        if self.error:
+            raise self.error
+        return [Generation([p[0], 1], [-0.5, -0.5], "completed") for p in prompts]
+
+
+async def late_evens(client, prompt, sampling_params):
+    """Two engine calls; even samples ask for their first a loop turn late (a tool's await), odd
+    samples take their second greedily."""
+    if prompt.index % 2 == 0:
+        await asyncio.sleep(0)
+    first = await client.generate(prompt.tokens, sampling_params)
+    sp = replace(sampling_params, temperature=0.0) if prompt.index % 2 else sampling_params
+    return first, await client.generate(prompt.tokens + first.tokens, sp)
+
+
+def batched(engine, n=6):
+    records = [Prompt(f"p{i}", [10 + i], "", {}, i, i // 2) for i in range(n)]
+    return Batcher(engine, 7).run(late_evens, records, SamplingParams(1.0, 1.0, 2), None,
+                                  on_error=lambda record, e: RolloutError(f"sample {record.index}: {e!r}"))
+
+
+def test_requests_go_out_in_sample_order_one_call_per_sampling_params_each_with_its_seed():
+    """A request a few loop turns late still joins its turn's batch; a batch goes to the engine in
+    sample order, split by sampling params; call k of sample i draws with sample_seeds(seed, [i], [k])."""
+    engine = RecordingEngine()
+    results = batched(engine)
+    sp, greedy = SamplingParams(1.0, 1.0, 2), SamplingParams(0.0, 1.0, 2)
+    evens, odds = [0, 2, 4], [1, 3, 5]
+    assert engine.calls == [
+        ([[10 + i] for i in range(6)], sp, sample_seeds(7, range(6))),
+        ([[10 + i, 10 + i, 1] for i in evens], sp, sample_seeds(7, evens, [1] * 3)),
+        ([[10 + i, 10 + i, 1] for i in odds], greedy, sample_seeds(7, odds, [1] * 3)),
+    ]
+    assert len(set(engine.calls[0][2]) | set(engine.calls[1][2]) | set(engine.calls[2][2])) == 12
+    assert [second.tokens for _, second in results] == [[10 + i, 1] for i in range(6)]
+
+
+def test_an_engine_error_stops_the_rollout_as_it_is():
+    """Not as the generate_fn's: the engine failed, not the user's function."""
+    with pytest.raises(EngineDied, match="out of memory"):
+        batched(RecordingEngine(EngineDied("out of memory")))
+
+
+class ScriptedClient:
+    """A generate_fn's client whose model writes texts[k] (then its stop token) at turn k."""
+
+    def __init__(self, tokenizer, texts, status="completed"):
+        self.tokenizer, self.texts, self.status, self.prompts = tokenizer, texts, status, []
+
+    async def generate(self, tokens, sampling_params):
+        self.prompts.append(list(tokens))
+        text = self.texts[min(len(self.prompts), len(self.texts)) - 1]
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+        return Generation(ids, [-0.25] * len(ids), self.status)
+
+
+def calculator_sample(tokenizer, texts, status="completed"):
+    from relax.rollout import calculator
+
+    prompt_ids = tokenizer("12+34=", add_special_tokens=False)["input_ids"]
+    client = ScriptedClient(tokenizer, texts, status)
+    sample = asyncio.run(calculator.generate(client, Prompt("12+34=", prompt_ids, "46", {}, 3, 1),
+                                             SamplingParams(1.0, 1.0, 8)))
+    return sample, client
+
+
+def test_the_calculator_stops_after_its_last_model_turn_and_at_a_cut_turn(tokenizer):
+    """A model that calls the calculator every turn: three model turns with the tool's two answers
+    between them (masked), the last turn the model's; a call cut at max_new_tokens is not run."""
+    from relax.rollout.calculator import MAX_TURNS
+
+    sample, client = calculator_sample(tokenizer, ["12+34"])
+    turn = len(tokenizer("12+34", add_special_tokens=False)["input_ids"]) + 1
+    tool = len(tool_turn(tokenizer, "12+34=46"))
+    assert MAX_TURNS == 3 and len(client.prompts) == 3
+    assert [t["role"] for t in sample.metadata["turns"]] == ["assistant", "tool"] * 2 + ["assistant"]
+    assert sample.loss_mask == ([1] * turn + [0] * tool) * 2 + [1] * turn
+    assert sample.rollout_log_probs == [-0.25 if m else 0.0 for m in sample.loss_mask]
+    assert client.prompts[2] == sample.tokens[:-turn]  # each turn sees the whole conversation
+    assert sample.status == "completed" and sample.reward == 0.0
+
+    cut, client = calculator_sample(tokenizer, ["12+34"], status="truncated")
+    assert len(client.prompts) == 1 and cut.loss_mask == [1] * turn and cut.status == "truncated"
+    assert [t["role"] for t in cut.metadata["turns"]] == ["assistant"]
+
+
+def test_the_calculator_reward_grades_the_answers_not_the_calls(tokenizer):
+    from relax.rollout.calculator import reward
+
+    sample, _ = calculator_sample(tokenizer, ["12+34", "46"])
+    assert [t["text"] for t in sample.metadata["turns"]] == ["12+34", "12+34=46", "46"]
+    assert sample.response == "46" and reward(sample) == 1.0
+    wrong, _ = calculator_sample(tokenizer, ["12+34", "47"])
+    assert reward(wrong) == 0.0
+
+
 async def raising_generate(client, prompt, sampling_params):
     if prompt.index == 5:
         raise ValueError("the tool crashed")
@@ -204,10 +362,25 @@ async def not_a_sample(client, prompt, sampling_params):
     return {"tokens": prompt.tokens}
 
 
+async def no_prompt(client, prompt, sampling_params):
+    s = await single_turn(client, prompt, sampling_params)
+    s.tokens = s.tokens[s.prompt_length:]  # the response alone: nothing it answers
+    return s
+
+
+async def weighted_mask(client, prompt, sampling_params):
+    s = await single_turn(client, prompt, sampling_params)
+    s.loss_mask = [0.5] * s.response_length  # weights are not a mask
+    return s
+
+
 @pytest.mark.parametrize("fn,message", [
     ("short_mask", r"loss_mask has \d+ entries for \d+ response tokens"),
     ("no_log_probs", r"rollout_log_probs has no finite number at response tokens \[\d+\] \(e.g. nan"),
     ("not_a_sample", r"returned for sample 0 .* dict .*: expected a relax.sample.Sample"),
+    ("no_prompt", r"response_length=(\d+) with \1 tokens \(the response is the tail of `tokens`, after at "
+                  r"least one prompt token\)"),
+    ("weighted_mask", r"loss_mask holds \[0.5\]: expected 0 or 1 a token"),
     ("routed_by_response", r"routed_experts has \d+ entries: expected \[len\(tokens\) - 1 = \d+, MoE layers"),
 ])
 def test_a_sample_that_cannot_be_trained_on_is_named(engine, tokenizer, fn, message):

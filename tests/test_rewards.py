@@ -23,6 +23,12 @@ def samples(n=8, group=4):
                    metadata={"bonus": i / 10}) for i in range(n)]
 
 
+def numpy_reward(response, label):  # a scorer that computes with numpy
+    import numpy as np
+
+    return np.float32(0.5)
+
+
 def with_bonus(sample):  # the whole Sample
     return float(sample.response == sample.label) + sample.metadata["bonus"]
 
@@ -67,6 +73,22 @@ def test_reward_fn_takes_response_and_label_or_the_whole_sample():
     assert score(Rewards("relax.task.arithmetic.exact_match")) == [0, 1, 0, 0, 1, 0, 0, 1]
     assert score(Rewards("tests.test_rewards.with_bonus")) == pytest.approx(
         [0, 1.1, 0.2, 0.3, 1.4, 0.5, 0.6, 1.7])
+    rewards = score(Rewards("tests.test_rewards.numpy_reward"))  # any real number, as a float
+    assert rewards == [0.5] * 8 and all(type(r) is float for r in rewards)
+
+
+def test_exact_match_ignores_surrounding_whitespace_and_an_infinite_reward_stops_the_rollout():
+    from relax.errors import NonFiniteError
+    from relax.task import check_rewards
+    from relax.task.arithmetic import exact_match
+
+    assert exact_match(" 46\n", "46") == 1.0 and exact_match("46", " 46 ") == 1.0
+    assert exact_match("4 6", "46") == 0.0
+    items, message = samples(3), r"1 non-finite reward\(s\) from src; first: reward={} for sample 1"
+    for reward in (float("inf"), float("-inf")):
+        items[1].reward = reward
+        with pytest.raises(NonFiniteError, match=message.format(reward)):
+            check_rewards(items, "src")
 
 
 def test_async_rewards_are_awaited_concurrently():
@@ -99,6 +121,7 @@ def test_a_raising_or_non_numeric_reward_is_named():
     ({"reward_fn": "tests.test_rewards.nope"}, "task.reward_fn='tests.test_rewards.nope' does not import"),
     ({"reward_fn": "x", "group_reward_fn": "tests.test_rewards.ranks", "reward_url": "http://h"}, "both set"),
     ({"reward_fn": "x", "reward_url": "http://h", "reward_batch_size": 0}, "reward_batch_size=0"),
+    ({"reward_fn": "x", "reward_url": "http://h", "reward_timeout_s": 0}, r"reward_timeout_s=0 \(> 0\)"),
 ])
 def test_bad_reward_settings_are_refused(kwargs, message):
     with pytest.raises(ConfigError, match=message):
@@ -173,7 +196,7 @@ def test_garbage_or_no_service_is_an_error_after_the_retries_never_a_zero(server
     t0 = time.perf_counter()
     with pytest.raises(RolloutError, match=r"after 2 attempts .*ConnectError"):
         score(Rewards("x", reward_url=s.url, reward_retries=1))
-    assert time.perf_counter() - t0 >= 0.5  # the backoff before the retry
+    assert 0.5 <= time.perf_counter() - t0 < 1.4  # the backoff before the retry, none after the last
 
 
 def test_a_run_scored_remotely_stops_clearly_when_the_service_dies(tmp_path, server):

@@ -40,6 +40,46 @@ def same_sets(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.sort(-1).values == b.sort(-1).values).all(-1)
 
 
+def test_agreement_and_replay_sums_by_hand():
+    """Top-k choices compare as sets, where both sides recorded the token (-1: not recorded); a
+    replayed pair ran on the replayed experts when every one of its top-k did; the rollout's
+    agreement is over all compared pairs, its worst layer among the layers compared at all."""
+    own = torch.tensor([[[0, 1], [2, 3]], [[1, 2], [0, 3]], [[-1, -1], [-1, -1]]])  # [positions, layers, k]
+    engine = torch.tensor([[[1, 0], [2, 3]], [[1, 3], [-1, -1]], [[0, 1], [0, 1]]])
+    sums = routing.agreement_sums(own, engine.flatten(1))
+    assert sums.tolist() == [[1, 1], [2, 1]]  # layer 0: 1 of 2 (other order, same set); layer 1: 1 of 1
+    assert routing.metrics(sums, None) == {"train/routing_agreement": pytest.approx(2 / 3),
+                                           "train/routing_agreement_min_layer": 0.5}
+    unseen = torch.tensor([[1.0, 0.0], [2.0, 0.0]])  # layer 1 compared nowhere
+    assert routing.metrics(unseen, None)["train/routing_agreement_min_layer"] == 0.5
+    assert routing.per_layer(unseen) == [0.5, None]
+
+    replay = torch.tensor([[[0, 1], [2, 3]], [[1, 2], [0, 3]], [[-1, -1], [-1, -1]]])
+    used = torch.tensor([[[0, 1], [2, 3]], [[1, 3], [0, 3]], [[4, 5], [4, 5]]])  # one slot lost at (1, 0)
+    chose = torch.tensor([[[1, 0], [2, 4]], [[1, 3], [3, 0]], [[4, 5], [4, 5]]])
+    replayed = routing.replayed_sums(routing.Record(chose, used), replay.flatten(1))
+    assert replayed.tolist() == [3, 2, 4]
+    assert routing.metrics(None, replayed) == {"train/routing_replayed": 0.75,
+                                               "train/routing_replay_agreement": 0.5}
+
+
+def test_the_first_forward_at_the_rollouts_weights_is_the_one_measured_and_replayed_by_r2():
+    """Later forwards (training steps that moved the weights) neither replace the routing measured
+    against the engine's nor what R2 replays."""
+    from types import SimpleNamespace
+
+    first, later = (routing.Record(torch.full((2, 1, 2), e), torch.full((2, 1, 2), e)) for e in (0, 3))
+    for mode in (None, "rollout", "train"):
+        mb = SimpleNamespace(trainer_experts=None, replay_experts=None)
+        routing.measured(mb, first, mode)
+        routing.measured(mb, later, mode)
+        assert torch.equal(mb.trainer_experts, first.own)
+        if mode == "train":
+            assert torch.equal(mb.replay_experts, first.own.flatten(1))
+        else:
+            assert mb.replay_experts is None
+
+
 @pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe"])
 def test_the_engine_records_the_experts_of_every_fed_token_as_transformers_routes_them(family, family_model,
                                                                                       tokenizer):
@@ -327,6 +367,34 @@ def test_doctor_names_r3_where_routing_disagrees_and_the_mismatch_is_high(tmp_pa
     assert small.verdict == "WARN" and "routing replay would change little" in small.next_steps[0]
     lost = edited("lost", "on", **{"train/routing_replayed": 0.75})
     assert lost.verdict == "FAIL" and "75.00%" in lost.summary
+
+
+def test_check_9_by_hand():
+    """Six rollouts make a trend (first third against last); the mismatch is the first step's of
+    each rollout (later steps moved the weights); the worst layer is the recorded one; replay
+    that ran 99.5% of its pairs on the recorded experts lost some."""
+    from pathlib import Path
+
+    from relax.debug.routing import check_routing
+    from relax.debug.run_data import RunData
+    from relax.debug.verdicts import Thresholds
+
+    def check(agreement, diffs=(0.005, 0.5), **extra):
+        rollouts = [{"rollout_id": i, "train/routing_agreement": a, **extra} for i, a in enumerate(agreement)]
+        steps = [{"rollout_id": 0, "step": n, "train/train_rollout_logprob_abs_diff": d}
+                 for n, d in enumerate(diffs)]
+        return check_routing(RunData(Path("."), rollouts, steps), Thresholds())
+
+    falling = check([0.99, 0.99, 0.97, 0.95, 0.93, 0.93])
+    assert falling.verdict == "WARN" and falling.summary == "agreement falls: 0.9900 -> 0.9300"
+    assert falling.evidence["max_train_rollout_abs_diff"] == 0.005
+    assert "routing replay would change little" in falling.next_steps[0]
+    assert check([0.99, 0.99, 0.97, 0.95, 0.93]).verdict == "PASS"  # five: no trend yet
+    worst = check([0.97] * 2, diffs=(0.05,), **{"train/routing_agreement_min_layer": 0.85})
+    assert worst.verdict == "WARN" and worst.summary.startswith("the worst layer agrees on 0.850 < 0.9")
+    assert "mismatch of 0.05" in worst.summary and "algo.routing_replay=rollout" in worst.next_steps[0]
+    lost = check([0.97], **{"train/routing_replayed": 0.995})
+    assert lost.verdict == "FAIL" and lost.summary.startswith("routing replay ran 99.50% of the replayed")
 
 
 def test_inspect_shows_routing_agreement_per_layer(tmp_path, replay, bf16_rollout):

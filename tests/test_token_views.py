@@ -102,6 +102,17 @@ def test_worst_samples_are_the_largest_max_differences():
     assert token_views.worst_samples(train, 1)[0]["index"] == 0
 
 
+def test_trained_tokens_and_the_marked_ones_by_hand():
+    """A row's trained token ids are its response's loss_mask-1 tokens, or None when their count is
+    not its log-probs'; a NaN difference is always marked, as over any threshold."""
+    r = row(0, [0.0, 0.25, 0.0])  # tokens 20 20 | 0 1 2 3, the last a tool's
+    assert token_views.trained_token_ids(r) == [0, 1, 2]
+    assert token_views.trained_token_ids({**r, "loss_mask": [1, 0, 1, 0]}) is None  # 2 ids, 3 log-probs
+    r["rollout_log_probs"][2] = math.nan
+    sample = token_views.worst_samples({0: r}, 1)[0]
+    assert sample["position"] == 2 and token_views.over_threshold(sample, 0.1) == [1, 2]
+
+
 @pytest.fixture(scope="module")
 def checked_run(tmp_path_factory, tiny_path):
     """A dumped run with the batch-invariance check on."""
