@@ -297,6 +297,159 @@ def test_loss_aggregation_does_not_depend_on_dp_or_micro_batches(mode):
         assert aggregate(dp, mbs) == pytest.approx(reference, rel=1e-6), (dp, mbs)
 
 
+def test_the_softmax_starts_at_the_first_trained_position_of_any_row():
+    """relax/train/common.py computes log-probs from the earliest position any row trains on:
+    a position, not a row (here rows 0-2 train on nothing, row 3 from position 1)."""
+    from relax.sample import Sample
+    from relax.train.common import first_trained_position, make_micro_batch
+
+    samples = [Sample(index=i, group_index=0, prompt="", tokens=[1] * (5 - (i == 3) * 3) + [2, 3],
+                      response_length=2,
+                      loss_mask=[int(i == 3)] * 2, rollout_log_probs=[0.0] * 2) for i in range(4)]
+    mb = make_micro_batch(samples, torch.zeros(4), 0)
+    assert mb.mask.nonzero().tolist() == [[3, 1], [3, 2]]
+    assert first_trained_position(mb) == 1
+    assert first_trained_position(make_micro_batch(samples[:1], torch.zeros(4), 0)) == 0  # nothing trained
+
+
+def test_each_micro_batch_row_gets_its_own_samples_advantage():
+    from relax.sample import Sample
+    from relax.train.common import shard_steps
+
+    samples = [Sample(index=i, group_index=i // 2, prompt="", tokens=[1, 2, 3], response_length=1,
+                      loss_mask=[1], rollout_log_probs=[0.0]) for i in range(8)]
+    advantages = torch.arange(8.0) / 4
+    for dp, rank, steps, mine in ((1, 0, 1, range(8)), (2, 1, 2, [6, 7])):  # (rank 1 of 2 at step 1 of 2)
+        mbs = shard_steps(samples, advantages, steps, dp, rank, 1, 0)[-1]
+        assert [(mb.indices, mb.advantages.tolist()) for mb in mbs] == [([i], [i / 4]) for i in mine]
+
+
+def test_fixed_shape_length_rounds_up_to_the_multiple():
+    """Sequence parallelism needs T a multiple of the TP size: rounded up, never cutting a token."""
+    from relax.sample import Sample
+    from relax.train.common import shard_steps
+
+    samples = [Sample(index=i, group_index=0, prompt="", tokens=[1, 2] + [3] * (i + 7), response_length=i + 7,
+                      loss_mask=[1] * (i + 7), rollout_log_probs=[0.0] * (i + 7))
+               for i in range(2)]  # the longest: 10 tokens
+    for multiple, length in ((1, 10), (4, 12), (5, 10), (8, 16)):
+        (step,) = shard_steps(samples, torch.zeros(2), 1, 1, 0, 2, 0, fixed_shape=True,
+                              length_multiple=multiple)
+        assert [tuple(mb.tokens.shape) for mb in step] == [(2, length)]
+        assert step[0].mask.sum().item() == 7 + 8  # every response token still trained
+
+
+def test_untrained_response_tokens_count_nowhere():
+    """A multi-turn response's tool tokens (loss_mask 0) are in response_length but are no
+    tokens of the sample: not for REINFORCE++'s token weighting, not for seq-mean-token-mean."""
+    from relax.sample import Sample
+    from relax.train.common import advantages_of, shard_steps
+
+    masks = [[1, 0, 0], [1, 1, 1]]  # 1 and 3 trained tokens
+    samples = [Sample(index=i, group_index=0, prompt="", tokens=[1, 2, 3, 4, 5], response_length=3,
+                      reward=1.0 - i, loss_mask=m, rollout_log_probs=[0.0] * 3) for i, m in enumerate(masks)]
+    cfg = OmegaConf.create({"advantage_estimator": "reinforce_plus_plus"})
+    # by hand, over the 4 trained tokens: mean 1/4, unbiased variance (9/16 + 3/16) / 3 = 1/4
+    assert advantages_of(samples, cfg).tolist() == pytest.approx([0.75 / 0.5, -0.25 / 0.5], abs=1e-6)
+    (mb,), = shard_steps(samples, torch.zeros(2), 1, 1, 0, 2, 0, loss_agg_mode="seq-mean-token-mean",
+                         horizon=3)
+    loss = torch.tensor([[2.0], [6.0]]).expand_as(mb.mask)  # each sample's per-token loss
+    # seq-mean-token-mean: (2 + 6) / 2 sequences, once the step's sum is divided by its 4 tokens
+    assert (masked_sum(loss, mb.loss_weights) / mb.mask.sum()).item() == pytest.approx(4.0, rel=1e-6)
+    assert mb.loss_weights.sum(1).tolist() == pytest.approx([2.0, 2.0], rel=1e-6)
+
+
+def test_the_objective_and_its_step_sums_by_hand():
+    """relax/train/common.py's objective on a micro-batch whose training forward is 0.1 above the
+    old log-probs (ratio e^0.1, inside the clip): loss = -A·r - entropy_coef·entropy per token,
+    train/loss summed with the loss weights (seq-mean-token-sum: x tokens/sequences), the other
+    sums over trained tokens, the train/rollout difference that of this forward."""
+    from relax.sample import Sample
+    from relax.train.common import STEP_KEYS, attach_is_weights, objective, shard_steps
+
+    samples = [Sample(index=i, group_index=0, prompt="", tokens=[1, 2, 3, 4, 5], response_length=3,
+                      reward=float(i), loss_mask=m, rollout_log_probs=[-1.0] * 3)
+               for i, m in enumerate([[1, 1, 1], [1, 0, 0]])]
+    (mb,), = shard_steps(samples, torch.tensor([0.5, -2.0]), 1, 1, 0, 2, 0,
+                         loss_agg_mode="seq-mean-token-sum", horizon=3)
+    mb.old_log_probs = torch.full_like(mb.mask, -0.7) * mb.mask
+    log_probs, entropy = mb.old_log_probs + 0.1, torch.full_like(mb.mask, 2.0)
+    algo = make_cfg("algo.entropy_coef=0.01").algo
+    loss, sums = objective(log_probs, entropy, mb, algo)
+    r = math.exp(0.1)
+    per_token = torch.tensor([[-0.5 * r - 0.02] * 3, [2.0 * r - 0.02] * 3])
+    trained = mb.mask[:, 1:4] > 0
+    assert torch.allclose(loss[:, 1:4][trained], per_token[trained], rtol=1e-6, atol=0)
+    got = dict(zip(STEP_KEYS, sums.tolist(), strict=True))
+    weight = 4 / 2  # seq-mean-token-sum: 4 tokens, 2 sequences
+    assert got["train/loss"] == pytest.approx(weight * (3 * (-0.5 * r - 0.02) + (2.0 * r - 0.02)), rel=1e-5)
+    assert got["train/pg_loss"] == pytest.approx(3 * -0.5 * r + 2.0 * r, rel=1e-5)
+    assert got["train/entropy_loss"] == pytest.approx(4 * 2.0, rel=1e-6)
+    assert got["train/train_rollout_logprob_abs_diff"] == pytest.approx(4 * 0.4, rel=1e-5)  # |-0.6 - (-1)|
+    assert got["train/ppo_kl"] == pytest.approx(4 * -0.1, rel=1e-4)
+    # sequence-level TIS (cap far above): each token weighs its sequence's ratio, e^(3 x 0.3) or e^0.3,
+    # which leaves no residual against the sequence-level train/rollout ratio
+    algo = make_cfg("algo.tis=sequence", "algo.tis_cap=100").algo
+    mb.is_weights = mb.is_flags = None
+    attach_is_weights([mb], algo)
+    got = dict(zip(STEP_KEYS, objective(log_probs, entropy, mb, algo)[1].tolist(), strict=True))
+    assert got["train/tis_weight_mean"] == pytest.approx(3 * math.exp(0.9) + math.exp(0.3), rel=1e-5)
+    assert got["train/mismatch_residual"] == pytest.approx(0.0, abs=1e-5)
+
+
+def test_rollout_metrics_first_step_log_probs_and_train_dump_by_hand(tmp_path):
+    """What a trainer reports from its micro-batches after the passes (relax/train/common.py):
+    token means of log_probs, entropy, ref_log_probs and KL(actor || ref) over trained tokens,
+    the first 16 samples' trained log-probs, and the train dump's per-sample columns."""
+    from types import SimpleNamespace
+
+    from relax.files import safe_load
+    from relax.sample import Sample
+    from relax.train.common import TrainLog, make_micro_batch
+
+    n = 18  # 9 groups of 2; an odd sample's second response token is untrained (a tool reply)
+    samples = [Sample(index=i, group_index=i // 2, prompt="", tokens=[1, 2, 3 + i, 4], response_length=2,
+                      reward=float(i % 2), loss_mask=[1, 1 - i % 2], rollout_log_probs=[-0.3, -0.4])
+               for i in range(n)]
+    advantages = torch.linspace(-1, 1, n)
+    old = {i: [-0.1 * (i + 1), -0.2 * (i + 1)] for i in range(n)}  # per response token
+    ref = {i: [lp - 0.01 * (i + 1) for lp in old[i]] for i in range(n)}
+    micro_batches = [make_micro_batch(samples[a:a + 9], advantages, 0) for a in (0, 9)]
+    for mb in micro_batches:
+        mb.old_log_probs, mb.ref_log_probs, mb.entropy = (torch.zeros_like(mb.mask) for _ in range(3))
+        for b, i in enumerate(mb.indices):  # the prompt's last position (1) predicts the first response token
+            mb.old_log_probs[b, 1:3], mb.ref_log_probs[b, 1:3] = torch.tensor(old[i]), torch.tensor(ref[i])
+            mb.entropy[b, 1:3] = torch.tensor([1.0 + i, 2.0])
+    trained = [(i, t) for i in range(n) for t in range(2) if samples[i].loss_mask[t]]
+    layout = SimpleNamespace(dp_size=1, dp_rank=0, rank=0, writes_data=True)
+
+    template = f"{tmp_path}/{{rollout_id}}_{{rank}}.pt"
+    out = TrainLog(layout, with_ref=True).result(micro_batches, True, template, 5, samples, advantages, "k1")
+    mean = lambda f: sum(f(i, t) for i, t in trained) / len(trained)  # noqa: E731
+    assert out["rollout"] == pytest.approx({
+        "rollout/log_probs": mean(lambda i, t: old[i][t]),
+        "rollout/entropy": mean(lambda i, t: [1.0 + i, 2.0][t]),
+        "rollout/ref_log_probs": mean(lambda i, t: ref[i][t]),
+        "rollout/kl": mean(lambda i, t: 0.01 * (i + 1))},
+        rel=1e-5)
+    assert out["rollout"]["rollout/kl"] > 0
+    first = out["first_step_log_probs"]
+    assert sorted(first) == list(range(16))
+    assert all(first[i] == pytest.approx(old[i][:2 - i % 2], rel=1e-6) for i in range(16))
+    dump = safe_load(tmp_path / "5_0.pt")
+    assert [r["index"] for r in dump["samples"]] == list(range(n))
+    for row in dump["samples"]:
+        i = row["index"]
+        assert row["advantage"] == pytest.approx(advantages[i].item(), abs=1e-7)
+        assert row["kl"] == pytest.approx([0.01 * (i + 1)] * (2 - i % 2), rel=1e-4)
+        assert row["log_probs"] == pytest.approx(old[i][:2 - i % 2], rel=1e-6)
+        assert row["loss_mask"] == [1, 1 - i % 2]
+    without_ref = TrainLog(layout, with_ref=False).result(micro_batches, False, None, 5, samples, advantages,
+                                                          "k1")
+    assert set(without_ref["rollout"]) == {"rollout/log_probs", "rollout/entropy"}
+    assert "first_step_log_probs" not in without_ref
+
+
 @pytest.mark.parametrize("micro_batch_size, rows", [(64, 4), (3, 3), (4, 4)])
 def test_fixed_shape_micro_batches_are_no_larger_than_the_rollout(micro_batch_size, rows):
     """Megatron's schedule needs one [rows, T] for every micro-batch; a rollout smaller than

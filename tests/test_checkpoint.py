@@ -41,6 +41,33 @@ def test_nonsense_checkpoint_settings_are_refused_before_building(tmp_path, key,
     assert not (tmp_path / "run" / "built.json").exists()
 
 
+def test_a_loaded_checkpoint_restores_rng_skipped_steps_and_ends_the_first_step(trainer, tiny_path, tmp_path):
+    """The trainer side of a resume (relax/train/torch_trainer.py): the torch RNG and the count of
+    skipped non-finite steps continue, and the guide's first-step checks (log_probs equal to the
+    reference's) no longer apply: a resumed actor is not its reference."""
+    import torch
+
+    from relax.sample import Sample
+    from relax.train.torch_trainer import TorchTrainer
+
+    trainer.skipped_steps = 3
+    try:
+        torch.manual_seed(123)
+        saved_rng = torch.get_rng_state()
+        trainer.save_checkpoint(str(tmp_path))
+    finally:
+        trainer.skipped_steps = 0
+    resumed = TorchTrainer(make_cfg(), str(tiny_path))
+    assert resumed.first_step and not torch.equal(torch.get_rng_state(), saved_rng)
+    resumed.load_checkpoint(str(tmp_path))
+    assert torch.equal(torch.get_rng_state(), saved_rng)
+    assert resumed.skipped_steps == 3 and not resumed.first_step
+    samples = [Sample(index=i, group_index=0, prompt="", tokens=[5, 6, 7 + i, 8], response_length=2,
+                      reward=float(i), loss_mask=[1, 1], rollout_log_probs=[-1.0, -1.0]) for i in range(2)]
+    out = resumed.train(2, samples)
+    assert "first_step_log_probs" not in out and out["steps"][0]["train/skipped_steps"] == 3
+
+
 def test_keep_last_keeps_that_many_and_null_keeps_all(trainer, tiny_path, tmp_path):
     for i in range(4):
         save(trainer, tiny_path, tmp_path / "two", i, keep_last=2)

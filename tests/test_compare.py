@@ -335,6 +335,14 @@ def test_the_twin_moves_every_weight_by_one_ulp():
     moved = weights.detach()
     assert torch.all((moved == up) | (moved == down)) and not torch.equal(moved, before)
     assert 0 < int((moved == up).sum()) < 6  # random signs, both present
+    for ulps in (2, 3):  # parallel.noise_ulp=n: n steps, each weight in its one random direction
+        nudged = torch.nn.Parameter(before.clone())
+        nudge_ulps([nudged], ulps, seed=0)
+        expected = before.clone()
+        for _ in range(ulps):
+            expected = torch.where(moved == up, torch.nextafter(expected, torch.tensor(torch.inf)),
+                                   torch.nextafter(expected, torch.tensor(-torch.inf)))
+        assert torch.equal(nudged.detach(), expected), ulps
 
 
 def test_per_token_log_probs_of_another_shape_are_diverged_naming_the_sample():

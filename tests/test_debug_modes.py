@@ -12,7 +12,8 @@ import torch
 from relax.debug.plan import resolve
 from relax.errors import ConfigError, ReplayError
 from relax.files import atomic_save, safe_load
-from relax.replay import load_rollout, subsample_groups
+from relax.replay import discover_rollout_ids, load_rollout, save_rollout, subsample_groups
+from relax.sample import Sample
 
 from .conftest import REPO, make_cfg, only_run_dir, run_loop, status_of
 
@@ -301,6 +302,78 @@ def test_subsample_keeps_whole_groups(dumped):
     assert [s.index for s in kept] == list(range(16))
     assert [s.group_index for s in kept] == [0] * 8 + [1] * 8
     assert len({s.metadata["replay_index"] // 8 for s in kept[:8]}) == 1
+
+
+def _rollout(groups: int, size: int) -> list[Sample]:
+    """A small rollout: `groups` GRPO groups of `size`, every sample's tokens its own."""
+    return [Sample(i, i // size, "", [1 + i // size, 100 + i], 1, reward=float(i % size), loss_mask=[1],
+                   rollout_log_probs=[-0.5]) for i in range(groups * size)]
+
+
+def test_subsample_rounds_up_reseeds_per_rollout_and_keeps_the_original_index(tmp_path):
+    full = _rollout(10, 2)
+    picked = []
+    for rollout_id in range(4):
+        save_rollout(tmp_path / f"{rollout_id}.pt", rollout_id, full, {})
+        saved_id, kept = load_rollout(tmp_path / f"{rollout_id}.pt", subsample=0.25, seed=3)
+        assert saved_id == rollout_id
+        assert len(kept) == 6  # ceil(0.25 x 10) = 3 whole groups of 2
+        assert [s.index for s in kept] == list(range(6))
+        assert [s.group_index for s in kept] == [0, 0, 1, 1, 2, 2]
+        for s in kept:  # each one is the full rollout's sample metadata["replay_index"] names
+            assert s.tokens == full[s.metadata["replay_index"]].tokens
+        picked.append(tuple(s.metadata["replay_index"] for s in kept))
+    assert len(set(picked)) > 1  # each rollout's own seed (seed + rollout id): not the same groups every time
+    kept = subsample_groups(full, 0.5, seed=0)
+    # copies: the input is left as it was
+    assert [(s.index, s.group_index) for s in full] == [(i, i // 2) for i in range(20)]
+    assert all("replay_index" not in s.metadata for s in full)
+    assert len(kept) == 10
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"response_length": 2, "loss_mask": [1, 1], "rollout_log_probs": [-0.5, -0.5]}, "response_length 2"),
+    ({"rollout_log_probs": [-0.5, -0.5]}, "2 rollout_log_probs"),
+    ({"loss_mask": []}, "0 loss_mask"),
+    ({"reward": "1.0"}, "the reward a number"),
+    ({"tokens": [1, 2.0]}, "must be integers"),
+    ({"routed_experts": [3, 4, 5]}, "routed_experts"),  # 3 tokens feed 2: not [2, layers, top_k]
+    ({"routed_experts": []}, "routed_experts"),
+])
+def test_a_malformed_saved_sample_is_refused(edit, message):
+    good = _rollout(1, 1)[0].to_dict()
+    assert Sample.from_dict({**good, "routed_experts": [3, 4, 5]}).routed_experts == [3, 4, 5]
+    assert Sample.from_dict({k: v for k, v in good.items() if k != "routed_experts"}) == _rollout(1, 1)[0]
+    with pytest.raises(ValueError, match=message):
+        Sample.from_dict({**good, **edit, **({"tokens": [1, 2, 3]} if "routed_experts" in edit else {})})
+
+
+def test_a_rollout_must_come_in_equal_contiguous_groups_numbered_in_order():
+    from relax.sample import group_size_of
+
+    assert group_size_of(_rollout(3, 2)) == 2
+    for groups, indices in [([0, 1, 0, 1], range(4)), ([0, 0, 0, 1], range(4)), ([0, 0, 1, 1], [0, 1, 3, 2])]:
+        rollout = _rollout(2, 2)
+        for s, g, i in zip(rollout, groups, indices, strict=True):
+            s.group_index, s.index = g, i
+        with pytest.raises(ValueError, match="GRPO groups|0..N-1"):
+            group_size_of(rollout)
+
+
+def test_a_manifest_that_is_no_mapping_is_refused_even_without_a_check(tmp_path):
+    save_rollout(tmp_path / "0.pt", 0, _rollout(1, 2), ["not", "a", "mapping"])
+    for manifest, allow in ((None, False), ({"model_fingerprint": "x"}, True)):
+        with pytest.raises(ReplayError, match="0.pt: malformed rollout data: the manifest is not a mapping"):
+            load_rollout(tmp_path / "0.pt", manifest, allow)
+
+
+def test_discover_finds_rollout_ids_of_any_number_of_digits(tmp_path):
+    for rollout_id in (0, 7, 10, 123):
+        save_rollout(tmp_path / f"rollout_{rollout_id}.pt", rollout_id, _rollout(1, 2), {})
+    (tmp_path / "rollout_x.pt").write_bytes(b"")
+    found = discover_rollout_ids(f"{tmp_path}/rollout_{{rollout_id}}.pt")
+    assert found == {i: tmp_path / f"rollout_{i}.pt" for i in (0, 7, 10, 123)}
+    assert list(found) == [0, 7, 10, 123]
 
 
 def test_subsampled_replay_trains(tmp_path, dumped):

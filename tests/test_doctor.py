@@ -209,6 +209,57 @@ def test_compare_tensors_reports_every_kind_of_difference():
     assert not nan["passed"]
 
 
+def test_a_tensor_missing_in_the_engine_alone_fails_the_comparison():
+    report = compare_tensors({"a": torch.ones(2)}, {"a": torch.ones(2), "b": torch.ones(1)})
+    assert not report["passed"] and report["mismatches"] == [] and report["only_in_reference"] == ["b"]
+    assert not compare_tensors({"a": torch.ones(2), "b": torch.ones(1)}, {"a": torch.ones(2)})["passed"]
+    assert compare_tensors({"a": torch.tensor([1.0])}, {"a": torch.tensor([1.25])}, atol=0.25)["passed"]
+
+
+class _Engines:
+    """An EngineGroup's two calls the engine-weights check makes, on bf16 engines whose sync
+    path (every update after the check's random one) can skip a tensor."""
+
+    def __init__(self, checkpoint: dict, copies: int = 2, skip: str | None = None):
+        self.tensors = [{**{k: v.to(torch.bfloat16) for k, v in checkpoint.items()},
+                         "rotary.inv_freq": torch.arange(3.0)} for _ in range(copies)]
+        self.skip, self.updates = skip, 0
+
+    def each_named_tensors(self):
+        return self.tensors
+
+    def update_weights(self, named):
+        self.updates += 1
+        for tensors in self.tensors:
+            tensors.update({k: v.to(tensors[k].dtype) for k, v in named.items()
+                            if k != self.skip or self.updates == 1})
+
+
+def test_the_weight_check_at_the_engines_dtype_on_every_engine_and_a_failure_stays_failed(tmp_path):
+    """fp32 checkpoint, bf16 engines: compared at bf16; the first sync starts from random engine
+    weights, so a tensor the sync path skips is named; one failed check fails the file for good."""
+    from relax.debug.weights import WeightCheck
+
+    generator = torch.Generator().manual_seed(1)
+    checkpoint = {"w": torch.randn(4, 3, generator=generator), "b": torch.randn(3, generator=generator)}
+
+    class Trainer:
+        def named_weights(self):
+            return dict(checkpoint)
+
+    check = WeightCheck(_Engines(checkpoint), Path("unused"), tmp_path, weights=checkpoint)
+    assert [(r["stage"], r["engine"], r["passed"], r["compared"]) for r in check.results] == [
+        ("load", 0, True, 2), ("load", 1, True, 2)]
+    assert all(r["passed"] for r in check.check_first_sync(_Engines(checkpoint), Trainer()))
+    skipping = _Engines(checkpoint, skip="b")
+    reports = check.check_first_sync(skipping, Trainer())
+    assert [[m["name"] for m in r["mismatches"]] for r in reports] == [["b"], ["b"]]
+    assert json.loads(check.path.read_text())["passed"] is False
+    assert all(r["passed"] for r in check.check_sync(_Engines(checkpoint), checkpoint, rollout_id=1))
+    saved = json.loads(check.path.read_text())
+    assert saved["passed"] is False and [c["passed"] for c in saved["checks"]][-2:] == [True, True]
+
+
 def test_nan_step_metrics_fail_the_doctor_naming_the_metric(tmp_path, monkeypatch):
     monkeypatch.setenv("RELAX_FAULT", "nan_log_probs")  # sample 3's forward turns NaN; the step is skipped
     run_loop(tmp_path, *SHORT, "rollout.num_rollout=2", "train.on_nonfinite=skip")

@@ -241,6 +241,13 @@ def test_greedy_and_top_p_1_are_valid_sampling_and_reach_the_engine():
     assert SamplingParams.of(cfg.rollout) == SamplingParams(0.6, 0.9, 5)
 
 
+def test_log_probs_of_greedy_sampling_are_the_unscaled_softmaxs():
+    from relax.sample import log_prob_temperature
+
+    assert log_prob_temperature(0.0) == 1.0 and log_prob_temperature(0) == 1.0  # not a division by 0
+    assert log_prob_temperature(0.7) == 0.7 and log_prob_temperature(1.0) == 1.0
+
+
 def test_nccl_weight_sync_is_refused_without_gpus():
     from relax.debug.plan import resolve
     from relax.errors import ConfigError
@@ -251,6 +258,61 @@ def test_nccl_weight_sync_is_refused_without_gpus():
         pytest.skip("GPUs present: the mode is allowed")
     with pytest.raises(ConfigError, match="needs rollout=sglang and CUDA GPUs"):
         resolve(make_cfg("rollout=sglang", "rollout.weight_update_mode=distributed"))
+
+
+def test_nccl_weight_sync_sends_what_its_metadata_names_in_order_on_the_engines_group(monkeypatch):
+    """relax/train/weight_sync.py without GPUs: SGLang's process group and NCCL's broadcast are
+    recorded, not run. A LoRA trainer syncs only the merged projections: its metadata and its
+    broadcast both hold those, in the same order, on the group of the engine being updated."""
+    import sys
+    import types
+
+    from relax.train import weight_sync
+    from relax.train.weight_sync import DistributedWeightSync
+
+    class Weight:  # a tensor whose .to("cuda") says which it is
+        def __init__(self, name, dtype, shape):
+            self.name, self.dtype, self.shape = name, dtype, torch.Size(shape)
+
+        def to(self, device, non_blocking=False):
+            return (self.name, device)
+
+    weights = {n: Weight(n, dt, sh) for n, dt, sh in [("embed", torch.float32, (8, 4)),
+                                                      ("q_proj", torch.bfloat16, (4, 4)),
+                                                      ("k_proj", torch.bfloat16, (2, 4))]}
+
+    class Trainer(DistributedWeightSync):
+        def named_weights(self):
+            return weights
+
+        def synced_weights(self):
+            return {n: weights[n] for n in ("q_proj", "k_proj")}
+
+    created, sent = [], []
+    sglang_utils = types.ModuleType("sglang.srt.utils")
+    sglang_utils.init_custom_process_group = lambda **kw: created.append(kw) or f"group{len(created)}"
+    for name, module in [("sglang", types.ModuleType("sglang")),
+                         ("sglang.srt", types.ModuleType("sglang.srt")), ("sglang.srt.utils", sglang_utils)]:
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(weight_sync.dist, "broadcast",
+                        lambda t, src, group=None: sent.append((t, src, group)))
+    monkeypatch.setattr(weight_sync.torch.cuda, "synchronize", lambda: None)
+
+    trainer = Trainer()
+    assert trainer.weight_metadata() == [("q_proj", "bfloat16", [4, 4]), ("k_proj", "bfloat16", [2, 4])]
+    for i in range(2):
+        trainer.init_weight_sync_group("10.0.0.1", 29500 + i, 3, f"engine{i}")
+    assert created == [{"backend": "nccl", "init_method": f"tcp://10.0.0.1:{29500 + i}", "world_size": 3,
+                        "rank": 0, "group_name": f"engine{i}"} for i in range(2)]
+    trainer.broadcast_weights("engine1")
+    assert sent == [(("q_proj", "cuda"), 0, "group2"), (("k_proj", "cuda"), 0, "group2")]
+    # ranks other than 0 join no group and send nothing (their part is gathering the weights)
+    monkeypatch.setattr(weight_sync.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(weight_sync.dist, "get_rank", lambda: 1)
+    other = Trainer()
+    other.init_weight_sync_group("10.0.0.1", 29502, 3, "engine0")
+    other.broadcast_weights("engine0")
+    assert len(created) == 2 and len(sent) == 2
 
 
 def test_the_weight_check_on_tensor_parallel_sglang_engines_is_refused_at_start():

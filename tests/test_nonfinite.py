@@ -76,6 +76,33 @@ def test_nonfinite_step_stops_the_run_by_default_naming_the_dump(tmp_path, monke
     assert len(steps) == 1 and math.isnan(steps[0]["train/grad_norm"])
 
 
+def test_the_trainer_stops_at_the_nonfinite_step_or_skips_it_naming_its_samples(tiny_path, monkeypatch):
+    """Two steps of 4 samples, sample 3's forward NaN (step 0): on_nonfinite=error trains no later
+    step; skip names sample 3's micro-batch and trains step 1."""
+    from relax.sample import Sample
+    from relax.train import make_trainer
+
+    monkeypatch.setenv("RELAX_FAULT", "nan_log_probs")
+    samples = [Sample(index=i, group_index=i // 4, prompt="", tokens=[5, 6, 7 + i, 8], response_length=2,
+                      reward=float(i % 2), loss_mask=[1, 1], rollout_log_probs=[-1.0, -1.0])
+               for i in range(8)]
+    cfg = make_cfg("train.num_steps_per_rollout=2", "train.micro_batch_size=2", "train.on_nonfinite=error")
+    trainer = make_trainer(cfg, str(tiny_path), ref_model_path=str(tiny_path), pad_token_id=0)
+    for rollout_id, (mode, steps) in enumerate((("error", 1), ("skip", 2))):
+        trainer.cfg.train.on_nonfinite = mode
+        out = trainer.train(rollout_id, samples)
+        assert len(out["steps"]) == steps and [e["indices"] for e in out["nonfinite"]] == [[2, 3]]
+        assert out["steps"][0]["train/skipped_steps"] == rollout_id + 1
+
+
+def test_a_step_with_finite_losses_but_a_nonfinite_grad_norm_names_all_its_samples():
+    from relax.train.common import MicroBatch, nonfinite_indices
+
+    mbs = [MicroBatch([0, 1], *[None] * 6), MicroBatch([2, -1], *[None] * 6)]
+    assert nonfinite_indices(mbs, [torch.tensor(1.0), torch.tensor(2.0)]) == [0, 1, 2]
+    assert nonfinite_indices(mbs, [torch.tensor(1.0), torch.tensor(float("inf"))]) == [2]
+
+
 def test_a_checkpoint_is_never_written_from_nonfinite_weights(tmp_path, tiny_path, tokenizer):
     from relax.checkpoint import save_checkpoint
     from relax.train import make_trainer

@@ -61,6 +61,32 @@ def test_each_group_is_one_row_and_a_response_sees_only_its_prompt_and_itself():
         (2, 4, 1, 4), (2, 5, 1, 5), (2, 6, 1, 6)]
 
 
+def test_padding_attends_causally_to_itself_so_no_softmax_row_is_empty():
+    """Rows of unequal length: a padding position sees the padding up to itself, nothing else
+    (an all-masked row is a softmax of nothing, NaN in some kernels, and 0 x NaN reaches real tokens)."""
+    mb = micro_batch(samples(20, [(3, [2]), (5, [3, 2])]))
+    p = packing.pack(mb, PAD, torch.float32)
+    assert p.tokens.shape == (2, 8) and p.tokens[0, 4:].tolist() == [PAD] * 4
+    sees = p.attention_mask[:, 0] == 0
+    assert sees.diagonal(dim1=-2, dim2=-1).all()
+    assert torch.equal(sees[0, 4:, 4:], torch.ones(4, 4, dtype=torch.bool).tril())
+    assert not sees[0, 4:, :4].any()
+    assert not sees[0, :4, 4:].any()  # and nothing real sees padding
+
+
+def test_packed_once_per_dtype():
+    """The reference, old-log-prob and training forwards share one packing; a model of another
+    dtype gets its mask in that dtype (min of bf16, not fp32's -3.4e38, which bf16 rounds to -inf)."""
+    mb = micro_batch(samples(20, [(3, [2, 4])]))
+    first = packing.packed(mb, PAD, torch.float32)
+    assert packing.packed(mb, PAD, torch.float32) is first
+    half = packing.packed(mb, PAD, torch.bfloat16)
+    assert half.attention_mask.dtype == torch.bfloat16 and mb.packed is half
+    assert half.attention_mask.min().item() == torch.finfo(torch.bfloat16).min
+    assert torch.equal(half.tokens, first.tokens)
+    assert torch.equal(half.attention_mask == 0, first.attention_mask == 0)
+
+
 def forward_and_grads(trainer, mb, shared: bool):
     trainer.model.zero_grad(set_to_none=True)
     log_probs, entropy = trainer._log_probs(trainer.actor, mb, shared_prompt=shared)
