@@ -11,6 +11,7 @@ import torch
 from relax.debug import layers
 from relax.train import layer_dump
 from relax.files import safe_load
+from relax.logger import read_metrics
 
 from .conftest import relax_cli, run_loop
 
@@ -67,6 +68,17 @@ def test_a_dump_holds_every_module_gradient_and_weight_under_hf_names(tmp_path, 
     # the engine's prefill (one sequence at a time) reproduces the trainer's padded batch to rounding
     for name in names:
         assert layers.rel_diff(engine["forward"][name], train["forward"][name]) < 1e-6, name
+
+
+def test_the_dumped_gradients_are_the_first_steps(tmp_path, tiny_path):
+    """All 16 samples in the dump are the step's one micro-batch: its gradients have the norm the
+    step logged as grad_norm (the loss per trained token, not per sample; the step packs shared
+    prompts, the dump does not: fp32 rounding apart)."""
+    run = dumped(tmp_path / "run", "rollout.num_rollout=1", f"debug.dump_layers_samples={list(range(16))}")
+    train = safe_load(run / "layers" / "0_train.pt")
+    norm = torch.stack([g.double().norm() for g in train["grads"].values()]).norm().item()
+    step = read_metrics(run)[1][0]
+    assert norm == pytest.approx(step["train/grad_norm"], rel=1e-4)
 
 
 def test_an_moe_dump_names_each_expert_as_the_checkpoint_does(tmp_path):
