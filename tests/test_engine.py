@@ -74,7 +74,7 @@ def test_sample_seeds_are_numpys_seed_sequence_value_for_value():
     words, negative ones (mod 2**64), indices and call numbers up to 2**32 - 1."""
     import numpy as np
 
-    from relax.rollout import prompt_seeds, sample_seeds
+    from relax.rollout import sample_seeds
 
     def seed_sequence(seed, index, call=0):
         entropy = [seed % 2**64, index] + ([call] if call else [])
@@ -193,8 +193,6 @@ def moe_path():
     """A tiny Qwen2-MoE (4 experts, top-2; random weights are enough to compare kernels)."""
     from relax.model import resolve_model_path
 
-    from .conftest import make_cfg
-
     return resolve_model_path(make_cfg("model.tiny.num_experts=4", "model.tiny.warmup_max_steps=0",
                                        "model.tiny.shared_expert_intermediate_size=64").model)
 
@@ -242,8 +240,6 @@ def test_greedy_and_top_p_1_are_valid_sampling_and_reach_the_engine():
 
 
 def test_log_probs_of_greedy_sampling_are_the_unscaled_softmaxs():
-    from relax.sample import log_prob_temperature
-
     assert log_prob_temperature(0.0) == 1.0 and log_prob_temperature(0) == 1.0  # not a division by 0
     assert log_prob_temperature(0.7) == 0.7 and log_prob_temperature(1.0) == 1.0
 
@@ -251,8 +247,6 @@ def test_log_probs_of_greedy_sampling_are_the_unscaled_softmaxs():
 def test_nccl_weight_sync_is_refused_without_gpus():
     from relax.debug.plan import resolve
     from relax.errors import ConfigError
-
-    from .conftest import make_cfg
 
     if torch.cuda.is_available():
         pytest.skip("GPUs present: the mode is allowed")
@@ -318,8 +312,6 @@ def test_nccl_weight_sync_sends_what_its_metadata_names_in_order_on_the_engines_
 def test_the_weight_check_on_tensor_parallel_sglang_engines_is_refused_at_start():
     from relax.debug.plan import resolve
     from relax.errors import ConfigError
-
-    from .conftest import make_cfg
 
     with pytest.raises(ConfigError, match="rollout.rollout_num_gpus_per_engine=1"):
         resolve(make_cfg("rollout=sglang", "rollout.rollout_num_gpus=4",

@@ -139,8 +139,6 @@ def engine(tiny_path, tokenizer):
 def samples_of(engine, fn, tokenizer, *overrides, n=4):
     cfg = make_cfg(*overrides)
     task = build_task(cfg)
-    from relax.rollout import SamplingParams
-
     return generate_samples(engine, task, tokenizer, task.prompts(0, 4, tokenizer), n,
                             SamplingParams.of(cfg.rollout), 7, fn, "in a test")
 
