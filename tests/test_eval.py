@@ -97,6 +97,7 @@ def test_train_only_skips_eval_with_a_log_line(runs, tmp_path, caplog):
     (["eval.interval=0"], r"eval.interval=0 \(>= 1 or null\)"),
     (["eval.temperature=-1"], r"eval.temperature=-1.0 \(>= 0\)"),
     (["eval.n_samples_per_prompt=0"], r"eval.n_samples_per_prompt=0 \(>= 1\)"),
+    (["eval.num_prompts=0"], r"eval.num_prompts=0 \(>= 1\)"),
     (["eval.datasets=[]"], r"eval.datasets=\[\]: expected one or more datasets"),
     (["eval.datasets=[arithmetic,arithmetic]"], r"distinct names"),
     (["eval.datasets=[/no/such.jsonl]"], r"eval.datasets entry '/no/such.jsonl': .*no such file"),
@@ -105,3 +106,47 @@ def test_bad_eval_keys_are_config_errors_before_anything_is_built(tmp_path, over
     with pytest.raises(ConfigError, match=message):
         run_loop(tmp_path, *SMALL, "eval.interval=1", *overrides)
     assert not (tmp_path / "built.json").exists()
+
+
+def test_evaluate_samples_each_prompt_n_times_at_eval_temperature_with_its_own_seeds(monkeypatch, tokenizer):
+    """What evaluate() asks of generation and how it averages: eval.n_samples_per_prompt samples
+    per prompt at eval.temperature, seeds that are no training rollout's and new at each
+    evaluation, and means over all samples (not per prompt)."""
+    import relax.eval as ev
+    from relax.rollout import SamplingParams
+    from relax.sample import Sample
+    from relax.task import build_task
+
+    cfg = make_cfg(*SMALL, "eval.interval=2", "eval.n_samples_per_prompt=3", "eval.temperature=0.5",
+                   "rollout.num_rollout=10")
+    calls = []
+
+    def fake_generate(engine, task, tok, prompts, n, sp, seed, generate_fn, where):
+        calls.append((len(prompts), n, sp, seed))
+        return [Sample(index=k, group_index=k // n, prompt="", tokens=[1] * (5 + k), response_length=k,
+                       reward=float(k == 0)) for k in range(len(prompts) * n)]
+
+    monkeypatch.setattr(ev, "generate_samples", fake_generate)
+    evaluator = ev.Evaluator(cfg, build_task(cfg), tokenizer, last_rollout_id=9)
+    metrics = [evaluator.evaluate(None, rollout_id) for rollout_id in (2, 4)]
+    (prompts, n, sp, seed2), (_, _, _, seed4) = calls
+    assert (prompts, n) == (4, 3)
+    assert sp == SamplingParams(0.5, cfg.rollout.top_p, cfg.rollout.max_new_tokens)
+    training_seeds = {cfg.seed * 1_000_003 + r for r in range(10)}  # relax/rollout/generate.py
+    assert seed2 != seed4 and not {seed2, seed4} & training_seeds
+    assert metrics[0]["eval/arithmetic/reward"] == 1 / 12  # one right answer among 4 x 3 samples
+    assert metrics[0]["eval/arithmetic/response_len"] == sum(range(12)) / 12
+
+
+def test_eval_questions_are_the_jsonl_files_first_rows_and_the_tasks_operand_range(tmp_path):
+    """A JSONL dataset gives its first eval.num_prompts rows; `arithmetic` asks problems in
+    task=arithmetic's operand range (both ends reachable), the same ones at every call."""
+    jsonl = tmp_path / "six.jsonl"
+    jsonl.write_text("".join(json.dumps({"prompt": f"{i}+0=", "label": str(i)}) + "\n" for i in range(6)))
+    cfg = make_cfg("eval.num_prompts=4")
+    assert [q[:2] for q in questions(str(jsonl), cfg, task=None)] == [(f"{i}+0=", str(i)) for i in range(4)]
+    cfg = make_cfg("eval.num_prompts=64", "task.min_operand=3", "task.max_operand=5")
+    problems = questions("arithmetic", cfg, task=None)
+    operands = {int(x) for q, _ in problems for x in q.rstrip("=").split("+")}
+    assert len(problems) == 64 and operands == {3, 4, 5}
+    assert questions("arithmetic", cfg, task=None) == problems
