@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from relax.errors import ConfigError
+from relax.errors import ConfigError, ReplayError
 
 from .conftest import make_cfg, run_loop
 from .extras import TENSORBOARD, WANDB, require
@@ -103,3 +103,51 @@ def test_an_unknown_backend_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match=r"backends has .mlflow.: expected any of tensorboard, wandb"):
         run_loop(tmp_path, "logger.backends=[tensorboard,mlflow]", "rollout.num_rollout=1")
     assert not (tmp_path / "built.json").exists()
+
+
+def test_metrics_are_appended_to_the_restored_history_and_readable_before_close(tmp_path):
+    """metrics.jsonl is opened for appending (a resumed run's history comes first) and each
+    record is flushed as written, so a run killed at any moment keeps every logged record."""
+    from relax.logger import MetricsLogger, read_metrics
+
+    restored = {"rollout_id": 0, "rollout/raw_reward": 0.5}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(restored) + "\n")
+    step = {"rollout_id": 1, "step": 0, "train/loss": 1.0, "train/grad_norm": 2.0}
+    rollout = {"rollout_id": 1, "rollout/raw_reward": 0.25}
+    logger = MetricsLogger(tmp_path)
+    logger.log(step, "rollout_id")
+    logger.log(rollout, "rollout_id")
+    assert read_metrics(tmp_path) == ([restored, rollout], [step])
+    logger.close()
+    assert read_metrics(tmp_path / "no_run") == ([], [])
+    bad = {"rollout_id": "1", "rollout/raw_reward": 0.5}  # a string rollout_id
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(bad) + "\n" + json.dumps(step) + "\n")
+    with pytest.raises(ReplayError, match=r"metrics.jsonl: not a metrics record \(an integer rollout_id"):
+        read_metrics(tmp_path)
+
+
+def test_a_backend_whose_library_is_missing_is_refused_naming_the_extra(monkeypatch):
+    from relax import logger
+
+    monkeypatch.setattr(logger.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ConfigError, match=r"backends has 'wandb', but wandb is not installed: "
+                                          r"pip install -e '\.\[wandb\]'"):
+        logger.check_backends(["wandb"])
+
+
+def test_a_resumed_runs_tensorboard_replaces_the_steps_it_redoes(tmp_path):
+    """resume_from purges what the first run logged at the steps the resumed one logs again."""
+    require("tensorboard", TENSORBOARD)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from relax.logger import MetricsLogger
+
+    for resume_from, rollout_ids, offset in ((0, range(4), 0.0), (2, range(2, 4), 10.0)):
+        logger = MetricsLogger(tmp_path, ["tensorboard"], resume_from=resume_from)
+        for i in rollout_ids:
+            logger.log({"rollout_id": i, "rollout/raw_reward": offset + i}, "rollout_id")
+        logger.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    logged = [(e.step, e.value) for e in events.Scalars("rollout/raw_reward")]
+    assert logged == [(0, 0), (1, 1), (2, 12), (3, 13)]
