@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -292,6 +293,57 @@ def test_atomic_save_leaves_no_half_file(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         atomic_save({"a": 1}, tmp_path / "out.pt")
     assert list(tmp_path.iterdir()) == []
+
+
+
+def test_atomic_open_writes_a_hidden_file_beside_the_target_syncs_it_then_renames(tmp_path, monkeypatch):
+    """Readers see the old file until the new one is whole and on disk: it is written to a
+    hidden .tmp in the target's directory (a rename across filesystems would be a copy),
+    fsynced, and only then renamed onto the target."""
+    from relax import files
+
+    target = tmp_path / "state.json"
+    target.write_text("old")
+    synced, real_fsync = [], os.fsync
+
+    def fsync(fd):
+        synced.append((Path(os.readlink(f"/proc/self/fd/{fd}")).name, target.read_text()))
+        real_fsync(fd)
+
+    monkeypatch.setattr(files.os, "fsync", fsync)
+    with files.atomic_open(target, "w") as f:
+        f.write("new")
+        (tmp,) = [p for p in tmp_path.iterdir() if p != target]
+        assert tmp.name.startswith(".state.json.") and tmp.name.endswith(".tmp")
+        assert target.read_text() == "old"
+    assert synced == [(tmp.name, "old")]
+    assert target.read_text() == "new" and list(tmp_path.iterdir()) == [target]
+
+
+def test_read_jsonl_drops_only_a_torn_last_line_and_names_any_other_bad_line(tmp_path):
+    from relax.files import read_jsonl
+
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"a": 1}\n\n{"a": 2}\n{"a": 3, "b"')  # a crash mid-append tears the last line
+    assert read_jsonl(path) == [{"a": 1}, {"a": 2}]
+    path.write_text('{"a": 1}\n{"a": 2, "b"\n{"a": 3}\n')
+    with pytest.raises(ReplayError, match=r"m.jsonl: line 2 is not JSON"):
+        read_jsonl(path)
+    path.write_text('{"a": 1}\n[2]\n')
+    with pytest.raises(ReplayError, match=r"m.jsonl: line 2 is not a JSON object"):
+        read_jsonl(path)
+
+
+def test_sha256_reads_the_whole_file_and_fill_expands_rollout_and_rank_zero(tmp_path):
+    import hashlib
+
+    from relax.files import fill, sha256
+
+    data = bytes(range(256)) * (3 * 4096 + 1)  # 3 MiB and a bit: several read blocks
+    (tmp_path / "w.bin").write_bytes(data)
+    assert sha256(tmp_path / "w.bin") == hashlib.sha256(data).hexdigest()
+    assert fill("~/d/{rollout_id}_{rank}.pt", rollout_id=0, rank=0) == Path.home() / "d" / "0_0.pt"
+    assert fill("d/{rollout_id}_{rank}.pt", rollout_id=3) == Path("d/3_{rank}.pt").absolute()
 
 
 def test_subsample_keeps_whole_groups(dumped):
