@@ -169,3 +169,106 @@ def test_an_engine_that_reconfigures_logging_does_not_take_relax_log_away(tmp_pa
     log = (tmp_path / "outputs/run/relax.log").read_text()
     assert "Finish rollout 0" in log and "Finish rollout 1" in log
     assert "Finish rollout 1" in (tmp_path / "out.log").read_text()  # the console handler, too
+
+
+def test_status_json_names_this_process_and_says_when_a_run_cannot_be_checked(tmp_path):
+    """status.json carries pid, host and the process's start time (so a reused pid is no live
+    run); this process's own leftover `running` is no other live run (a run resumed in-process
+    after a failure), and a run of another host is one whose liveness cannot be told here."""
+    from relax.process import StatusFile, is_alive, live_elsewhere, start_time
+
+    me = {"status": "running", "pid": os.getpid(), "host": HOST, "pid_start": start_time(os.getpid())}
+    (tmp_path / "status.json").write_text(json.dumps(me))
+    status_file = StatusFile(tmp_path)
+    status_file.claim()
+    status = read_status(tmp_path)
+    assert {k: status[k] for k in me} == me and is_alive(status) is True and not live_elsewhere(status)
+    elsewhere = {**status, "host": f"{HOST}-other"}
+    assert is_alive(elsewhere) is None and not live_elsewhere(elsewhere)
+    assert describe(elsewhere) == (f"running according to status.json (pid {os.getpid()} on {HOST}-other; "
+                                   f"this is {HOST}: cannot check whether it is alive)")
+    status_file.write("failed", error="model.path: no config.json")
+    assert describe(read_status(tmp_path)) == "failed: model.path: no config.json"
+    for garbage in ('{"status": ', '{"pid": 1}'):
+        (tmp_path / "status.json").write_text(garbage)
+        assert describe(read_status(tmp_path)).startswith("status.json unreadable (")
+
+
+def test_stop_records_the_first_signal_aborts_at_the_second_and_restores_the_handlers():
+    from relax.errors import Interrupted
+    from relax.process import Stop
+
+    before = {s: signal.getsignal(s) for s in Stop.SIGNALS}
+    with Stop() as stop:
+        stop.check("after rollout 2")  # no signal yet
+        signal.raise_signal(signal.SIGTERM)
+        assert stop.requested
+        try:
+            stop.check("after rollout 3")
+        except Interrupted as e:
+            assert "stopped by SIGTERM after rollout 3" in str(e)
+        else:
+            raise AssertionError("no Interrupted after SIGTERM")
+        try:
+            signal.raise_signal(signal.SIGINT)
+        except KeyboardInterrupt:
+            pass
+        else:
+            raise AssertionError("a second signal did not abort")
+    assert {s: signal.getsignal(s) for s in Stop.SIGNALS} == before
+
+
+def test_log_guard_puts_back_handlers_level_and_relax_loggers_without_truncating_the_log(tmp_path):
+    """What an engine like SGLang's does to logging (closes and replaces the root handlers,
+    raises the level, disables existing loggers) is undone; the reopened log keeps its lines."""
+    import logging
+
+    from relax.process import LogGuard
+
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    handler = logging.FileHandler(tmp_path / "relax.log")
+    try:
+        root.handlers[:] = [handler]
+        root.setLevel(logging.INFO)
+        early = logging.getLogger("relax.guard_test")
+        guard = LogGuard()
+        later = logging.getLogger("relax.guard_test_later")
+        early.info("before")
+        handler.close()  # the library's basicConfig(force=True) and dictConfig
+        root.handlers[:] = [logging.NullHandler()]
+        root.setLevel(logging.ERROR)
+        early.disabled = later.disabled = True
+        guard.restore()
+        early.info("after")
+        later.info("from a logger made after the guard")
+        handler.flush()
+        assert (tmp_path / "relax.log").read_text() == "before\nafter\nfrom a logger made after the guard\n"
+    finally:
+        handler.close()
+        root.handlers[:], _ = saved
+        root.setLevel(saved[1])
+
+
+def test_proc_stat_reads_a_process_whose_name_holds_spaces_and_parentheses():
+    """/proc/<pid>/stat's second field is the process name in parentheses, which may itself hold
+    spaces and ')': the fields after it are found from the last ')'."""
+    from relax.process import proc_stat
+
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        Path("/proc/self/comm").write_text("a b) c")
+        os.write(ready_w, b"x")
+        time.sleep(60)
+        os._exit(0)
+    try:
+        os.read(ready_r, 1)
+        assert Path(f"/proc/{pid}/comm").read_text().strip() == "a b) c"
+        state, ppid, started = proc_stat(pid)
+        assert state in ("R", "S") and ppid == os.getpid() and started >= proc_stat(os.getpid())[2]
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(ready_r)
+        os.close(ready_w)
