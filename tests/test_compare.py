@@ -6,12 +6,14 @@ at step 0; NaN is always DIVERGED."""
 
 import json
 import math
+import os
 
 import pytest
 
 from relax.debug.compare import (
     Job, Tolerances, envelope, find_twin, judge, main, noise_model, pick_baseline,
 )
+from relax.debug.jobs import find_jobs
 from relax.errors import ConfigError
 
 from .conftest import relax_cli, run_loop
@@ -384,3 +386,32 @@ def test_the_baseline_is_a_completed_job_with_training_steps():
         pick_baseline([rollout_only, failed], None)
     judge(rollout_only, dp2, Tolerances())
     assert rollout_only.verdict == "FAILED" and "no training steps" in rollout_only.reasons[0]
+
+
+def test_jobs_are_read_from_their_run_dirs_in_launch_order(tmp_path):
+    """find_jobs/load_job on hand-written run dirs: the twin's noise_ulp from its config, the mean
+    step time and the peak memory over the steps that logged them, no error for a completed job,
+    a failed one's error, and a multirun dir's jobs in launch order (not by name)."""
+    def run_dir(name, launched, status, perf, noise_ulp=0):
+        path = tmp_path / "multi" / name
+        (path / ".hydra").mkdir(parents=True)
+        (path / ".hydra" / "config.yaml").write_text(
+            f"train: {{_target_: T}}\nparallel: {{name: {name}, noise_ulp: {noise_ulp}}}\n")
+        (path / "status.json").write_text(json.dumps(status))
+        (path / "metrics.jsonl").write_text("".join(
+            json.dumps({"rollout_id": i, "step": i, "train/loss": 0.5, "train/grad_norm": 1.0, **p}) + "\n"
+            for i, p in enumerate(perf)))
+        os.utime(path / ".hydra", (launched, launched))
+
+    run_dir("twin", 100, {"status": "completed"}, [{}], noise_ulp=1)
+    run_dir("single", 200, {"status": "completed"},
+            [{"perf/step_time": 1.0, "perf/peak_memory_mb": 500.0},
+             {"perf/step_time": 3.0, "perf/peak_memory_mb": 300.0}, {"perf/step_time": None}])
+    run_dir("dp2", 300, {"status": "failed", "error": "boom"}, [])
+    twin, single, dp2 = find_jobs([tmp_path / "multi"])
+    assert [j.name for j in (twin, single, dp2)] == ["twin", "single", "dp2"]
+    assert (twin.noise_ulp, single.noise_ulp, twin.backend, single.layout) == (1, 0, "T", "single")
+    assert (single.step_time, single.peak_memory_mb) == (2.0, 500.0)
+    assert (twin.step_time, twin.peak_memory_mb) == (None, None)  # a trainer that logs no perf/*
+    assert (single.status, single.error, dp2.error) == ("completed", None, "failed: boom")
+    assert pick_baseline([twin, single, dp2], None) is single
