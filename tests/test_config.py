@@ -280,3 +280,35 @@ def test_colocate_with_the_torch_engine_is_refused_at_start_up():
     with pytest.raises(ConfigError, match=r"rollout.colocate=true: relax.rollout.torch_engine.TorchEngine "
                                           r"cannot release its memory .* rollout=torch runs on CPU"):
         resolve(make_cfg("rollout.colocate=true"))
+
+
+def test_a_sweep_job_is_named_by_the_overrides_that_vary(monkeypatch):
+    """hydra.sweep.subdir: the swept overrides only (`+key` ones too), read from the command line
+    relax.cli records in RELAX_ARGV (a Ray launcher's job has another sys.argv); without a sweep
+    every override; never a `/` in it."""
+    from relax.cli import translate_args
+    from relax.config import sweep_subdir
+
+    load = "debug.load_rollout_data='/x/{rollout_id}.pt'"  # as translate_args quotes it
+    task = ["debug=train_only", load, "parallel=tp2", "+algo.k=1"]
+    monkeypatch.setattr("sys.argv", ["relax", "-m", "parallel=single", "algo.eps_clip=0.3,0.4"])
+    monkeypatch.setenv("RELAX_ARGV", json.dumps(translate_args(
+        ["-m", "debug=train_only", "debug.load_rollout_data=/x/{rollout_id}.pt", "parallel=single,tp2",
+         "+algo.k=1,2"])))
+    assert sweep_subdir(task) == "parallel=tp2,+algo.k=1"
+    monkeypatch.setenv("RELAX_ARGV", json.dumps(task[:2]))  # no sweep: every override
+    assert sweep_subdir(task[:2]) == "debug=train_only,debug.load_rollout_data='_x_{rollout_id}.pt'"
+    assert sweep_subdir([]) == "default"
+
+
+def test_each_later_job_in_a_run_dir_keeps_its_config_in_its_own_restart_dir(tmp_path):
+    """hydra.output_subdir: .hydra for the first job, then .hydra/restart_1, restart_2, ...: a resume
+    into the same dir never overwrites the config a run was started with."""
+    from relax.config import output_subdir
+
+    assert output_subdir(str(tmp_path)) == ".hydra"
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "config.yaml").write_text("{}")
+    assert output_subdir(str(tmp_path)) == ".hydra/restart_1"
+    (tmp_path / ".hydra" / "restart_1").mkdir()
+    assert output_subdir(str(tmp_path)) == ".hydra/restart_2"
