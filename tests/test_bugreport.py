@@ -196,6 +196,50 @@ def test_a_run_without_hydra_saved_elsewhere_and_with_layers(tmp_path, tiny_path
         "rollout.num_rollout=1")
 
 
+def test_a_crashed_resumed_run_keeps_every_config_log_and_the_layer_dump_it_names(tmp_path, monkeypatch):
+    """A run dir written by hand, as a crashed multi-process run resumed in its own dir leaves one:
+    every .hydra/restart_<n> config and every process's log are taken, the layer dump built.json
+    names outside the run (not a link in it), one non-finite dump of several; a password's value is
+    redacted wherever it occurs (logs, JSONL), a secret-looking variable named with --env is not; the doctor's
+    own refusal is recorded; a config value only Hydra resolves is no path looked at."""
+    run, layers = tmp_path / "run", tmp_path / "elsewhere" / "layers"
+    for folder in (run / ".hydra" / "restart_1", run / "nonfinite", layers):
+        folder.mkdir(parents=True)
+    (run / ".hydra" / "config.yaml").write_text("debug: {dump_details: '${hydra:runtime.output_dir}/d'}\n")
+    (run / ".hydra" / "restart_1" / "config.yaml").write_text("resume: true\n")
+    (run / "status.json").write_text(json.dumps({"status": "failed", "error": "boom"}))
+    (run / "built.json").write_text(json.dumps({"dump_layers": str(layers)}))
+    monkeypatch.setenv("DB_PASSWORD", "hunter2-hunter2")
+    monkeypatch.setenv("RELAX_SHOWN_TOKEN", "shown-token-42")
+    for name in ("relax.log", "rank1.log", "engine0.log"):
+        (run / name).write_text(f"{name}: hunter2-hunter2, hunter2-hunter2, shown-token-42\n")
+    (run / "samples.jsonl").write_text('{"response": "hunter2-hunter2"}\n')
+    for name in ("0_mb0.pt", "0_mb1.pt"):
+        (run / "nonfinite" / name).write_bytes(b"groups")
+    (layers / "0_train.pt").write_bytes(b"layer tensors")
+    (tmp_path / "outside.txt").write_text("a file elsewhere on the machine")
+    (layers / "link.pt").symlink_to(tmp_path / "outside.txt")
+    code, _, err = bugreport(run, "--env", "RELAX_SHOWN_TOKEN")
+    assert code == 0, err
+    files = members(run / "bugreport-run.tar.gz")
+    assert set(files) == {".hydra/config.yaml", ".hydra/restart_1/config.yaml", "status.json", "built.json",
+                          "samples.jsonl", "relax.log", "rank1.log", "engine0.log", "nonfinite/0_mb0.pt",
+                          "layers/0_train.pt", "doctor.txt", "system.json", "environment.json",
+                          "MANIFEST.json"}
+    assert files["rank1.log"] == (b"rank1.log: <redacted $DB_PASSWORD>, <redacted $DB_PASSWORD>, "
+                                  b"shown-token-42\n")
+    assert files["samples.jsonl"] == b'{"response": "<redacted $DB_PASSWORD>"}\n'
+    manifest = json.loads(files["MANIFEST.json"])
+    assert manifest["replay"] is None
+    parts = [m["part"] for m in manifest["not_found"]]
+    assert parts == [".hydra/overrides.yaml", "metrics.jsonl", "rollout_data"]
+    assert manifest["not_found"][-1]["why"] == ("no replay data: the run saved none (debug=dump or "
+                                                "debug.save_rollout_data saves it); looked at "
+                                                f"{run}/rollout_data/{{rollout_id}}.pt")
+    doctor, report = manifest["doctor"], files["doctor.txt"].decode()
+    assert doctor["exit_code"] == 2 and doctor["error"] == report.strip().splitlines()[-1]
+
+
 def test_bad_inputs_exit_2_with_one_clear_line(run, tmp_path):
     multirun = tmp_path / "multi"
     shutil.copytree(run / ".hydra", multirun / "parallel=tp2" / ".hydra")
