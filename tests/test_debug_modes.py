@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from relax.debug.plan import resolve
+from relax.debug.plan import check_dump_dir, resolve
 from relax.errors import ConfigError, ReplayError
 from relax.files import atomic_save, safe_load
 from relax.replay import discover_rollout_ids, load_rollout, save_rollout, subsample_groups
@@ -178,6 +178,66 @@ def test_load_rollout_data_turns_on_train_only(dumped):
     dump, _, _ = dumped
     plan = resolve(make_cfg(f"debug.load_rollout_data={dump}/rollout_data/{{rollout_id}}.pt"))
     assert plan.mode == "train_only" and not plan.builds_rollout and plan.rollout_ids == [0, 1, 2]
+
+
+def test_a_replay_uses_its_files_from_the_start_rollout_to_num_rollout_without_a_hole(tmp_path):
+    """The replayed rollout ids: those of start_rollout_id..num_rollout-1 that have a file, with
+    no hole from the start (a resumed replay's too); a hole is refused naming where to stop."""
+    def replay(*ids):
+        folder = tmp_path / "-".join(map(str, ids))
+        for i in ids:
+            (folder / f"{i}.pt").parent.mkdir(exist_ok=True)
+            (folder / f"{i}.pt").write_bytes(b"")  # found by name: read later, with the run's manifest
+        return f"debug.load_rollout_data={folder}/{{rollout_id}}.pt"
+
+    cfg = make_cfg(replay(0, 1, 2, 3, 4), "rollout.num_rollout=3", "debug.load_rollout_data_subsample=1")
+    assert resolve(cfg).rollout_ids == [0, 1, 2] and resolve(cfg, start_rollout_id=1).rollout_ids == [1, 2]
+    with pytest.raises(ConfigError, match=r"no file for rollout id\(s\) \[2\] between 0 and 4; restore them, "
+                                          r"or set rollout.num_rollout=2 to stop before the gap"):
+        resolve(make_cfg(replay(0, 1, 3, 4), "rollout.num_rollout=5"))
+    with pytest.raises(ConfigError, match=r"no file for rollout id\(s\) \[2\] between 2 and 4"):
+        resolve(make_cfg(replay(0, 3, 4), "rollout.num_rollout=5"), start_rollout_id=2)
+
+
+def test_dump_and_profile_rollouts_and_samples_resolve_or_are_refused(tmp_path, monkeypatch):
+    """debug.dump_layers_rollouts (default: the run's first, a resumed run's first too, sorted and
+    distinct), debug.profile_rollouts (default: the second), sample indices below
+    the samples per rollout and distinct; `~` in a template is the home dir; a save template
+    without {rollout_id} for two rollouts is refused."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    small = ["rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=2",
+             f"debug.dump_layers={tmp_path}/l"]
+    cfg = make_cfg(*small, "rollout.num_rollout=3", "debug.save_rollout_data=~/s/{rollout_id}.pt",
+                   "debug.profile_dir='~/p'")
+    plan = resolve(cfg)
+    assert (plan.dump_layers_rollouts, plan.profile_rollouts) == ([0], [1])
+    assert (plan.save_rollout_data, plan.profile_dir) == (f"{tmp_path}/s/{{rollout_id}}.pt", f"{tmp_path}/p")
+    assert plan.built(cfg)["dump_layers"] == f"{tmp_path}/l"  # built.json: where bugreport looks
+    assert resolve(cfg, start_rollout_id=2).dump_layers_rollouts == [2]  # a resumed run's first
+    plan = resolve(make_cfg(*small, "rollout.num_rollout=3", "debug.dump_layers_rollouts=[2,0,2]"))
+    assert plan.dump_layers_rollouts == [0, 2]
+    for override, message in [
+            ("debug.dump_layers_samples=[0,4]", r"\[4\] beyond the 4 samples per rollout"),
+            ("debug.dump_layers_samples=[1,1]", "expected distinct sample indices"),
+            ("debug.save_rollout_data=/x/data.pt", r"has no \{rollout_id\} but 2 rollouts")]:
+        with pytest.raises(ConfigError, match=message):
+            resolve(make_cfg(*small, "rollout.num_rollout=2", override))
+
+
+def test_a_dump_dir_holding_another_runs_files_is_refused_unless_resumed_from_it(tmp_path):
+    """Any part of a dump (layers/ too) marks it taken; only the run that wrote it (its built.json
+    names it) continues into it."""
+    dump, run = tmp_path / "dump", tmp_path / "run"
+    (dump / "layers").mkdir(parents=True)
+    run.mkdir()
+    check_dump_dir(tmp_path / "new", None)
+    with pytest.raises(ConfigError, match=r"already holds a dump \(layers\)"):
+        check_dump_dir(dump, None)
+    (run / "built.json").write_text(json.dumps({"dump_dir": str(tmp_path / "other")}))
+    with pytest.raises(ConfigError, match="already holds a dump"):
+        check_dump_dir(dump, run)  # a resumed run whose dump was another
+    (run / "built.json").write_text(json.dumps({"dump_dir": str(dump)}))
+    check_dump_dir(dump, run)
 
 
 # -- replay data ------------------------------------------------------------------------------
