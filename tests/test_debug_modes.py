@@ -1,5 +1,6 @@
 """The debugging guide's workflows: rollout-only, train-only replay, detail dumps, inspect."""
 
+import io
 import json
 import os
 import shutil
@@ -535,3 +536,45 @@ def test_inspect_terminal_and_json(dumped):
         assert needle in text.stdout, needle
     missing = run("--rollout", "9")
     assert missing.returncode == 2 and "no rollout 9" in missing.stderr
+
+
+def test_inspect_summarizes_and_joins_by_hand(tmp_path):
+    """inspect() on hand-written files: rollout ids of any digits, per-rollout numbers over the
+    model's tokens only (a tool's token, loss_mask 0, is counted as masked), the trained samples
+    joined by index with their largest |Δ|, the untrained listed, and the rendered token table
+    giving each trained token its own train log-prob."""
+    from rich.console import Console
+
+    from relax.debug.inspect import inspect, render
+
+    tool = Sample(0, 0, "p", [5, 6, 7, 8, 9], 3, reward=1.0, loss_mask=[1, 0, 1],
+                  rollout_log_probs=[-1.0, -9.0, -3.0], status="truncated")
+    aborted = Sample(1, 0, "p", [5, 6, 7], 1, reward=0.0, loss_mask=[1], rollout_log_probs=[-2.0],
+                     status="aborted")
+    save_rollout(tmp_path / "rollout_data" / "0.pt", 0, [tool, aborted], {})
+    save_rollout(tmp_path / "rollout_data" / "10.pt", 10, _rollout(1, 2), {})
+    row = {"index": 0, "reward": 1.0, "advantage": 0.7, "log_probs": [-1.0, -3.5],
+           "ref_log_probs": [-1.0, -3.0], "rollout_log_probs": [-1.0, -3.0]}
+    atomic_save({"rank": 0, "dp_rank": 0, "samples": [row]}, tmp_path / "train_data" / "0_0.pt")
+    report = inspect(tmp_path, None, 0, worst=0)
+    assert [r["rollout_id"] for r in report["rollouts"]] == [0, 10]
+    assert report["rollouts"][0] == {
+        "rollout_id": 0, "samples": 2, "mean_reward": 0.5, "mean_response_len": 2.0, "max_response_len": 3,
+        "truncation_rate": 0.5, "mean_rollout_log_prob": -2.0, "masked_tokens": 1}
+    join = report["train_join"]
+    assert report["sample"]["rollout_id"] == 0 and report["sample"]["train"]["advantage"] == 0.7
+    assert (join["trained_samples"], join["untrained_samples"], join["ranks"]) == (1, [1], [0])
+    assert join["per_sample"][0]["max_abs_diff_vs_rollout"] == 0.5  # the last token's, not the first's
+    out = io.StringIO()
+    render(report, Console(file=out, width=200))
+    assert "-3.500000" in out.getvalue()  # the third response token: the second trained one
+    with pytest.raises(ReplayError, match=r"no rollout 5 \(have 0\.\.10\)"):
+        inspect(tmp_path, 5, 0, worst=0)
+    with pytest.raises(ReplayError, match="rollout 0 has samples 0..1"):
+        inspect(tmp_path, 0, -1, worst=0)
+    row["log_probs"] = [-1.0, -3.5, -4.0]  # 3 trained tokens for a sample with 2
+    atomic_save({"rank": 0, "dp_rank": 0, "samples": [{**row, "ref_log_probs": [0.0] * 3,
+                                                       "rollout_log_probs": [0.0] * 3}]},
+                tmp_path / "train_data" / "0_0.pt")
+    with pytest.raises(ReplayError, match="sample 0 has 3 per-token log_probs, but the rollout file"):
+        inspect(tmp_path, 0, 0, worst=0)
