@@ -10,7 +10,7 @@ import torch
 from relax.debug.checks import Check, Thresholds, diagnose, strict_first_step
 from relax.debug.run_data import RunData, load_run
 from relax.debug.weights import compare_tensors
-from relax.errors import CheckFailed
+from relax.errors import CheckFailed, ReplayError
 from relax.logger import read_metrics
 
 from .conftest import make_cfg, only_run_dir, relax_cli, run_loop
@@ -42,6 +42,56 @@ def test_clean_run_passes_every_check(clean_run):
     assert report["passed"] and [c["stage"] for c in report["checks"]][:2] == ["load", "sync"]
     assert len(report["checks"]) == 2 + 6  # load, first sync, then one per rollout
     assert report["checks"][1]["compared"] == 28  # 27 parameters + the rotary inv_freq buffer
+
+
+def test_load_run_reads_a_copied_resumed_dump_by_hand(tmp_path, tiny_path):
+    """load_run on a dump dir written by hand: a resumed run's (its first rollout is 3), copied
+    (built.json still names the original's dump); the keys from its config.yaml, the learning rate
+    its first step logged, the samples per rollout (samples.jsonl's count where it is one), the
+    train data of its first rollout from every rank, and the vocabulary from the model's config."""
+    from relax.debug.run_data import samples_of, train_rows
+    from relax.replay import save_rollout
+    from relax.sample import Sample
+
+    run, model = tmp_path / "dump", tmp_path / "model"
+    (run / "train_data").mkdir(parents=True)
+    model.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (model / name).write_bytes((tiny_path / name).read_bytes())
+    (model / "config.json").write_text(json.dumps({"vocab_size": 48}))  # 32 tokens, rows padded to 48
+    (run / "config.yaml").write_text(
+        "rollout: {rollout_batch_size: 4, n_samples_per_prompt: 2, top_p: 0.9}\n"
+        "train: {_target_: T, num_steps_per_rollout: 2}\nalgo: {use_rollout_log_probs: true}\n")
+    built = {"dump_dir": str(tmp_path / "original"), "model_path": str(model)}
+    (run / "built.json").write_text(json.dumps(built))
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
+        {"rollout_id": 3, "rollout/raw_reward": 0.5},
+        {"rollout_id": 3, "step": 0, "train/loss": 0.1, "train/grad_norm": 1.0, "train/lr": 0.01}]))
+    (run / "samples.jsonl").write_text(json.dumps({"rollout_id": 3, "num_samples": 0, "prompt": "a"}) + "\n"
+                                       + json.dumps({"rollout_id": 4, "num_samples": 6}) + "\n")
+    (run / "weight_check.json").write_text(json.dumps({"passed": True}))
+    save_rollout(run / "rollout_data" / "3.pt", 3, [Sample(0, 0, "first prompt", [1, 2], 1, loss_mask=[1],
+                                                           rollout_log_probs=[-0.5])], {})
+    row = {"reward": 1.0, "advantage": 0.5, "log_probs": [-0.5], "ref_log_probs": [-0.5],
+           "rollout_log_probs": [-0.5], "loss_mask": [1]}
+    for rank in (0, 1):
+        torch.save({"samples": [{"index": rank, **row}]}, run / "train_data" / f"3_{rank}.pt")
+    torch.save({"samples": [{"index": 9, **row}]}, run / "train_data" / "0_0.pt")  # not this run's first
+
+    loaded = load_run(run)
+    assert (loaded.backend, loaded.num_steps_per_rollout, loaded.use_rollout_log_probs) == ("T", 2, True)
+    assert (loaded.lr, loaded.top_p, loaded.samples_per_rollout, loaded.vocab_size) == (0.01, 0.9, 8, 48)
+    assert (samples_of(loaded, 3), samples_of(loaded, 4)) == (8, 6)  # 0: no count, the config's
+    assert loaded.prompts == ["first prompt"] and loaded.dump_dir == run
+    assert [r["index"] for r in loaded.first_train_data] == [0, 1]
+    assert loaded.weight_check == {"passed": True}
+    torch.save({"samples": [{"index": 0, **row, "loss_mask": [1, 1, 0]}]}, tmp_path / "cut.pt")
+    with pytest.raises(ReplayError, match=r"cut.pt: sample 0: per-token lists of different lengths "
+                                          r"\(log_probs 1, .*trained tokens \(loss_mask\) 2\)"):
+        train_rows(tmp_path / "cut.pt")
+    (run / "config.yaml").write_text("train: {num_steps_per_rollout: two}\n")
+    with pytest.raises(ReplayError, match="config.yaml: train.num_steps_per_rollout is not an integer"):
+        load_run(run)
 
 
 def test_doctor_cli_report_plots_and_exit_code(clean_run):
