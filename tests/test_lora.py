@@ -218,6 +218,47 @@ def test_bad_lora_settings_exit_2_naming_the_key(tmp_path, fork_cli, args, messa
     assert proc.exitcode == 2 and message in output and "Traceback" not in output, output[-3000:]
 
 
+def test_the_layout_matching_the_tp_plan_and_the_merge_by_hand(tiny_path):
+    """What a checkpoint is tied to (rank, alpha: 2 x rank by default, targets), peft's name rule
+    (a whole dotted part), the TP plan of wrapped projections (colwise: B sharded, rowwise: A), a
+    tied lm_head refused, and the merge: W + scaling x B @ A in W's dtype, the adapters dropped."""
+    from types import SimpleNamespace
+
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from relax.model import read_hf_config
+    from relax.train.lora import Adapters, check_targets, layout, matches, tp_plan
+
+    lora = make_cfg(*LORA).train.lora
+    assert layout(lora) == {"rank": 8, "alpha": 16.0, "target_modules": None}
+    assert layout(make_cfg().train.lora) is None
+    assert matches("model.layers.0.self_attn.q_proj", "q_proj") and matches("lm_head", "lm_head")
+    assert not matches("model.layers.0.self_attn.q_proj", "proj")
+    with pytest.raises(ConfigError, match="lm_head shares its weight with the embedding"):
+        check_targets(make_cfg(*LORA, "train.lora.target_modules=[lm_head]").train.lora,
+                      {**read_hf_config(tiny_path), "tie_word_embeddings": True})
+
+    layer = torch.nn.Module()
+    layer.attn = torch.nn.Module()
+    layer.attn.k_proj = torch.nn.Linear(2, 2)  # not adapted
+    for name in ("q_proj", "o_proj"):
+        setattr(layer.attn, name, torch.nn.Module())
+        getattr(layer.attn, name).base_layer = torch.nn.Linear(2, 2)
+    col, row = ColwiseParallel(), RowwiseParallel()
+    assert tp_plan(layer, {"attn.q_proj": col, "attn.k_proj": col, "attn.o_proj": row}) == {
+        "attn.q_proj.base_layer": col, "attn.q_proj.lora_B.default": col, "attn.k_proj": col,
+        "attn.o_proj.base_layer": row, "attn.o_proj.lora_A.default": row}
+
+    adapters = Adapters.__new__(Adapters)  # the merge reads each adapted layer's scaling only
+    adapters.layers = {"p": SimpleNamespace(scaling={"default": 2.0})}
+    w = torch.ones(3, 2, dtype=torch.bfloat16)
+    a, b = torch.tensor([[1.0, 2.0]]), torch.tensor([[1.0], [0.0], [3.0]])
+    merged = adapters.merge({"p.base_layer.weight": w, "p.lora_A.default.weight": a,
+                             "p.lora_B.default.weight": b, "norm.weight": torch.zeros(2)})
+    assert merged.keys() == {"p.weight", "norm.weight"} and merged["p.weight"].dtype == torch.bfloat16
+    assert merged["p.weight"].tolist() == [[3.0, 5.0], [1.0, 1.0], [7.0, 13.0]]
+
+
 def test_an_adapter_peft_puts_on_fused_experts_is_refused(family_model):
     """Qwen3-MoE with a dense layer 0: its MLP names are linear layers there, and peft takes them for
     the MoE layers' fused experts too (3-D parameters, transformers 5's layout), which no merge here
