@@ -2,6 +2,7 @@
 driver trains on rollout k, one policy step behind; resume trains every rollout once; dumps
 replay exactly; the settings where nothing can overlap are refused before anything starts."""
 
+import asyncio
 import json
 import os
 import time
@@ -11,6 +12,7 @@ import pytest
 
 from relax.errors import ConfigError, RolloutError
 from relax.files import safe_load
+from relax.rollout.generate import single_turn
 from relax.train.torch_trainer import TorchTrainer
 
 from .conftest import make_cfg, only_run_dir, relax_cli, run_loop
@@ -21,6 +23,13 @@ ASYNC = ["train.async=true", "rollout.rollout_batch_size=16"]
 def cpu_ns(pid: int) -> int:
     """CPU time of a process's main thread, in nanoseconds (the scheduler's own count)."""
     return int(Path(f"/proc/{pid}/schedstat").read_text().split()[0])
+
+
+async def late_generate(client, prompt, sampling_params):
+    """single_turn, 0.2 s late: a rollout cannot be finished before the driver, on a loaded
+    machine, starts training on the one before."""
+    await asyncio.sleep(0.2)
+    return await single_turn(client, prompt, sampling_params)
 
 
 def test_generation_runs_in_the_engine_process_while_the_driver_trains(tmp_path, monkeypatch):
@@ -36,7 +45,8 @@ def test_generation_runs_in_the_engine_process_while_the_driver_trains(tmp_path,
         during.append((pid, cpu_ns(pid) - before))
         return out
     monkeypatch.setattr(TorchTrainer, "train", timed_train)
-    rollouts, steps = run_loop(tmp_path, *ASYNC, "rollout.num_rollout=4", "checkpoint.save_interval=null")
+    rollouts, steps = run_loop(tmp_path, *ASYNC, "rollout.num_rollout=4", "checkpoint.save_interval=null",
+                               "rollout.generate_fn=tests.test_async.late_generate")
     assert all(pid != os.getpid() for pid, _ in during)
     # rollouts 1..3 were generated during the training of 0..2 (a generation of 128 samples takes
     # ~10 ms of CPU); nothing is left to make during the last
@@ -47,8 +57,6 @@ def test_generation_runs_in_the_engine_process_while_the_driver_trains(tmp_path,
 
 async def pid_generate(client, prompt, sampling_params):
     """single_turn, recording the process that ran it."""
-    from relax.rollout.generate import single_turn
-
     sample = await single_turn(client, prompt, sampling_params)
     sample.metadata["pid"] = os.getpid()
     return sample
