@@ -124,6 +124,14 @@ def test_metrics_are_appended_to_the_restored_history_and_readable_before_close(
     (tmp_path / "metrics.jsonl").write_text(json.dumps(bad) + "\n" + json.dumps(step) + "\n")
     with pytest.raises(ReplayError, match=r"metrics.jsonl: not a metrics record \(an integer rollout_id"):
         read_metrics(tmp_path)
+    # what readers (doctor, compare, the plot) index without a check: a rollout's raw reward, a
+    # step's loss and grad_norm, as numbers
+    for bad, keys in (({"rollout_id": 0}, "rollout/raw_reward"),
+                      ({**step, "train/grad_norm": None}, "train/loss, train/grad_norm"),
+                      ({k: v for k, v in step.items() if k != "train/loss"}, "train/loss, train/grad_norm")):
+        (tmp_path / "metrics.jsonl").write_text(json.dumps(restored) + "\n" + json.dumps(bad) + "\n")
+        with pytest.raises(ReplayError, match=f"numbers for {keys}\\): "):
+            read_metrics(tmp_path)
 
 
 def test_a_backend_whose_library_is_missing_is_refused_naming_the_extra(monkeypatch):
