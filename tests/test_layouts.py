@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -108,6 +109,33 @@ def test_a_tp_that_splits_a_head_is_refused_before_any_rank_starts(tmp_path):
     assert message in proc.stdout + proc.stderr
     run = only_run_dir(tmp_path)
     assert not list(run.glob("rank*.log")) and not (run / "built.json").exists()  # nothing was built
+
+
+HF = {"num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 8}
+
+
+@pytest.mark.parametrize("overrides,hf,message", [
+    (["parallel=pp2"], HF, "pp=2 is not supported by train=torch"),
+    (["parallel=cp2"], HF, "cp=2 is not supported by train=torch"),
+    (["parallel=ep2"], HF, "ep=2 is not supported by train=torch"),
+    (["parallel=single", "parallel.vpp=2"], HF, "vpp=2 is not supported by train=torch"),
+    (["parallel=tp2sp"], HF, "sequence_parallel needs train=megatron"),
+    (["parallel=dp2tp2", "parallel.fsdp=false"], HF, "runs as 2-D FSDP x TP; set parallel.fsdp=true"),
+    (["parallel=tp3"], HF, "tp=3 must divide the model's num_attention_heads=4, num_key_value_heads=2, "
+                           "intermediate_size=8 "),
+    (["parallel=tp2"], {**HF, "num_key_value_heads": 1},
+     "tp=2 must divide the model's num_key_value_heads=1 ("),
+    (["parallel=tp2"], {**HF, "intermediate_size": 9}, "tp=2 must divide the model's intermediate_size=9 ("),
+])
+def test_layouts_train_torch_cannot_run_are_refused_naming_the_cause(overrides, hf, message):
+    """Each refusal of check_torch_layout, with the counts that do not split (by name): a
+    layout it let through would start ranks that fail or train a different model."""
+    from relax.errors import ConfigError
+    from relax.train.parallel import check_torch_layout
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_torch_layout(make_cfg(*overrides).parallel, hf)
+    check_torch_layout(make_cfg("parallel=dp2tp2").parallel, HF)  # what it can run passes
 
 
 def test_compare_two_run_dirs_and_its_tolerances(tmp_path, replay_dir):
