@@ -122,3 +122,19 @@ def test_clip_grad_norm_lets_no_nan_through():
     p.grad = torch.tensor([1.0, float("nan"), 2.0])
     assert math.isnan(clip_grad_norm([p], 1.0))
     assert p.grad[0].item() == 1.0 and p.grad[2].item() == 2.0  # untouched: the caller skips the step
+
+
+def test_clip_grad_norm_scales_every_grad_to_max_norm_and_returns_the_norm_before():
+    """The global norm is over all grads together, and clipping scales them all by
+    max_norm / norm; a norm under max_norm (or max_norm 0, or not finite) leaves them as they are."""
+    from relax.train.parallel import clip_grad_norm
+
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(1))
+    a.grad, b.grad = torch.tensor([3.0, 0.0]), torch.tensor([4.0])
+    assert clip_grad_norm([a, b], 1.0) == pytest.approx(5.0)
+    assert torch.allclose(a.grad, torch.tensor([0.6, 0.0]), atol=1e-6) and b.grad.item() == pytest.approx(0.8)
+    a.grad, b.grad = torch.tensor([3.0, 0.0]), torch.tensor([4.0])
+    assert clip_grad_norm([a, b], 10.0) == pytest.approx(5.0) and a.grad[0].item() == 3.0
+    assert clip_grad_norm([a, b], 0.0) == pytest.approx(5.0) and b.grad.item() == 4.0
+    b.grad = torch.tensor([float("inf")])  # an infinite norm clips nothing either: the step is skipped
+    assert clip_grad_norm([a, b], 1.0) == float("inf") and a.grad[0].item() == 3.0
