@@ -4,6 +4,7 @@ import json
 import shutil
 
 import pytest
+import torch
 from tokenizers import Tokenizer
 
 from relax.errors import ConfigError
@@ -51,6 +52,15 @@ def test_a_non_default_recipe_is_built_here(tmp_path):
     assert tiny.sha256(path / "model.safetensors") != tiny.SHIPPED_SHA256
 
 
+def test_the_recipe_code_builds_the_shipped_config():
+    """build_config is what builds every non-default recipe and what start-up checks read before
+    one is built (tiny_config): for the default recipe it must give the shipped config.json."""
+    got = tiny.build_config(make_cfg().model.tiny, tiny.build_tokenizer()).to_dict()
+    shipped = json.loads((tiny.SHIPPED / "config.json").read_text())
+    assert {k: got[k] for k in shipped if k not in ("architectures", "dtype")} == \
+        {k: v for k, v in shipped.items() if k not in ("architectures", "dtype")}
+
+
 def test_saved_tokenizer_loads_back_identically(tiny_path):
     """transformers 5's AutoTokenizer would pick Qwen2Tokenizer and drop the space in
     '= 7'; Relax must tokenize exactly as tokenizer.json says (as SGLang does)."""
@@ -80,6 +90,60 @@ def test_model_fingerprint_tracks_architecture(tiny_path, tmp_path):
     config["hidden_size"] = 128
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert model_fingerprint(tmp_path) != model_fingerprint(tiny_path)
+
+
+@pytest.mark.parametrize("key,value", [
+    ("rope_theta", 1234.0), ("num_key_value_heads", 1), ("tie_word_embeddings", True), ("rms_norm_eps", 1e-5),
+    ("intermediate_size", 7), ("num_experts_per_tok", 3), ("qkv_bias", False), ("moe_intermediate_size", 5),
+    ("shared_expert_intermediate_size", 9), ("rope_scaling", {"type": "linear", "factor": 2.0}),
+])
+def test_model_fingerprint_tracks_each_key_that_changes_what_the_weights_mean(tiny_path, tmp_path, key,
+                                                                              value):
+    """Replay data recorded on one model must not pass as another's: every key that changes
+    the computation (the families' own keys too, where present) changes the fingerprint;
+    a key that does not (the saved dtype) leaves it."""
+    config = json.loads((tiny_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, key: value}))
+    assert model_fingerprint(tmp_path) != model_fingerprint(tiny_path)
+    saved_as = {"dtype": "bfloat16", "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps({**config, **saved_as}))
+    assert model_fingerprint(tmp_path) == model_fingerprint(tiny_path)
+
+
+def test_the_tiny_cache_name_changes_with_the_recipe_and_its_format(monkeypatch):
+    """A recipe change or a FORMAT bump (the build code changed) must not reuse an old cache."""
+    cfg = make_cfg().model
+    name = tiny.tiny_model_dir(cfg)
+    assert tiny.tiny_model_dir(make_cfg("model.tiny.num_layers=3").model) != name
+    monkeypatch.setattr(tiny, "FORMAT", tiny.FORMAT + 1)
+    assert tiny.tiny_model_dir(cfg) != name
+
+
+def test_every_shard_of_a_sharded_checkpoint_is_checked_and_the_broken_one_named(tiny_path, tmp_path):
+    """A truncated second shard must be named at start-up, not deep inside a rank."""
+    from safetensors.torch import save_file
+
+    from relax.model import check_model_dir
+
+    shutil.copy(tiny_path / "config.json", tmp_path / "config.json")
+    save_file({"a": torch.zeros(2)}, tmp_path / "model-00001-of-00002.safetensors")
+    save_file({"b": torch.zeros(64)}, tmp_path / "model-00002-of-00002.safetensors")
+    assert check_model_dir(tmp_path) == tmp_path
+    second = tmp_path / "model-00002-of-00002.safetensors"
+    second.write_bytes(second.read_bytes()[:-100])
+    with pytest.raises(ConfigError, match="model-00002-of-00002.safetensors: corrupt or truncated"):
+        check_model_dir(tmp_path)
+
+
+@pytest.mark.parametrize("value", [None, "4", 4.0])
+def test_a_config_json_whose_required_count_is_not_an_integer_is_refused(tiny_path, tmp_path, value):
+    """Start-up checks divide these counts: a null, a string or a float is refused by name."""
+    from relax.model import read_hf_config
+
+    config = json.loads((tiny_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_attention_heads": value}))
+    with pytest.raises(ConfigError, match="no integer num_attention_heads"):
+        read_hf_config(tmp_path)
 
 
 def test_any_local_hf_dir_via_model_path(tmp_path, tiny_path):
