@@ -1,6 +1,7 @@
 """Free-form answer rewards (relax/task/answers.py), the word-problem task and its held-out
 share, and task.format_reward."""
 
+import json
 import random
 import threading
 
@@ -75,6 +76,7 @@ def test_word_problems_have_exact_labels_and_a_held_out_share_training_never_dra
     (["task.operations=[divide]"], "task.operations=\\['divide'\\]"),
     (["task.operations=[]"], "task.operations=\\[\\]"),
     (["task.min_operand=50", "task.max_operand=10"], "task.min_operand=50 <= task.max_operand=10"),
+    (["task.min_operand=-1"], r"task.min_operand=-1 <= task.max_operand=99 \(>= 0\)"),
 ])
 def test_bad_word_problem_keys_are_named(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -86,6 +88,9 @@ def test_format_reward_adds_to_well_formed_responses_only():
     samples = [Sample(i, 0, "q", [1], 1, response=r, label="9") for i, r in enumerate(["9", "it is 9", "8"])]
     task.score(samples, 3)
     assert [s.reward for s in samples] == [1.1, 1.0, 0.1]
+    padded = [Sample(0, 0, "q", [1], 1, response=" 9\n", label="9")]  # matched once stripped
+    task.score(padded, 1)
+    assert padded[0].reward == pytest.approx(1.1)
     with pytest.raises(ConfigError, match="task.format_reward=0.1 needs task.answer_format"):
         build_task(make_cfg("task=word_problems", "task.format_reward=0.1", "task.answer_format=null"))
 
@@ -98,3 +103,80 @@ def test_eval_on_the_task_needs_a_task_with_held_out_questions(tmp_path):
     cfg = make_cfg("eval.datasets=[task]")
     with pytest.raises(ConfigError, match="eval.datasets entry 'task': task=ArithmeticTask has no held-out"):
         questions("task", cfg, build_task(cfg))
+
+
+def test_one_word_problem_in_ten_is_held_out_and_every_problem_ends_with_the_instruction():
+    """The held-out share is HELD_OUT_BUCKETS' one in ten (eval measures on that share only), and
+    task.instruction closes every problem (a chat model answers with just the number)."""
+    rng = random.Random(0)
+    problem = dict(operations=["add", "sub", "mul"], min_operand=10, max_operand=99, instruction="Say it.")
+    questions = [word_problems.make_problem(rng, **problem)[0] for _ in range(3000)]
+    share = sum(map(word_problems.held_out, questions)) / len(questions)
+    assert 0.08 < share < 0.12, share
+    assert all(q.endswith("? Say it.") for q in questions)
+
+
+def test_arithmetic_labels_are_the_sum_and_operands_cover_the_whole_range():
+    from relax.task.arithmetic import make_problem
+
+    rng = random.Random(0)
+    problems = [make_problem(rng, 1, 3) for _ in range(200)]
+    operands = [tuple(map(int, q[:-1].split("+"))) for q, _ in problems]
+    assert all(int(label) == a + b for (a, b), (_, label) in zip(operands, problems, strict=True))
+    assert {a for a, _ in operands} == {b for _, b in operands} == {1, 2, 3}  # both ends, both operands
+
+
+def test_prompts_depend_on_the_seed_the_rollout_and_the_round_and_end_with_the_assistant_turn(tokenizer):
+    """A rollout's prompts are drawn from (seed, rollout_id, round): the same on a resume, new for
+    the next rollout and for each dynamic-sampling round (else a round redraws the groups it
+    just dropped)."""
+    cfg = make_cfg()
+    task = build_task(cfg)
+
+    def labels(rollout_id, round=0, seed=cfg.seed):
+        task.seed = seed
+        return [p.label for p in task.prompts(rollout_id, 8, tokenizer, round)]
+    assert labels(0) == labels(0)
+    assert len({tuple(labels(0)), tuple(labels(1)), tuple(labels(0, round=1)), tuple(labels(0, seed=7))}) == 4
+    prompt = task.prompts(0, 1, tokenizer)[0]
+    # the chat template, ending where the model takes its turn
+    assert prompt.text.startswith("<|user|>") and prompt.text.endswith("=<|assistant|>")
+    assert prompt.tokens == tokenizer(prompt.text, add_special_tokens=False)["input_ids"]
+
+
+class WordCounter:
+    """A tokenizer stand-in: one token per word."""
+
+    def __call__(self, texts, add_special_tokens):
+        return {"input_ids": [[0] * len(t.split()) for t in texts]}
+
+
+def test_jsonl_task_draws_every_row_with_its_metadata_and_refuses_a_boolean_label(tmp_path):
+    from relax.task import jsonl_record
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"q{i}", "label": i, "metadata": {"row": i}}) + "\n"
+                            for i in range(3)))
+    task = build_task(make_cfg("task=jsonl", f"task.data_path={data}", "task.apply_chat_template=false"))
+    prompts = [p for r in range(20) for p in task.prompts(r, 4, WordCounter())]
+    assert {p.label for p in prompts} == {"0", "1", "2"}  # the last row too
+    assert all(p.metadata == {"row": int(p.label)} and p.text == f"q{p.label}" for p in prompts)
+    with pytest.raises(ConfigError, match="f.jsonl:3: 'label' must be a string or a number, found True"):
+        jsonl_record({"prompt": "q", "label": True}, "f.jsonl:3")
+
+
+def test_a_prompt_may_fill_exactly_the_positions_max_new_tokens_leaves(tmp_path):
+    """max_position_embeddings=10, max_new_tokens=6: a 4-token prompt fits, a 5-token one is
+    refused naming its line; max_new_tokens=9 leaves 1, 10 leaves none."""
+    data = tmp_path / "data.jsonl"
+
+    def check(words, max_new_tokens):
+        data.write_text(json.dumps({"prompt": " ".join(["w"] * words), "label": ""}) + "\n")
+        task = build_task(make_cfg("task=jsonl", f"task.data_path={data}", "task.apply_chat_template=false"))
+        task.check_prompts(WordCounter(), 10, max_new_tokens)
+        return task.max_prompt_tokens
+    assert check(4, 6) == 4 and check(1, 9) == 1
+    with pytest.raises(ConfigError, match=r"data.jsonl:1: the prompt has 5 tokens, more than the 4 "):
+        check(5, 6)
+    with pytest.raises(ConfigError, match="rollout.max_new_tokens=10 leaves no room"):
+        check(1, 10)
