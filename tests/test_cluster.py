@@ -82,6 +82,64 @@ def test_placement_follows_the_debug_plan():
     assert colocated.bundles == [{"CPU": 1.0, "GPU": 1.0}] * 3  # max(2 ranks, 3 engines), shared
     assert colocated.rank_resources == {"CPU": 0.5, "GPU": 0.5}
     assert colocated.assign([2, 0, 1]) == ([2, 0], [2, 0, 1])
+    # colocated but rollout-only: nothing to share, each engine's bundle is its own, whole
+    engines_only = plan_bundles(make_cfg("parallel=dp2", "cluster=ray", "cluster.num_gpus_per_rank=1",
+                                         "rollout.colocate=true"), False, True, num_engines=3)
+    assert engines_only.bundles == [{"CPU": 1.0}] * 3 and engines_only.roles == ["engine"] * 3
+    assert engines_only.engine_resources == {"CPU": 1.0}
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["cluster.placement_timeout_s=0"], "cluster.placement_timeout_s=0.0: expected > 0"),
+    (["cluster.num_gpus_per_rank=-1"], "cluster.num_gpus_per_rank=-1.0: expected >= 0"),
+    (["cluster.num_gpus_per_engine=1", "rollout.rollout_num_gpus_per_engine=2"],
+     "cluster.num_gpus_per_engine=1.0 but each engine runs on rollout.rollout_num_gpus_per_engine=2"),
+    (["cluster.num_gpus_per_engine=2", "rollout.rollout_num_gpus_per_engine=2", "cluster.num_gpus_per_rank=1",
+      "rollout.colocate=true"], "engines of 2.0 GPUs need rollout.colocate=false"),
+], ids=["timeout_0", "negative", "fewer_gpus_than_tp", "colocated_tp2"])
+def test_cluster_keys_are_refused_at_their_bounds(overrides, message):
+    """check_cluster's bounds, each just past the edge: a zero timeout, -1 GPUs, an engine of
+    fewer GPUs than its TP, a colocated engine wider than the rank's one GPU."""
+    from relax.cluster.placement import check_cluster
+    from relax.errors import ConfigError
+
+    check_cluster(make_cfg("cluster=ray", "cluster.num_gpus_per_rank=1", "cluster.num_gpus_per_engine=1",
+                           "rollout.colocate=true"))  # one GPU each, shared: accepted
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        check_cluster(make_cfg("cluster=ray", *overrides))
+
+
+def test_bundles_are_ordered_by_node_ip_as_a_number_then_by_device(monkeypatch):
+    """order_bundles sorts by node IP (10.0.0.2 before 10.0.0.10: numerically, not as text),
+    not by node id, then by the device each bundle holds (asked from inside it), so rank 0
+    sits on the first node and neighbouring ranks share a node."""
+    require("ray", RAY)
+    import ray
+    import ray.util
+
+    from relax.cluster.placement import order_bundles
+
+    node_of = {0: "b", 1: "b", 2: "a", 3: "b", 4: "b"}
+    gpus = {0: [3], 1: [1, 2], 2: [0], 4: [0]}
+
+    class Probe:  # the GPU ids a probe in bundle i reports
+        def options(self, scheduling_strategy):
+            self.index = scheduling_strategy.placement_group_bundle_index
+            return self
+
+        def remote(self):
+            return gpus[self.index]
+    monkeypatch.setattr(ray, "nodes", lambda: [{"NodeID": "a", "NodeManagerAddress": "10.0.0.10"},
+                                               {"NodeID": "b", "NodeManagerAddress": "10.0.0.2"}])
+    monkeypatch.setattr(ray.util, "placement_group_table", lambda group: {"bundles_to_node_id": node_of})
+    monkeypatch.setattr(ray, "remote", lambda **_: lambda fn: Probe())
+    monkeypatch.setattr(ray, "get", list)
+    bundles = [{"GPU": 1.0}, {"GPU": 2.0}, {"GPU": 1.0}, {"CPU": 1.0}, {"GPU": 1.0}]
+    order, where = order_bundles(object(), bundles)
+    assert order == [3, 4, 1, 0, 2]  # node b (10.0.0.2): cpu, cuda:0, cuda:1,cuda:2, cuda:3; then node a
+    assert [w["device"] for w in where] == ["cuda:3", "cuda:1,cuda:2", "cuda:0", "cpu", "cuda:0"]
+    assert where[2] == {"bundle": 2, "node_id": "a", "node_ip": "10.0.0.10", "device": "cuda:0",
+                        "resources": {"GPU": 1.0}}
 
 
 @pytest.mark.parametrize("override,message", [
