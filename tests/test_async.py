@@ -198,3 +198,32 @@ def test_the_rollout_after_next_starts_at_the_weight_sync_on_its_weights():
     assert rollouts.get(6)[2] == 5 and not rollouts.pending
     rollouts.close()
     assert started == [(3, 3), (4, 3), (5, 4), (6, 5)]
+
+
+def test_wait_and_close_let_the_generation_in_flight_finish():
+    """wait() (before a weight sync) and close() (before the engine shuts down) return only once
+    the prefetched generation has ended, so it never sees weights change or its engine go."""
+    import threading
+
+    from relax.rollout.prefetch import Rollouts
+
+    done, gate, running = [], threading.Event(), threading.Event()
+
+    def make(rollout_id, policy_version):
+        if rollout_id:  # the prefetched ones wait for the gate
+            running.set()
+            gate.wait(5)
+        done.append(rollout_id)
+        return [], {}
+    rollouts = Rollouts(make, [0, 1, 2], prefetch=True)
+    rollouts.get(0)  # made now; starts 1
+    threading.Timer(0.2, gate.set).start()
+    rollouts.wait()
+    assert done == [0, 1]
+    gate.clear()
+    running.clear()
+    rollouts.get(1)  # starts 2
+    assert running.wait(5)  # in flight (close() cancels a generation not yet begun)
+    threading.Timer(0.2, gate.set).start()
+    rollouts.close()
+    assert done == [0, 1, 2] and not rollouts.pending
