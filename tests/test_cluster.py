@@ -189,6 +189,44 @@ def test_samples_do_not_depend_on_the_engine_count(tiny_path, tokenizer):
     assert [s.rollout_log_probs for s in again] == [s.rollout_log_probs for s in one]  # bit-equal
 
 
+class RecordingEngine:
+    """An engine that returns, per prompt, (the seed it was given, the sample it is)."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def generate(self, prompts, sp, seed, first_index=0):
+        self.calls.append((self, len(prompts)))
+        if isinstance(seed, list):
+            return [(s, p) for s, p in zip(seed, prompts, strict=True)]
+        return [(seed, first_index + k) for k in range(len(prompts))]
+
+    def fail(self):
+        raise ValueError("boom")
+
+
+def test_engine_shares_are_contiguous_and_numbered_from_their_first_sample():
+    """EngineGroup.generate over 3 engines: 7 prompts go 2 + 2 + 3 in order, each share told the
+    index of its first sample (an int seed) or given its own seeds (a list); an engine with no
+    prompt is not called; InDriver.map runs the engines it is asked for and names a failing one."""
+    from relax.cluster.engines import EngineGroup, InDriver
+
+    calls = []
+    engines = [RecordingEngine(calls) for _ in range(3)]
+    group = EngineGroup(InDriver(engines, ["cpu"] * 3), make_cfg().rollout)
+    assert group.generate(list(range(7)), None, 5) == [(5, i) for i in range(7)]
+    assert calls == [(engines[0], 2), (engines[1], 2), (engines[2], 3)]
+    seeds = [10 + i for i in range(7)]
+    assert group.generate(list(range(7)), None, seeds) == [(10 + i, i) for i in range(7)]
+    calls.clear()
+    assert group.generate([0, 1], None, 5) == [(5, 0), (5, 1)]
+    assert calls == [(engines[0], 1), (engines[1], 1)]  # 3 engines, 2 prompts: the last idles
+    assert group.hosts.map("generate", [([0], None, 9, 4)], [2]) == [[(9, 4)]] and calls[-1][0] is engines[2]
+    with pytest.raises(ValueError, match="boom") as raised:
+        group.hosts.map("fail", [()], [1])
+    assert any(note.startswith("in rollout engine 1 (in the driver") for note in raised.value.__notes__)
+
+
 @dataclass
 class TaggedSample(Sample):  # a user's Sample with a field of its own
     tag: str = ""
