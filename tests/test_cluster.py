@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import subprocess
 import sys
 import time
@@ -335,6 +336,45 @@ def test_a_process_that_serves_calls_freezes_its_heap_after_collecting_the_garba
         assert gc.get_freeze_count() >= len(kept)
     finally:
         gc.unfreeze()
+
+
+def test_local_ranks_return_rank_0s_result_and_a_failing_rank_stops_the_group_naming_it():
+    """LocalRanks' collect over pipes (no process started): rank 0's result whichever rank answers
+    first; a user error raised as itself with the rank noted, a traceback as a RankError, a pipe
+    closed by a dead rank as "died (exit code N)" naming its log; each one kills the group."""
+    from multiprocessing import Pipe
+
+    from relax.cluster.ranks import LocalRanks, RankError
+    from relax.errors import ConfigError
+
+    class Dead:  # a rank process that exited
+        exitcode = 9
+
+        def join(self, timeout=None):
+            pass
+
+    def ranks(*replies):
+        group, killed = object.__new__(LocalRanks), []
+        pipes = [Pipe() for _ in replies]
+        group.conns, group.procs, group.pids = [a for a, _ in pipes], [Dead()] * len(replies), [100, 101]
+        group.kill = lambda: killed.append(True)
+        for (_, child), reply in reversed(list(zip(pipes, replies, strict=True))):
+            child.send(reply) if reply else child.close()
+        return group, killed
+    group, killed = ranks(("ok", {"loss": 1.0}), ("ok", None))
+    assert group.collect() == {"loss": 1.0} and not group.busy and not killed
+    group, killed = ranks(("ok", None), ("error", ConfigError("bad key")))
+    with pytest.raises(ConfigError, match="bad key") as raised:
+        group.collect()
+    assert raised.value.__notes__ == [f"in trainer rank 1 (node {socket.gethostname()}, pid 101)"] and killed
+    group, killed = ranks(("ok", None), ("error", "Traceback: boom"))
+    with pytest.raises(RankError, match=r"trainer rank 1 \(node .*, pid 101\) failed:\nTraceback: boom"):
+        group.collect()
+    assert killed
+    group, killed = ranks(("ok", None), None)
+    with pytest.raises(RankError, match=r"rank 1 \(.*pid 101\) died \(exit code 9\); see its rank1.log"):
+        group.collect()
+    assert killed
 
 
 # -- Ray: a real two-node cluster on this machine (`two_nodes`, `ray_replay`: conftest.py) ------
