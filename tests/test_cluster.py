@@ -228,6 +228,53 @@ def test_engine_shares_are_contiguous_and_numbered_from_their_first_sample():
     assert any(note.startswith("in rollout engine 1 (in the driver") for note in raised.value.__notes__)
 
 
+class FakeHosts:
+    """Engines in processes of their own, as EngineGroup sees them: what was run, on which."""
+
+    def __init__(self, n, fail=None):
+        self.n, self.calls, self.killed, self.fail = n, [], False, fail
+
+    def __len__(self):
+        return self.n
+
+    def map(self, method, args, engines=None):
+        if self.fail:
+            raise self.fail
+        self.calls.append((method, args))
+        return [None] * len(args)
+
+    def share(self, obj):
+        return ("shared", obj)
+
+    def kill(self):
+        self.killed = True
+
+
+def test_engines_in_processes_get_weights_in_buckets_or_at_once_and_shutdown_survives_a_failure():
+    """Every engine gets every bucket (rollout.weight_update_bucket_mb, in order) or, through
+    rank 0's object-store refs, those refs; disk mode sends all at once. Shutdown after an engine
+    failed still kills the engines and lets the first error be the one raised."""
+    from relax.cluster.engines import EngineGroup
+    from relax.cluster.ranks import RankError
+
+    named = {"a": torch.zeros(2**17), "b": torch.zeros(2**17), "c": torch.zeros(2**18)}  # MiB: 0.5, 0.5, 1
+    hosts = FakeHosts(2)
+    EngineGroup(hosts, make_cfg("rollout.weight_update_bucket_mb=1").rollout).update_weights(named)
+    assert [[list(arg[0][1]) for arg in args] for _, args in hosts.calls] == [[["a", "b"]] * 2, [["c"]] * 2]
+    hosts = FakeHosts(2)
+    EngineGroup(hosts, make_cfg("rollout.weight_update_mode=disk").rollout).update_weights(named)
+    assert [len(args) for _, args in hosts.calls] == [2] and hosts.calls[0][1][0][0][1] is named
+
+    class Stored(dict):  # cluster=ray's StoredWeights: rank 0 put the buckets in the object store
+        refs = ["ref0", "ref1"]
+    hosts = FakeHosts(1)
+    EngineGroup(hosts, make_cfg().rollout).update_weights(Stored(named))
+    assert hosts.calls == [("update_weights", [(("shared", ref),)]) for ref in ("ref0", "ref1")]
+    hosts = FakeHosts(2, fail=RankError("engine 1 died"))
+    EngineGroup(hosts, make_cfg().rollout).shutdown()
+    assert hosts.killed
+
+
 @dataclass
 class TaggedSample(Sample):  # a user's Sample with a field of its own
     tag: str = ""
