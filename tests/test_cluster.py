@@ -112,8 +112,8 @@ def test_cluster_keys_are_refused_at_their_bounds(overrides, message):
 
 def test_bundles_are_ordered_by_node_ip_as_a_number_then_by_device(monkeypatch):
     """order_bundles sorts by node IP (10.0.0.2 before 10.0.0.10: numerically, not as text),
-    not by node id, then by the device each bundle holds (asked from inside it), so rank 0
-    sits on the first node and neighbouring ranks share a node."""
+    not by node id, then by the GPU ids each bundle holds (asked from inside it; cuda:2 before
+    cuda:10, numerically), so rank 0 sits on the first node and neighbouring ranks share a node."""
     require("ray", RAY)
     import ray
     import ray.util
@@ -121,7 +121,7 @@ def test_bundles_are_ordered_by_node_ip_as_a_number_then_by_device(monkeypatch):
     from relax.cluster.placement import order_bundles
 
     node_of = {0: "b", 1: "b", 2: "a", 3: "b", 4: "b"}
-    gpus = {0: [3], 1: [1, 2], 2: [0], 4: [0]}
+    gpus = {0: [10], 1: [2], 2: [0], 4: [0]}
 
     class Probe:  # the GPU ids a probe in bundle i reports
         def options(self, scheduling_strategy):
@@ -135,10 +135,10 @@ def test_bundles_are_ordered_by_node_ip_as_a_number_then_by_device(monkeypatch):
     monkeypatch.setattr(ray.util, "placement_group_table", lambda group: {"bundles_to_node_id": node_of})
     monkeypatch.setattr(ray, "remote", lambda **_: lambda fn: Probe())
     monkeypatch.setattr(ray, "get", list)
-    bundles = [{"GPU": 1.0}, {"GPU": 2.0}, {"GPU": 1.0}, {"CPU": 1.0}, {"GPU": 1.0}]
+    bundles = [{"GPU": 1.0}, {"GPU": 1.0}, {"GPU": 1.0}, {"CPU": 1.0}, {"GPU": 1.0}]
     order, where = order_bundles(object(), bundles)
-    assert order == [3, 4, 1, 0, 2]  # node b (10.0.0.2): cpu, cuda:0, cuda:1,cuda:2, cuda:3; then node a
-    assert [w["device"] for w in where] == ["cuda:3", "cuda:1,cuda:2", "cuda:0", "cpu", "cuda:0"]
+    assert order == [3, 4, 1, 0, 2]  # node b (10.0.0.2): cpu, cuda:0, cuda:2, cuda:10; then node a
+    assert [w["device"] for w in where] == ["cuda:10", "cuda:2", "cuda:0", "cpu", "cuda:0"]
     assert where[2] == {"bundle": 2, "node_id": "a", "node_ip": "10.0.0.10", "device": "cuda:0",
                         "resources": {"GPU": 1.0}}
 

@@ -130,21 +130,22 @@ def reserve(plan: BundlePlan, strategy: str, timeout_s: float):
 
 
 def order_bundles(group, bundles) -> tuple[list[int], list[dict]]:
-    """Bundle indices sorted by (node IP, node id, device), and where each bundle landed."""
+    """Bundle indices sorted by (node IP, node id, GPU ids), and where each bundle landed."""
     import ray
     from ray.util import placement_group_table
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     node_of = placement_group_table(group)["bundles_to_node_id"]
     ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
-    devices = ["cpu"] * len(bundles)
+    gpus_of = [[] for _ in bundles]  # a CPU bundle's [] sorts before any GPU's
     gpu_bundles = [i for i, b in enumerate(bundles) if b.get("GPU")]
     if gpu_bundles:  # which GPUs each bundle holds, asked from inside it (as slime does)
         probe = ray.remote(num_cpus=0, num_gpus=0.01)(lambda: [int(g) for g in ray.get_gpu_ids()])
         found = ray.get([probe.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
             placement_group=group, placement_group_bundle_index=i)).remote() for i in gpu_bundles])
         for i, gpus in zip(gpu_bundles, found, strict=True):
-            devices[i] = ",".join(f"cuda:{g}" for g in gpus)
+            gpus_of[i] = gpus
+    devices = [",".join(f"cuda:{g}" for g in gpus) or "cpu" for gpus in gpus_of]
 
     def key(i):
         ip = ips.get(node_of[i], "")
@@ -152,7 +153,7 @@ def order_bundles(group, bundles) -> tuple[list[int], list[dict]]:
             ip_key = tuple(ipaddress.ip_address(ip).packed)
         except ValueError:
             ip_key = tuple(map(ord, ip))
-        return ip_key, node_of[i], devices[i]
+        return ip_key, node_of[i], gpus_of[i]  # GPU ids as numbers: cuda:2 before cuda:10
 
     where = [{"bundle": i, "node_id": node_of[i], "node_ip": ips.get(node_of[i]), "device": devices[i],
               "resources": bundles[i]} for i in range(len(bundles))]
