@@ -255,12 +255,13 @@ def test_user_classes_plug_in_from_the_command_line(tmp_path, tiny_path):
     """A module outside the package, on PYTHONPATH: its engine, task, trainer (in 2 spawned
     rank processes) and logger are what the run used, as the metrics show."""
     (tmp_path / "my_plugins.py").write_text(PLUGINS)
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))  # and a worktree's
     proc = relax_cli("rollout._target_=my_plugins.StopAtOnceEngine",
                      "task._target_=my_plugins.QuarterRewardTask",
                      "train._target_=my_plugins.ProcessNamingTrainer",
                      "logger._target_=my_plugins.TaggingLogger", "parallel=dp2", "rollout.num_rollout=1",
                      "rollout.rollout_batch_size=4", "checkpoint.save_interval=null", cwd=tmp_path,
-                     entry=FRESH, env={"PYTHONPATH": str(tmp_path)})
+                     entry=FRESH, env={"PYTHONPATH": path})
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = only_run_dir(tmp_path)
     assert status_of(run)["status"] == "completed"
