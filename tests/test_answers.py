@@ -1,5 +1,5 @@
-"""Free-form answer rewards (relax/task/answers.py), the word-problem task and its held-out
-share, and task.format_reward."""
+"""Free-form answer rewards (relax/task/answers.py), the tasks' prompts (arithmetic, word
+problems and their held-out share, JSONL rows) and task.format_reward."""
 
 import json
 import random
