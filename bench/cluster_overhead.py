@@ -2,13 +2,15 @@
 
     python bench/cluster_overhead.py [--rollouts 6] [--repeats 2] [--layout single|dp2] [key=value ...]
 
-Runs the default job (GRPO on the tiny model, 32 prompts x 8 samples per rollout) through
-the real CLI, cluster=local and cluster=ray (a private Ray instance) in turn, `--repeats`
-times each, interleaved, and keeps each side's fastest run (timings on shared 2-core
-machines vary up to 3x, and noise only ever adds time). Measured from the run's own log:
+Runs the default job (GRPO on the tiny model, 32 prompts x 8 samples per rollout; extra
+key=value overrides pick another, e.g. `experiment=smollm2_arith_v1 eval.interval=null` for
+the real model) through the real CLI, cluster=local and cluster=ray (a private Ray
+instance) in turn, `--repeats` times each, interleaved, and keeps each side's fastest run
+(timings on shared 2-core machines vary up to 3x, and noise only ever adds time).
+Measured from the run's own log:
   start-up      launch -> rollout 0 begins (imports, model, Ray instance and actors)
   per rollout   median time between consecutive `Finish rollout` lines (generate, train,
-                weight sync: the steady state)
+                weight sync: the steady state), and each phase's median from metrics.jsonl
   memory        resident memory of the job's processes once rollout 1 is done: the driver,
                 its ranks or actors, and (cluster=ray) Ray's own processes
 Goals on 2 cores: start-up at most +10 s, per rollout at most +10 %.
@@ -88,9 +90,15 @@ def one_run(cluster: str, args, extra: list[str]) -> dict:
     if proc.returncode != 0:
         raise SystemExit(f"cluster={cluster} failed:\n{proc.stderr.read()[-3000:]}")
     stamps = finish_times(cwd / "run")
-    first = next(r for r in map(json.loads, metrics.read_text().splitlines()) if "step" not in r)
-    return {"startup": stamps[0] - first["perf/rollout_time"] - launched,
+    rollouts = [r for r in map(json.loads, metrics.read_text().splitlines()) if "step" not in r]
+    steady = rollouts[1:] or rollouts
+    # perf/train_time runs from the training step through the weight sync
+    phases = {"generate": [r["perf/rollout_time"] for r in steady],
+              "train": [r["perf/train_time"] - r["perf/weight_sync_time"] for r in steady],
+              "sync": [r["perf/weight_sync_time"] for r in steady]}
+    return {"startup": stamps[0] - rollouts[0]["perf/rollout_time"] - launched,
             "per_rollout": statistics.median(b - a for a, b in zip(stamps, stamps[1:])),
+            "phases": {k: statistics.median(v) for k, v in phases.items()},
             "memory": memory, "dir": str(cwd)}
 
 
@@ -119,6 +127,7 @@ def ray_floor(repeats: int = 30) -> dict[str, float]:
                 self.x @ self.x
             return time.perf_counter() - t0, self.results.get(result)
 
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # as the jobs above: no token set-up
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
     try:
         worker = ray.remote(Worker).remote({"list": as_list, "Samples": samples})
@@ -149,14 +158,16 @@ def main() -> None:
         for cluster in runs:
             runs[cluster].append(one_run(cluster, args, extra))
             r = runs[cluster][-1]
+            phases = ", ".join(f"{k} {v * 1000:.0f}" for k, v in r["phases"].items())
             print(f"  {cluster:5s} #{i}: start-up {r['startup']:.1f} s, per rollout "
-                  f"{r['per_rollout'] * 1000:.0f} ms, memory {sum(r['memory'].values()):.0f} MB", flush=True)
+                  f"{r['per_rollout'] * 1000:.0f} ms ({phases}), memory {sum(r['memory'].values()):.0f} MB",
+                  flush=True)
     best = {c: {"startup": min(r["startup"] for r in rs), "per_rollout": min(r["per_rollout"] for r in rs),
                 "memory": min((r["memory"] for r in rs), key=lambda m: sum(m.values()))}
             for c, rs in runs.items()}
     local, ray = best["local"], best["ray"]
-    print(f"\nparallel={args.layout}, {args.rollouts} rollouts of 32 prompts x 8 samples; "
-          f"best of {args.repeats}")
+    job = " ".join(extra) or "the default job (32 prompts x 8 samples)"
+    print(f"\nparallel={args.layout}, {args.rollouts} rollouts of {job}; best of {args.repeats}")
     print(f"start-up:    local {local['startup']:.1f} s, ray {ray['startup']:.1f} s: "
           f"+{ray['startup'] - local['startup']:.1f} s (goal <= +10 s), "
           f"ratio {ray['startup'] / local['startup']:.2f}")

@@ -1,6 +1,6 @@
 """How weights cross Ray (cluster=ray, relax/cluster/ray_cluster.py): trainer rank 0 puts
-them into the object store itself, in buckets of rollout.weight_update_bucket_mb, each bucket
-one safetensors buffer (`Tensors`); the driver holds only the buckets' refs (`StoredWeights`)
+them into the object store itself, in buckets of rollout.weight_update_bucket_mb, each tensor
+as raw bytes (`Tensors`); the driver holds only the buckets' refs (`StoredWeights`)
 and hands them to every engine, which reads them from the store."""
 
 from __future__ import annotations
@@ -11,23 +11,21 @@ import ray
 
 
 class Tensors(dict):
-    """Weights (name -> tensor) that pickle as one safetensors buffer. Ray pickles torch
-    tensors one by one through torch's own reducer: a weight sync of the tiny model (27
-    tensors, 0.5 MB) through the driver took ~25 ms that way and ~12 ms as one buffer. CUDA
-    tensors pickle as they always did."""
+    """Weights (name -> tensor) that pickle as raw bytes: each CPU tensor as a flat uint8 numpy
+    array (bf16 included), which Ray's serializer (pickle protocol 5) copies into the object
+    store once, out of band, and a reader maps without a copy. Ray pickles torch tensors
+    through torch's own reducer, and a safetensors buffer as a bytes object copied into the
+    pickle and out again: a sync of SmolLM2's 540 MB took ~2.9 s that way and ~0.3 s as arrays
+    (bench/cluster_overhead.py, docs/cluster.md). CUDA tensors pickle as they always did."""
 
     def __reduce__(self):
         import torch
-        from safetensors.torch import save
 
         if not all(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in self.values()):
             return dict, (dict(self),)
-        flat, storages = {}, set()
-        for name, t in self.items():  # safetensors refuses tensors that share memory: copy those
-            storage = t.untyped_storage().data_ptr()
-            flat[name] = (t.clone() if storage in storages else t.detach()).contiguous()
-            storages.add(storage)
-        return _load_tensors, (save(flat), list(flat))
+        meta = [(name, t.dtype, tuple(t.shape)) for name, t in self.items()]
+        raw = [t.detach().contiguous().reshape(-1).view(torch.uint8).numpy() for t in self.values()]
+        return _load_tensors, (meta, raw)
 
 
 class StoredWeights(Mapping):
@@ -53,8 +51,16 @@ class StoredWeights(Mapping):
         return len(self._fetched())
 
 
-def _load_tensors(buffer: bytes, names: list[str]) -> dict:
-    from safetensors.torch import load
+def _load_tensors(meta: list[tuple], raw: list) -> dict:
+    """The tensors, as views of the arrays: out of Ray, of its object store, without a copy
+    (a copy into fresh memory cost SmolLM2 ~0.5 s of page faults). They are read-only: an
+    engine copies them into its own weights (the torch engine's `copy_`, SGLang's serializer
+    into shared memory) and drops them."""
+    import warnings
 
-    tensors = load(buffer)
-    return {name: tensors[name] for name in names}  # in the order sent (safetensors sorts them)
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+        return {name: torch.from_numpy(a).view(dtype).reshape(shape)
+                for (name, dtype, shape), a in zip(meta, raw, strict=True)}
