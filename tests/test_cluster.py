@@ -411,6 +411,66 @@ def test_a_process_that_serves_calls_freezes_its_heap_after_collecting_the_garba
         gc.unfreeze()
 
 
+class ChangingWeights:
+    """A trainer rank whose weights change with every call, as training changes them."""
+
+    def __init__(self, rank: int, world_size: int):
+        self.calls = 0
+
+    def named_weights(self):
+        self.calls += 1
+        return {"w": torch.full((4, 4), float(self.calls)), "bf16": torch.arange(3).bfloat16() * self.calls}
+
+    def synced_weights(self):  # another set of tensors (a LoRA run's merged projections)
+        return {"w": torch.full((2,), -float(self.calls))}
+
+    def shutdown(self):
+        pass
+
+
+def test_local_rank_weights_come_through_shared_memory_made_once_per_set_of_tensors():
+    """A local rank 0's weights reach the driver in shared memory made at the first call and
+    rewritten by later ones (relax/cluster/shared_weights.py), not pickled anew each time
+    (~1 s a sync for SmolLM2): every call still returns that call's values, and a second set of
+    tensors (synced_weights with LoRA) gets memory of its own."""
+    from relax.cluster.ranks import LocalRanks
+
+    group = LocalRanks(ChangingWeights, 1)
+    try:
+        first = group.named_weights()
+        assert first["w"].is_shared() and torch.equal(first["w"], torch.full((4, 4), 1.0))
+        second = group.named_weights()
+        assert torch.equal(second["w"], torch.full((4, 4), 2.0))
+        assert torch.equal(second["bf16"], torch.tensor([0.0, 2.0, 4.0]).bfloat16())
+        assert second["w"] is first["w"]  # the same memory, rewritten
+        synced = group.synced_weights()
+        assert torch.equal(synced["w"], torch.full((2,), -2.0)) and synced["w"] is not first["w"]
+        assert torch.equal(group.named_weights()["w"], torch.full((4, 4), 3.0))
+        assert torch.equal(synced["w"], torch.full((2,), -2.0))  # another set's call left it alone
+    finally:
+        group.shutdown()
+
+
+def test_shared_weights_travel_once_then_as_a_key():
+    """The sender's second pack of the same tensors (names, dtypes, shapes) sends only a key;
+    another set, or the same names with another shape, is a set of its own."""
+    import pickle
+
+    from relax.cluster.shared_weights import SharedWeights, on_cpu
+
+    sender, receiver = SharedWeights(), SharedWeights()
+    first = sender.pack({"a": torch.ones(3), "b": torch.zeros(2, dtype=torch.int64)})
+    assert first.key == 0 and first.tensors["a"].is_shared()
+    got = receiver.unpack(first)
+    again = sender.pack({"a": torch.full((3,), 7.0), "b": torch.tensor([5, 6])})
+    assert again.key == 0 and again.tensors is None and len(pickle.dumps(again)) < 100
+    assert receiver.unpack(again) is got and torch.equal(got["a"], torch.full((3,), 7.0))
+    assert torch.equal(got["b"], torch.tensor([5, 6]))
+    assert sender.pack({"a": torch.ones(4), "b": torch.zeros(2, dtype=torch.int64)}).key == 1
+    assert sender.pack({"a": torch.ones(3)}).key == 2
+    assert on_cpu({"a": torch.ones(1)}) and not on_cpu({}) and not on_cpu({"loss": 1.0}) and not on_cpu(None)
+
+
 def test_local_ranks_return_rank_0s_result_and_a_failing_rank_stops_the_group_naming_it():
     """LocalRanks' collect over pipes (no process started): rank 0's result whichever rank answers
     first; a user error raised as itself with the rank noted, a traceback as a RankError, a pipe

@@ -285,6 +285,35 @@ class _Engines:
                             if k != self.skip or self.updates == 1})
 
 
+def test_the_weight_check_keeps_its_own_copy_of_the_weights_it_was_given(tmp_path):
+    """`weights` (a resumed LoRA run's merged model) may be a local trainer rank's shared
+    buffers, which its next weights call rewrites in place: the check's reference is a copy,
+    so a first sync that sends other weights fails even though they sit in the same memory."""
+    from relax.debug.weights import WeightCheck
+
+    class Engines:  # fp32 engines: the reference is not converted (and so not copied) on its own
+        def __init__(self, weights):
+            self.tensors = [{k: v.clone() for k, v in weights.items()}]
+
+        def each_named_tensors(self):
+            return self.tensors
+
+        def update_weights(self, named):
+            self.tensors[0].update({k: v.clone() for k, v in named.items()})
+
+    merged = {"w": torch.ones(3, 2)}
+    engines = Engines(merged)
+    check = WeightCheck(engines, Path("unused"), tmp_path, weights=merged)
+
+    class Trainer:
+        def named_weights(self):
+            merged["w"].add_(1.0)  # what the engines loaded, rewritten where it lies
+            return merged
+
+    sync, = check.check_first_sync(engines, Trainer())
+    assert not sync["passed"] and [m["name"] for m in sync["mismatches"]] == ["w"]
+
+
 def test_the_weight_check_at_the_engines_dtype_on_every_engine_and_a_failure_stays_failed(tmp_path):
     """fp32 checkpoint, bf16 engines: compared at bf16; the first sync starts from random engine
     weights, so a tensor the sync path skips is named; one failed check fails the file for good."""

@@ -9,10 +9,10 @@ the driver builds the trainer; the first call waits for them. An engine's error 
 raised in the driver as RankError, naming the engine, its pid and its log,
 <run dir>/engine<i>.log. Engines die with the driver (PR_SET_PDEATHSIG) and on kill().
 
-Weights go through shared memory that lives as long as the engines (`share`): the first
-sync sends the shared tensors once, every later one copies the new weights into them and
-sends only a key. Pickling the tensors through the pipe made each sync's shared-memory
-segments anew, ~15 ms per sync for the tiny model: most of what train.async could gain.
+Weights go through shared memory that lives as long as the engines (`share`,
+relax/cluster/shared_weights.py): pickling them through the pipe made each sync's
+shared-memory segments anew, ~15 ms per sync for the tiny model: most of what train.async
+could gain.
 """
 
 from __future__ import annotations
@@ -23,21 +23,13 @@ import os
 import signal
 import threading
 import traceback
-from dataclasses import dataclass
 
 import torch.multiprocessing as mp
 
 from relax.cluster.ranks import (RankError, _die_with_parent, freeze_heap, on_this_host, receive,
                                  stop_processes)
+from relax.cluster.shared_weights import SharedBucket, SharedWeights
 from relax.errors import USER_ERRORS
-
-
-@dataclass
-class SharedBucket:
-    """A bucket of weights in shared memory, as an engine call's argument: the tensors travel
-    with the first sync only; later ones name the bucket by `key`."""
-    key: int
-    tensors: dict | None
 
 
 def _engine_main(conn, index: int, factory, args, kwargs, log_file: str | None, num_threads: int) -> None:
@@ -48,14 +40,10 @@ def _engine_main(conn, index: int, factory, args, kwargs, log_file: str | None, 
     import torch
 
     torch.set_num_threads(num_threads)
-    shared: dict[int, dict] = {}  # SharedBucket.key -> its tensors, mapped from the driver's memory
+    shared = SharedWeights()  # the driver's weight buckets, mapped from its memory
 
     def resolve(x):
-        if isinstance(x, SharedBucket):
-            if x.tensors is not None:
-                shared[x.key] = x.tensors
-            return shared[x.key]
-        return x
+        return shared.unpack(x) if isinstance(x, SharedBucket) else x
 
     try:
         engine = factory(*args, **kwargs)
@@ -92,7 +80,7 @@ class EngineProcesses:
             self.conns.append(parent)
             self.procs.append(proc)
             self.ready.append(False)
-        self.buckets: dict[tuple, dict] = {}  # a bucket's names -> its shared-memory tensors
+        self.shared = SharedWeights()  # the weight buckets sent to every engine
         # one call at a time on the pipes: the loop's thread (e.g. a layer dump's forward) and
         # train.async's rollout thread both call the engines
         self.lock = threading.Lock()
@@ -118,18 +106,8 @@ class EngineProcesses:
             return [self._reply(i) for i in engines]
 
     def share(self, named: dict) -> SharedBucket:
-        """A weights bucket for every engine: copied into this bucket's shared-memory tensors
-        (made, and sent along, the first time)."""
-        names = tuple(named)
-        first = names not in self.buckets
-        if first:
-            self.buckets[names] = {n: t.detach().to("cpu", copy=True).share_memory_()
-                                   for n, t in named.items()}
-        else:
-            for n, t in named.items():
-                self.buckets[names][n].copy_(t)
-        key = list(self.buckets).index(names)
-        return SharedBucket(key, self.buckets[names] if first else None)
+        """A weights bucket for every engine, in shared memory."""
+        return self.shared.pack(named)
 
     def placement(self) -> list[dict]:
         return [{"engine": i, **on_this_host(proc.pid, device)}

@@ -6,6 +6,8 @@ actors, relax/cluster/ray_cluster.py) both keep, so the loop cannot tell them ap
   send(...) / collect()    the same in two halves (start on every rank, then wait)
   rank0_address()          (host, free port) on rank 0's node, for a process group with it
   train / named_weights / synced_weights / save_checkpoint / load_checkpoint / shutdown
+                           (local ranks' weights arrive in shared memory that the next
+                           weights call rewrites: relax/cluster/shared_weights.py)
   placement()              where each rank runs: node, bundle, device, pid (built.json)
 An error on any rank stops the whole group and is raised in the driver as `RankError`,
 naming the rank, its node and pid, with the rank's traceback. Ranks die with the job: on
@@ -28,6 +30,7 @@ from multiprocessing.connection import wait
 import torch.multiprocessing as mp
 
 from relax import faults
+from relax.cluster.shared_weights import SharedBucket, SharedWeights, on_cpu
 from relax.distributed import free_port
 from relax.errors import USER_ERRORS
 
@@ -143,6 +146,9 @@ def _die_with_parent() -> None:
         pass
 
 
+WEIGHTS = ("named_weights", "synced_weights")  # what rank 0 returns through shared memory
+
+
 def _rank_main(conn, environ, rank, world_size, port, factory, args, kwargs, log_dir, num_threads):
     os.environ.clear()  # the driver's environment now, not the fork server's when it started
     os.environ.update(environ)
@@ -151,6 +157,7 @@ def _rank_main(conn, environ, rank, world_size, port, factory, args, kwargs, log
     start_rank(rank, world_size, "127.0.0.1", port, log_dir, num_threads, rank)
     import torch.distributed as dist
 
+    outbox = SharedWeights()  # rank 0's weights, in shared memory the driver maps
     try:
         trainer = factory(*args, rank=rank, world_size=world_size, **kwargs)
         freeze_heap()
@@ -158,6 +165,8 @@ def _rank_main(conn, environ, rank, world_size, port, factory, args, kwargs, log
         while True:
             method, a, kw = conn.recv()
             result = run_method(trainer, rank, method, a, kw)
+            if method in WEIGHTS and on_cpu(result):
+                result = outbox.pack(result)
             conn.send(("ok", result if rank == 0 else None))
             if method == "shutdown":
                 break
@@ -221,6 +230,7 @@ class LocalRanks(RankGroup):
         self.store = open_store(world_size)  # held by the driver while the ranks live
         port = self.store.port
         self.conns, self.procs, self.busy = [], [], True
+        self.inbox = SharedWeights()  # rank 0's weights (valid until its next weights call)
         for rank in range(world_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_rank_main, daemon=True, name=f"relax-rank{rank}",
@@ -246,7 +256,7 @@ class LocalRanks(RankGroup):
                                         f"its rank{rank}.log", self.kill)
                 del pending[rank]
         self.busy = False
-        return results[0]
+        return self.inbox.unpack(results[0]) if isinstance(results[0], SharedBucket) else results[0]
 
     def send(self, method: str, *args, **kwargs) -> None:
         """Start `method` on every rank without waiting (pair with `collect`)."""

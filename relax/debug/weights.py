@@ -77,7 +77,8 @@ class WeightCheck:
         self.loaded = snapshots(engines)
         checkpoint = weights if weights is not None else load_safetensors_dir(model_path)
         self.dtype = next(iter(self.loaded[0].values())).dtype  # the engines' compute dtype
-        self.reference = {k: v.to(self.dtype) for k, v in checkpoint.items()}
+        # a copy: `weights` may be a trainer's shared buffers, which its next weights call rewrites
+        self.reference = {k: v.to(self.dtype, copy=True) for k, v in checkpoint.items()}
         # buffers, which no checkpoint holds, are expected to stay as each engine loaded them
         self.buffers = [{k: v for k, v in loaded.items() if k not in checkpoint} for loaded in self.loaded]
         self.path = Path(run_dir) / "weight_check.json"
