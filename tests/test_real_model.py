@@ -16,6 +16,7 @@ from relax.debug.checks import diagnose
 from relax.debug.run_data import load_run
 
 from .conftest import REPO, relax_cli, run_loop
+from .extras import RAY, require
 
 pytestmark = pytest.mark.slow
 
@@ -156,3 +157,22 @@ def test_lora_on_the_real_model_keeps_the_first_step_exact_and_the_engine_merged
     checkpoint = tmp_path / "checkpoints" / "rollout_000001"
     adapter = load_file(checkpoint / "adapter" / "adapter_model.safetensors")
     assert len(adapter) == 30 * 7 * 2 and not (checkpoint / "hf").exists()  # A and B of 7 projections x 30
+
+
+def test_the_real_model_on_ray_actors_syncs_its_weights_exactly(tmp_path, smollm2_path):
+    """cluster=ray (a private instance): trainer and engine in Ray actors of their own, SmolLM2's
+    540 MB through the object store in buckets of 512 MB (two buckets) as raw arrays that the
+    engine reads in place (relax/cluster/ray_weights.py): the engine equals the trainer's
+    weights at load and after every sync, and the first step is exact."""
+    require("ray", RAY)
+    rollouts, steps = run_loop(tmp_path, *REAL, "cluster=ray", "rollout.num_rollout=2",
+                               "debug.strict_checks=true", "debug.check_weight_update_equal=true",
+                               "debug.check_weight_update_every_sync=true")
+    first = rollouts[0]
+    assert first["rollout/log_probs"] == first["rollout/ref_log_probs"] and first["rollout/kl"] == 0.0
+    assert steps[0]["train/ppo_kl"] == 0.0 and all(s["train/grad_norm"] > 0 for s in steps)
+    report = json.loads((tmp_path / "weight_check.json").read_text())  # after steps that moved the weights
+    assert report["passed"] and [c["stage"] for c in report["checks"]] == ["load", "sync", "sync", "sync"]
+    assert all(c["compared"] >= 272 for c in report["checks"])
+    placement = json.loads((tmp_path / "built.json").read_text())["placement"]
+    assert placement["cluster"] == "ray" and len(placement["trainer_ranks"]) == len(placement["engines"]) == 1
