@@ -253,3 +253,49 @@ def test_gradients_are_judged_in_backward_order_and_weights_in_forward_order():
     assert dep.first == {"forward": ("model.layers.0", 0.5, 1e-4),
                          "grads": ("model.layers.1.self_attn.q_proj.weight", 0.5, 1e-4),
                          "params": ("model.layers.0.mlp.down_proj.weight", 0.5, 1e-4)}
+
+
+def test_the_recording_side_by_hand(tmp_path):
+    """layer_dump by hand: the module names in forward order; `recording` takes a module's output
+    (of a tuple, the first element) as whole fp32 while the block runs, and its hooks are gone
+    after it; `per_sample` cuts each right-padded row to its length, into tensors of their own
+    (not views holding the batch's storage); `save_dump` writes <dir>/<rollout>_<source>.pt with
+    the manifest completed, the gradients and the weights each where they belong."""
+    assert layer_dump.module_names(1) == ["model.embed_tokens", "model.layers.0.self_attn",
+                                          "model.layers.0.mlp", "model.layers.0", "model.norm"]
+
+    class WithBias(torch.nn.Module):
+        def forward(self, x):
+            return 2 * x, torch.ones(1)  # the output, then a bias
+
+    linear = torch.nn.Linear(3, 2).bfloat16()
+    x = torch.randn(4, 3)
+    modules = {"attn": WithBias(), "mlp": linear}
+    with layer_dump.recording(modules) as got:
+        modules["attn"](x)
+        out = modules["mlp"](x.bfloat16())
+        assert torch.equal(got["attn"], 2 * x) and got["mlp"].dtype == torch.float32
+        assert torch.equal(got["mlp"], out.float())
+    modules["attn"](x + 1)
+    assert torch.equal(got["attn"], 2 * x)  # recorded no more
+    assert not modules["attn"]._forward_hooks and not linear._forward_hooks
+
+    batch = {"m": torch.arange(30.0).reshape(2, 5, 3)}
+    rows = layer_dump.per_sample(batch, [3, 5])["m"]
+    assert [torch.equal(r, batch["m"][b, :n]) for r, (b, n) in zip(rows, [(0, 3), (1, 5)])] == [True, True]
+    assert [r.untyped_storage().nbytes() for r in rows] == [3 * 3 * 4, 5 * 3 * 4]
+
+    forward, log_probs = {"model.norm": rows}, [torch.tensor([-1.0, -2.0])]
+    params, grads = {"w": torch.ones(2)}, {"w": torch.full((2,), 0.5)}
+    path = layer_dump.save_dump(tmp_path / "layers", 4, "train", {"layout": "dp2"}, [1, 5], forward,
+                                log_probs, grads, params)
+    assert path == tmp_path / "layers" / "4_train.pt"
+    assert [p.name for p in path.parent.iterdir()] == ["4_train.pt"]
+    saved = safe_load(path)
+    assert saved["format_version"] == layer_dump.FORMAT_VERSION
+    assert saved["manifest"] == {"layout": "dp2", "source": "train", "rollout_id": 4, "samples": [1, 5]}
+    assert torch.equal(saved["params"]["w"], params["w"]) and torch.equal(saved["grads"]["w"], grads["w"])
+    assert torch.equal(saved["forward"]["model.norm"][1], rows[1])
+    assert torch.equal(saved["log_probs"][0], log_probs[0])
+    engine = safe_load(layer_dump.save_dump(tmp_path / "layers", 4, "engine", {}, [1], forward, log_probs))
+    assert engine["grads"] == {} and engine["params"] == {}

@@ -2,13 +2,16 @@
 with the step's phases (relax/train/profile.py); refused at start-up where it cannot run."""
 
 import json
+import logging
 import re
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from relax.debug.plan import resolve
 from relax.errors import ConfigError
-from relax.train.profile import PHASES
+from relax.train.profile import PHASES, phase, write
 
 from .conftest import make_cfg, run_loop
 
@@ -74,3 +77,50 @@ class Unprofiled:
     @staticmethod
     def check_config(cfg, hf_config):
         pass
+
+
+class FakeEvents(list):
+    """prof.key_averages() of a made-up profile: events with a key and a CPU time in µs."""
+    def table(self, sort_by, row_limit):
+        return f"<operators by {sort_by}, top {row_limit}>"
+
+
+class FakeProfile:
+    def __init__(self, times_us: dict[str, float]):
+        self.events = FakeEvents(SimpleNamespace(key=k, cpu_time_total=v) for k, v in times_us.items())
+
+    def key_averages(self):
+        return self.events
+
+    def export_chrome_trace(self, path):
+        Path(path).write_text('{"traceEvents": []}')
+
+
+def test_the_phase_table_by_hand(tmp_path, caplog):
+    """write(): each marked phase's seconds (µs / 1e6, unmarked ranges and operators left out)
+    and its share of the call, the rest of train() as what the phases leave, the 30 operators
+    with the most self CPU time; the trace is renamed into place; rank 0 alone logs."""
+    prof = FakeProfile({"step:forward_backward": 1.5e6, "step:optimizer": 0.25e6, "step:custom": 0.5e6,
+                        "aten::mm": 1.2e6})
+    stem = tmp_path / "profile" / "rollout_3_rank1"
+    with caplog.at_level(logging.INFO, logger="relax.train.profile"):
+        write(prof, stem, 3, 1, 2.5)
+    assert not caplog.records  # rank 1
+    lines = (tmp_path / "profile" / "rollout_3_rank1.txt").read_text().splitlines()
+    assert lines[0] == "train() of rollout 3, rank 1: 2.50 s under the profiler"
+    rows = {line[:26].strip(): line[26:].split() for line in lines[3:8]}
+    assert rows == {"step:reference": ["0.0000", "0.0%"], "step:old_log_probs": ["0.0000", "0.0%"],
+                    "step:forward_backward": ["1.5000", "60.0%"], "step:optimizer": ["0.2500", "10.0%"],
+                    "(rest of train())": ["0.7500", "30.0%"]}
+    assert lines[9] == "<operators by self_cpu_time_total, top 30>"
+    assert sorted(p.name for p in stem.parent.iterdir()) == ["rollout_3_rank1.json", "rollout_3_rank1.txt"]
+    with caplog.at_level(logging.INFO, logger="relax.train.profile"):
+        write(prof, tmp_path / "profile" / "rollout_3_rank0", 3, 0, 2.5)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"profile of rollout 3 (rank 0, 2.5 s): forward_backward 1.50 s, optimizer 0.25 s; "
+        f"{tmp_path / 'profile' / 'rollout_3_rank0'}.{{txt,json}}"]
+
+
+def test_only_the_four_phases_can_be_marked():
+    with pytest.raises(AssertionError, match="step:backward"):
+        phase("step:backward")

@@ -6,6 +6,7 @@ import math
 import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -207,3 +208,77 @@ def test_megatron_reports_batch_invariance_and_token_mult_prob_error(tmp_path, m
                         "rollout.num_rollout=1", "debug.check_batch_invariance=true")
     assert (steps[0][KEY] > 1e-3) if fault else (steps[0][KEY] < Thresholds().batch_invariance_tol)
     assert steps[0]["train/token_mult_prob_error"] == pytest.approx(1.0, abs=1e-2 if fault else 1e-5)
+
+
+def two_micro_batches() -> list[common.MicroBatch]:
+    """Samples 0 and 5, then a padding row and sample 2: 4 positions, distinct tokens per row,
+    the first pass's old_log_probs -(row + position / 10)."""
+    mbs = []
+    for m, (indices, mask) in enumerate([([0, 5], [[0, 1, 1, 0], [0, 0, 1, 1]]),
+                                         ([-1, 2], [[0, 0, 0, 0], [0, 1, 1, 1]])]):
+        tokens = torch.arange(8).reshape(2, 4) + 10 * m + 1
+        mask = torch.tensor(mask, dtype=torch.float32)
+        old = -(torch.arange(2).unsqueeze(1) + 2 * m + torch.arange(4) / 10)
+        mbs.append(common.MicroBatch(indices, tokens, tokens + 100, mask, torch.tensor([0.5, -0.5]) + m,
+                                     old - 0.01, mask * 0.25, old_log_probs=old,
+                                     prompt_lengths=[1 + m, 2], lengths=[4, 3 + m]))
+    return mbs
+
+
+def test_batch_invariance_scores_each_sample_alone_and_reports_the_largest_trained_difference(monkeypatch):
+    """check() by hand: every sample (no padding row) goes to `forward` in a micro-batch of its
+    own, without grad, padded on the right by 8 positions rounded up to the layout's length
+    multiple (pad id, mask 0); the result is the largest |Δ| from the first pass over trained
+    tokens only (a NaN kept) and over every DP rank, at the first step with the key on only."""
+    from relax.train import batch_invariance
+
+    cfg = SimpleNamespace(debug=SimpleNamespace(check_batch_invariance=True))
+    mbs, seen = two_micro_batches(), []
+    # recomputed: the first pass, moved at trained tokens by these, +5 at an untrained one
+    moved = {0: (1, 0.25), 5: (3, -0.5), 2: (2, 0.125)}
+
+    def forward(alone):
+        seen.append((alone, torch.is_grad_enabled()))
+        out = []
+        for a in alone:
+            i = a.indices[0]
+            mb, b = next((mb, mb.indices.index(i)) for mb in mbs if i in mb.indices)
+            lp = torch.cat([mb.old_log_probs[b], torch.full((a.tokens.shape[1] - 4,), 7.0)])
+            lp[moved[i][0]] += moved[i][1]
+            lp[0] += 5.0  # (never trained)
+            out.append(lp.unsqueeze(0))
+        return out
+
+    with torch.enable_grad():
+        got = batch_invariance.check(cfg, True, mbs, forward, pad_id=99, layout=SimpleNamespace(dp_size=1),
+                                     length_multiple=3)
+    assert got == {KEY: 0.5}
+    (alone, grad), = seen
+    assert not grad and [a.indices for a in alone] == [[0], [5], [2]]
+    for a, (m, b) in zip(alone, [(0, 0), (0, 1), (1, 1)]):
+        mb, pad = mbs[m], torch.zeros(9)
+        assert torch.equal(a.tokens[0], torch.cat([mb.tokens[b], pad + 99]))
+        assert torch.equal(a.targets[0], torch.cat([mb.targets[b], pad + 99]))
+        assert torch.equal(a.mask[0], torch.cat([mb.mask[b], pad]))
+        assert torch.equal(a.loss_weights[0], torch.cat([mb.loss_weights[b], pad]))
+        assert torch.equal(a.rollout_log_probs[0], torch.cat([mb.rollout_log_probs[b], pad]))
+        assert torch.equal(a.advantages, mb.advantages[b:b + 1])
+        assert a.prompt_lengths == mb.prompt_lengths[b:b + 1] and a.lengths == mb.lengths[b:b + 1]
+    # the extra padding: 8 rounded up to the multiple
+    for multiple, width in [(1, 12), (8, 12), (16, 20)]:
+        seen.clear()
+        batch_invariance.check(cfg, True, mbs, forward, 99, SimpleNamespace(dp_size=1),
+                               length_multiple=multiple)
+        assert {a.tokens.shape[1] for a in seen[0][0]} == {width}, multiple
+    # the largest over the DP ranks; a NaN on any trained token kept
+    monkeypatch.setattr(batch_invariance, "dp_all_gather", lambda x, layout: [0.25, x, 0.75])
+    assert batch_invariance.check(cfg, True, mbs, forward, 99, None) == {KEY: 0.75}
+    moved[5] = (2, math.nan)
+    assert math.isnan(batch_invariance.check(cfg, True, mbs, forward, 99, None)[KEY])
+    # not the first step, the key off: nothing recomputed; a rank without results still recomputes
+    seen.clear()
+    assert batch_invariance.check(cfg, False, mbs, forward, 99, None) == {} and not seen
+    off = SimpleNamespace(debug=SimpleNamespace(check_batch_invariance=False))
+    assert batch_invariance.check(off, True, mbs, forward, 99, None) == {} and not seen
+    assert batch_invariance.check(cfg, True, mbs, forward, 99, None, holds_results=False) == {}
+    assert len(seen) == 1
