@@ -471,6 +471,77 @@ def test_shared_weights_travel_once_then_as_a_key():
     assert on_cpu({"a": torch.ones(1)}) and not on_cpu({}) and not on_cpu({"loss": 1.0}) and not on_cpu(None)
 
 
+def test_a_shared_set_is_keyed_by_names_dtypes_and_shapes_and_is_a_copy_of_its_own():
+    """SharedWeights by hand: the same names and shapes in another dtype are another set; each
+    set's key stays its own when sets alternate; the shared memory is a copy (the sender's
+    tensors are neither moved nor rewritten by later packs), detached from autograd (a parameter
+    that requires grad pickles); a bucket that carries tensors (re)defines its key on the
+    receiver. Only dicts of CPU tensors and nothing else go this way."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401  (torch's reductions for pipes)
+
+    from relax.cluster.shared_weights import SharedBucket, SharedWeights, on_cpu
+
+    sender, receiver = SharedWeights(), SharedWeights()
+    weight = torch.nn.Parameter(torch.ones(3))
+    first = sender.pack({"w": weight})
+    assert not weight.is_shared() and first.tensors["w"] is not weight
+    assert not first.tensors["w"].requires_grad
+    ForkingPickler.dumps(first)  # as a pipe sends it (torch refuses a non-leaf that requires grad)
+    got = receiver.unpack(first)
+    assert sender.pack({"w": torch.ones(3, dtype=torch.float64)}).key == 1
+    assert sender.pack({"w": torch.ones(3, dtype=torch.float64)}).key == 1
+    again = sender.pack({"w": torch.full((3,), 2.0)})
+    assert again.key == 0 and again.tensors is None
+    assert torch.equal(weight.detach(), torch.ones(3))  # the sender's own tensor left alone
+    assert torch.equal(first.tensors["w"], torch.full((3,), 2.0))
+    assert torch.equal(receiver.unpack(again)["w"], torch.full((3,), 2.0)) and receiver.unpack(again) is got
+    replaced = {"w": torch.zeros(3)}  # a sender started anew: its first bucket under a known key
+    assert receiver.unpack(SharedBucket(0, replaced)) is replaced
+    assert receiver.unpack(SharedBucket(0, None)) is replaced
+    assert not on_cpu({"w": torch.ones(1), "loss": 1.0}) and not on_cpu({"w": torch.ones(1, device="meta")})
+
+
+def test_ray_tensors_with_anything_else_pickle_as_a_plain_dict_and_parameters_as_their_values():
+    """Tensors (cluster=ray's weights) holding a value that is not a tensor pickle as a dict of
+    their values; a parameter that requires grad, and a broadcast view (stride 0, whose flat view
+    is not contiguous) go as raw bytes like any CPU tensor."""
+    require("ray", RAY)
+    import pickle
+
+    from relax.cluster.ray_weights import Tensors
+
+    mixed = pickle.loads(pickle.dumps(Tensors({"w": torch.ones(2), "step": 3})))
+    assert type(mixed) is dict and mixed["step"] == 3 and torch.equal(mixed["w"], torch.ones(2))
+    weight = torch.nn.Parameter(torch.arange(6.0).reshape(2, 3))
+    buffers = []
+    broadcast = torch.tensor([1.5]).expand(6)  # (a 1-D one: reshape(-1) gives it back as it is)
+    blob = pickle.dumps(Tensors({"w": weight, "b": broadcast}), protocol=5, buffer_callback=buffers.append)
+    received = pickle.loads(blob, buffers=buffers)
+    assert [len(b.raw()) for b in buffers] == [24, 24] and not received["w"].requires_grad
+    assert torch.equal(received["w"], weight.detach()) and torch.equal(received["b"], broadcast)
+
+
+def test_stored_weights_fetch_every_bucket_once_and_only_when_read(monkeypatch):
+    """StoredWeights (cluster=ray): nothing is fetched until something reads it; then every
+    bucket, once, in order, whatever is read after."""
+    require("ray", RAY)
+    from relax.cluster import ray_weights
+
+    gets = []
+
+    def get(refs):
+        gets.append(list(refs))
+        return [{f"{r}.{i}": torch.full((1,), float(i)) for i in range(2)} for r in refs]
+    monkeypatch.setattr(ray_weights.ray, "get", get)
+    stored = ray_weights.StoredWeights(["a", "b", "c"])
+    assert gets == []
+    assert len(stored) == 6 and list(stored) == ["a.0", "a.1", "b.0", "b.1", "c.0", "c.1"]
+    assert torch.equal(stored["c.1"], torch.ones(1)) and dict(stored).keys() == set(list(stored))
+    assert gets == [["a", "b", "c"]]
+
+
 def test_local_ranks_return_rank_0s_result_and_a_failing_rank_stops_the_group_naming_it():
     """LocalRanks' collect over pipes (no process started): rank 0's result whichever rank answers
     first; a user error raised as itself with the rank noted, a traceback as a RankError, a pipe
