@@ -11,6 +11,7 @@ import importlib.metadata
 import io
 import json
 import os
+import platform
 import shlex
 import shutil
 import subprocess
@@ -133,6 +134,94 @@ def test_versions_import_neither_sglang_nor_megatron():
             "print([m for m in sys.modules if m.split('.')[0] in ('sglang', 'megatron', 'torch')])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "[]", out.stderr
+
+
+def test_versions_name_the_interpreter_and_a_missing_package(monkeypatch):
+    monkeypatch.setattr(system_info, "PACKAGES", ("relax-no-such-package-x", "torch"))
+    versions = system_info.versions()
+    assert versions == {"python": f"{platform.python_version()} ({platform.python_implementation()}, "
+                                  f"{sys.executable})",
+                        "relax-no-such-package-x": "not installed",
+                        "torch": importlib.metadata.version("torch")}
+
+
+def test_a_commands_output_keeps_its_leading_spaces_and_a_failure_is_none(tmp_path):
+    assert system_info._run(["sh", "-c", "printf ' M a.py\\n M b.py\\n\\n'"]) == " M a.py\n M b.py"
+    assert system_info._run(["sh", "-c", "echo partial; exit 3"]) is None
+    assert system_info._run(["relax-no-such-command-x"]) is None
+    assert system_info._run(["pwd"], cwd=tmp_path) == str(tmp_path)
+
+
+def test_memory_cpus_and_cpu_model_as_the_machine_reports_them(monkeypatch):
+    """/proc/meminfo's kB in GiB (total and available); the CPUs this process may run on, not
+    all of them; the cpuinfo `model name` line (not the `model` number line before it)."""
+    info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    memory = system_info._meminfo()
+    assert sorted(memory) == ["MemAvailable", "MemTotal"]
+    assert memory["MemTotal"] == f"{int(info['MemTotal'].split()[0]) / 2**20:.1f} GiB"
+    gib = {k: float(v.removesuffix(" GiB")) for k, v in memory.items()}
+    assert 0 < gib["MemAvailable"] <= gib["MemTotal"]
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    m = system_info.machine()
+    assert (m["cpus_usable"], m["cpu_count"]) == (1, os.cpu_count())
+    assert m["memory"]["MemTotal"] == memory["MemTotal"]
+    names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+             if line.startswith("model name")]
+    if names:
+        assert m["cpu"] == names[0]
+
+
+def test_gpus_from_torch_and_nvidia_smi(monkeypatch):
+    """Every CUDA device by name; nvidia-smi's lines (or that it failed); "gpus": "none" only when
+    neither sees a GPU."""
+    cuda = torch.version.cuda or "none (CPU build)"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: f"GPU{i}")
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    assert system_info._gpu() == {"torch_cuda": cuda, "devices": ["GPU0", "GPU1"]}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert system_info._gpu() == {"torch_cuda": cuda, "gpus": "none"}
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/nvidia-smi")
+    smi = "H200, 570.1, 143771 MiB"
+    monkeypatch.setattr(system_info, "_run", lambda args, cwd=None: f"{smi}\n{smi}")
+    assert system_info._gpu() == {"torch_cuda": cuda, "nvidia_smi": [smi, smi]}
+    monkeypatch.setattr(system_info, "_run", lambda args, cwd=None: None)
+    assert system_info._gpu() == {"torch_cuda": cuda, "nvidia_smi": "nvidia-smi failed"}
+
+
+def test_source_revision_of_a_checkout_by_hand(tmp_path, monkeypatch):
+    """A git checkout's HEAD; its changed tracked files by name (the first 100; untracked files
+    are not changes); a folder inside a checkout, or git status failing, is not a known state."""
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo, check=True,
+                       capture_output=True)
+    repo = tmp_path / "repo"
+    (repo / "sub").mkdir(parents=True)
+    for i in range(120):
+        (repo / "sub" / f"f{i:03d}.py").write_text("x\n")
+    (repo / "a.py").write_text("x\n")
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-q", "-m", "x")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout
+    head = head.strip()
+    (repo / "new.py").write_text("untracked\n")
+    assert system_info.source_revision(repo) == {"source": str(repo), "revision": head, "dirty": False,
+                                                 "changed_files": []}
+    (repo / "a.py").write_text("changed\n")
+    assert system_info.source_revision(repo)["changed_files"] == ["a.py"]
+    for i in range(120):
+        (repo / "sub" / f"f{i:03d}.py").write_text("changed\n")
+    revision = system_info.source_revision(repo)
+    assert revision["dirty"] is True and revision["revision"] == head
+    assert revision["changed_files"] == ["a.py"] + [f"sub/f{i:03d}.py" for i in range(99)]
+    assert system_info.source_revision(repo / "sub") == {"source": str(repo / "sub"), "revision": "unknown",
+                                                         "dirty": "unknown"}
+    run = system_info._run
+    monkeypatch.setattr(system_info, "_run",
+                        lambda args, cwd=None: None if "status" in args else run(args, cwd))
+    assert system_info.source_revision(repo) == {"source": str(repo), "revision": head, "dirty": "unknown"}
 
 
 def test_no_secret_reaches_the_archive(run, archive, tmp_path, monkeypatch):

@@ -107,6 +107,80 @@ def test_doctor_cli_report_plots_and_exit_code(clean_run):
     assert "[PASS] 1. responses at the first rollout" in text.stdout
 
 
+def test_doctor_takes_its_threshold_flags_and_says_the_runs_status_and_report(clean_run, tmp_path, capsys,
+                                                                                 monkeypatch):
+    """In-process `relax doctor`: --grad-norm-max (dashes) reaches check 4, which FAILs (exit 1);
+    --json holds the run's status line (status.json described) and the report's path; the text
+    output starts with that status, gives every check's causes and next steps and ends with the
+    report's path; the report links both plots; exit 1 for a FAIL anywhere, 0 with WARNs only."""
+    import shutil
+
+    from relax.debug import doctor
+
+    run = tmp_path / "run"
+    shutil.copytree(clean_run, run)
+    (run / "status.json").write_text(json.dumps({"status": "failed", "error": "boom"}))
+    assert doctor.main([str(run), "--json", "--grad-norm-max", "0.001"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert (report["run"], report["run_status"], report["report"]) == (str(run), "failed: boom",
+                                                                       str(run / "doctor.md"))
+    assert [c["verdict"] for c in report["checks"]] == ["PASS"] * 3 + ["FAIL"] + ["PASS"] * 3 + ["SKIP"] * 2
+    check4 = Check(**report["checks"][3])
+    assert check4.causes and check4.next_steps
+    assert doctor.main([str(run), "--grad-norm-max", "0.001"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "run: failed: boom" and lines[-1] == f"report: {run / 'doctor.md'}"
+    assert [f"    likely cause: {x}" for x in check4.causes] + [f"    next: {x}" for x in check4.next_steps] \
+        == lines[lines.index(f"[FAIL] 4. {check4.name}: {check4.summary}") + 1:][:len(check4.causes)
+                                                                                + len(check4.next_steps)]
+    markdown = (run / "doctor.md").read_text()
+    assert markdown.endswith("\n![doctor_curves.png](doctor_curves.png)\n![doctor_logprob_hist.png]"
+                             "(doctor_logprob_hist.png)\n")
+    assert doctor.main([str(run)]) == 0 and "[PASS] 4." in capsys.readouterr().out  # the default: 10
+    # the exit code: 1 for a FAIL anywhere, not for a WARN
+    warn, fail = Check(1, "one", "WARN", "look"), Check(9, "nine", "FAIL", "broken")
+    for checks, code in (([warn, Check(2, "two", "SKIP", "-")], 0), ([warn, fail], 1)):
+        monkeypatch.setattr(doctor, "diagnose", lambda run, th, checks=checks: checks)
+        assert doctor.main([str(run), "--json"]) == code
+        verdicts_out = [c["verdict"] for c in json.loads(capsys.readouterr().out)["checks"]]
+        assert verdicts_out == [c.verdict for c in checks]
+
+
+def test_doctor_refuses_a_path_that_is_not_a_directory_with_exit_2(tmp_path, capsys):
+    from relax.debug import doctor
+
+    (tmp_path / "file").write_text("x")
+    for path in (tmp_path / "missing", tmp_path / "file"):
+        assert doctor.main([str(path)]) == 2
+        assert capsys.readouterr().err == f"relax doctor: error: {path} is not a directory\n"
+
+
+def test_doctor_md_has_a_section_for_each_failing_or_warning_check(tmp_path):
+    """doctor.md: a table row per check; for each FAIL and WARN (not PASS or SKIP) a section
+    with its summary, likely causes, next commands and evidence as JSON."""
+    from relax.debug.doctor import write_markdown
+
+    checks = [Check(1, "one", "PASS", "fine", {"a": 1}, ["never shown"], ["nor this"]),
+              Check(2, "two", "WARN", "look at it", {"x": 0.5, "path": Path("/p")}, ["cause A"],
+                    ["relax x=1"]),
+              Check(3, "three", "FAIL", "broken", {"y": [1, 2]}, ["cause B", "cause C"], ["relax y=2"]),
+              Check(4, "four", "SKIP", "not recorded")]
+    run = RunData(path=tmp_path / "myrun", rollouts=[], steps=[])
+    run.path.mkdir()
+    out = write_markdown(run, checks, ["a.png"])
+    assert out == run.path / "doctor.md"
+    assert out.read_text() == "\n".join([
+        "# relax doctor: myrun", "", "| # | check | verdict | summary |", "| --- | --- | --- | --- |",
+        "| 1 | one | **PASS** | fine |", "| 2 | two | **WARN** | look at it |",
+        "| 3 | three | **FAIL** | broken |",
+        "| 4 | four | **SKIP** | not recorded |",
+        "", "## 2. two: WARN", "", "look at it", "", "- likely cause: cause A", "- next: `relax x=1`",
+        "", "```json", json.dumps({"x": 0.5, "path": "/p"}, indent=2), "```",
+        "", "## 3. three: FAIL", "", "broken", "", "- likely cause: cause B", "- likely cause: cause C",
+        "- next: `relax y=2`", "", "```json", json.dumps({"y": [1, 2]}, indent=2), "```",
+        "", "![a.png](a.png)", ""])
+
+
 def test_garbage_at_rollout_0_from_corrupted_engine_weights(tmp_path, monkeypatch):
     monkeypatch.setenv("RELAX_FAULT", "engine_weights")
     run_loop(tmp_path / "full", *SHORT, "rollout.num_rollout=2")
