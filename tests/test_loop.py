@@ -16,6 +16,7 @@ import torch
 from relax import loop
 from relax.errors import ConfigError, Interrupted, NonFiniteError
 from relax.files import safe_load
+from relax.logger import MetricsLogger
 from relax.sample import Sample
 
 from .conftest import make_cfg, run_loop, status_of
@@ -260,18 +261,29 @@ def test_a_sweep_job_raises_a_user_error_for_hydra_to_record(tmp_path, monkeypat
     assert (status_of(tmp_path)["status"], status_of(tmp_path)["error"]) == ("failed", "bad")
 
 
+class StartLogger(MetricsLogger):
+    """The metrics logger, noting the rollout the loop says the run starts at (resume_from)."""
+    starts: list[int] = []
+
+    def __init__(self, run_dir, backends=(), resume_from=0, **kw):
+        StartLogger.starts.append(resume_from)
+        super().__init__(run_dir, backends, resume_from, **kw)
+
+
 def test_a_run_logs_its_weight_sync_time_and_a_resume_at_the_last_rollout_runs_nothing(tmp_path, caplog):
     """Every trained rollout's record has perf/weight_sync_time; resuming a run from its last
     rollout's checkpoint warns that nothing is left and keeps its history as it was; a resume
-    with another trainer layout (LoRA adapters) is refused before anything is built."""
+    with another trainer layout (LoRA adapters) is refused before anything is built; the logger
+    is told the rollout the run starts at (TensorBoard drops the steps from there)."""
     common = ["rollout.num_rollout=2", "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=2",
-              "checkpoint.save_interval=2"]
+              "checkpoint.save_interval=2", "logger._target_=tests.test_loop.StartLogger"]
+    StartLogger.starts.clear()
     rollouts, steps = run_loop(tmp_path / "run", *common)
     assert [r["rollout_id"] for r in rollouts] == [0, 1]
     assert all(0 < r["perf/weight_sync_time"] < r["perf/train_time"] for r in rollouts)
     with caplog.at_level(logging.WARNING, logger="relax"):
         again = run_loop(tmp_path / "again", *common, f"resume={tmp_path / 'run'}")
-    assert again == (rollouts, steps)
+    assert again == (rollouts, steps) and StartLogger.starts == [0, 2]
     assert f"resume: {tmp_path / 'run' / 'checkpoints' / 'rollout_000001'} is at the run's last rollout " \
            "(rollout.num_rollout=2): nothing left to run" in caplog.text
     with pytest.raises(ConfigError, match=r"saved with train.lora=None \(this run: \{'rank': 4"):
