@@ -17,6 +17,7 @@ from relax import loop
 from relax.errors import ConfigError, Interrupted, NonFiniteError
 from relax.files import safe_load
 from relax.logger import MetricsLogger
+from relax.rollout.torch_engine import TorchEngine
 from relax.sample import Sample
 
 from .conftest import make_cfg, run_loop, status_of
@@ -288,3 +289,52 @@ def test_a_run_logs_its_weight_sync_time_and_a_resume_at_the_last_rollout_runs_n
            "(rollout.num_rollout=2): nothing left to run" in caplog.text
     with pytest.raises(ConfigError, match=r"saved with train.lora=None \(this run: \{'rank': 4"):
         loop.prepare(make_cfg(*common, f"resume={tmp_path / 'run'}", "train.lora.rank=4"), tmp_path / "lora")
+
+
+def test_a_layer_dump_gives_the_engine_the_chosen_samples_and_their_model_tokens_log_probs(tmp_path,
+                                                                                            monkeypatch):
+    """The engine's side of debug.dump_layers: the chosen samples' tokens in the order asked,
+    and their generated log-probs of model tokens only (a tool's token is not the engine's)."""
+    from relax.train import layer_dump
+
+    saved, trained = {}, []
+    def save_dump(path, rollout_id, side, manifest, indices, forward, generated):
+        saved.update(path=path, rollout_id=rollout_id, side=side, manifest=manifest, indices=indices,
+                     forward=forward, generated=[g.tolist() for g in generated])
+    monkeypatch.setattr(layer_dump, "save_dump", save_dump)
+    trainer = SimpleNamespace(dump_layers=lambda *args: trained.append(args))
+    engine = SimpleNamespace(record_layers=lambda tokens: {"tokens": tokens})
+    run = hand_run(tmp_path, None, cfg=make_cfg("debug.dump_layers_samples=[2,0]"))
+    run.plan.dump_layers, run.manifest = tmp_path / "layers", {"model_fingerprint": "fp"}
+    loop.dump_layers(run, trainer, engine, 4, hand_samples())
+    assert (saved["path"], saved["rollout_id"], saved["side"], saved["indices"]) == (tmp_path / "layers", 4,
+                                                                                     "engine", [2, 0])
+    assert saved["forward"] == {"tokens": [[5, 6, 8, 9], [5, 6, 7, 8, 9]]}
+    assert saved["generated"] == [[-0.5, -0.5], [-1.0, -3.0]]
+    assert saved["manifest"]["model_fingerprint"] == "fp"
+    assert len(trained) == 1 and trained[0][1:3] == (4, hand_samples()) and trained[0][3] == [2, 0]
+
+
+def test_debug_dump_layers_rollouts_dumps_the_rollouts_asked_for(tmp_path):
+    run_loop(tmp_path / "run", "rollout.num_rollout=2", "rollout.rollout_batch_size=2",
+             "rollout.n_samples_per_prompt=2", "checkpoint.save_interval=null",
+             f"debug.dump_layers={tmp_path}/layers", "debug.dump_layers_rollouts=[1]")
+    assert sorted(p.name for p in (tmp_path / "layers").glob("*.pt")) == ["1_engine.pt", "1_ref.pt",
+                                                                              "1_train.pt"]
+
+
+class ShutdownEngine(TorchEngine):
+    """The torch engine, counting its shutdowns."""
+    shutdowns: list[int] = []
+
+    def shutdown(self):
+        ShutdownEngine.shutdowns.append(1)
+        super().shutdown()
+
+
+def test_the_engine_is_shut_down_when_the_run_ends(tmp_path):
+    ShutdownEngine.shutdowns.clear()
+    run_loop(tmp_path, "rollout.num_rollout=1", "rollout.rollout_batch_size=2",
+             "rollout.n_samples_per_prompt=2", "checkpoint.save_interval=null",
+             "rollout._target_=tests.test_loop.ShutdownEngine")
+    assert ShutdownEngine.shutdowns == [1]
