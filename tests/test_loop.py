@@ -338,3 +338,10 @@ def test_the_engine_is_shut_down_when_the_run_ends(tmp_path):
              "rollout.n_samples_per_prompt=2", "checkpoint.save_interval=null",
              "rollout._target_=tests.test_loop.ShutdownEngine")
     assert ShutdownEngine.shutdowns == [1]
+
+
+def test_prompts_are_checked_against_the_positions_max_new_tokens_leaves(tmp_path):
+    """The tiny model has 128 positions: rollout.max_new_tokens=128 leaves none for a prompt."""
+    with pytest.raises(ConfigError, match="rollout.max_new_tokens=128 leaves no room"):
+        loop.prepare(make_cfg("rollout.max_new_tokens=128"), tmp_path)
+    assert not (tmp_path / "built.json").exists()
