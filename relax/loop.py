@@ -161,7 +161,7 @@ def build(run: Run, cluster):
     if engine and cfg.debug.check_weight_update_equal:
         weight_check = WeightCheck(engine, run.actor_path, run.dir, merged)
         if trainer:
-            weight_check.check_first_sync(engine, trainer)
+            weight_check.check_first_sync(engine, trainer, cfg.rollout.weight_update_mode == "distributed")
         if cfg.debug.strict_checks:
             checks.strict_weights({"checks": weight_check.results})
     return engine, trainer, weight_check
@@ -258,16 +258,18 @@ def sync_weights(run: Run, trainer, engine, weight_check, rollout_id: int) -> fl
     """The trainer's weights into the engine; returns the seconds it took (perf/weight_sync_time:
     gathering, merging and pushing, without the engine-weights check)."""
     t0 = time.perf_counter()
-    if run.cfg.rollout.weight_update_mode == "distributed":  # NCCL, trainer -> engine directly
-        engine.update_weights_from_trainer(trainer)
-        return time.perf_counter() - t0
     # what training changed (the trainer class's synced_weights: with LoRA, the merged projections)
     partial = hasattr(load_target(run.cfg, "train"), "synced_weights")
-    weights = trainer.synced_weights() if partial else trainer.named_weights()
-    engine.update_weights(weights)
+    weights = None
+    if run.cfg.rollout.weight_update_mode == "distributed":  # NCCL, trainer -> engine directly
+        engine.update_weights_from_trainer(trainer)
+    else:
+        weights = trainer.synced_weights() if partial else trainer.named_weights()
+        engine.update_weights(weights)
     seconds = time.perf_counter() - t0
     if weight_check and run.cfg.debug.check_weight_update_every_sync:  # the engine against the whole model
-        weight_check.check_sync(engine, trainer.named_weights() if partial else weights, rollout_id)
+        weight_check.check_sync(engine, trainer.named_weights() if partial or weights is None else weights,
+                                rollout_id)
     return seconds
 
 

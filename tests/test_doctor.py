@@ -359,6 +359,32 @@ class _Engines:
                             if k != self.skip or self.updates == 1})
 
 
+def test_the_first_sync_check_goes_through_the_nccl_broadcast_when_every_sync_does(tmp_path):
+    """rollout.weight_update_mode=distributed: the check's first sync is the broadcast (the
+    engines' update_weights_from_trainer), not a push by name, so a broadcast that loses a
+    tensor fails it."""
+    from relax.debug.weights import WeightCheck
+
+    generator = torch.Generator().manual_seed(2)
+    checkpoint = {"w": torch.randn(4, 3, generator=generator), "b": torch.randn(3, generator=generator)}
+
+    class Broadcasting(_Engines):
+        def update_weights_from_trainer(self, trainer):  # loses "b", as a broken broadcast would
+            for tensors in self.tensors:
+                tensors["w"] = trainer.named_weights()["w"].to(tensors["w"].dtype)
+
+    class Trainer:
+        def named_weights(self):
+            return dict(checkpoint)
+
+    engines = Broadcasting(checkpoint, copies=1)
+    check = WeightCheck(engines, Path("unused"), tmp_path, weights=checkpoint)
+    sync, = check.check_first_sync(engines, Trainer(), distributed=True)
+    assert engines.updates == 1  # the random weights only: the rest came by the broadcast
+    assert not sync["passed"] and [m["name"] for m in sync["mismatches"]] == ["b"]
+    assert check.check_first_sync(Broadcasting(checkpoint, copies=1), Trainer())[0]["passed"]  # by name
+
+
 def test_the_weight_check_keeps_its_own_copy_of_the_weights_it_was_given(tmp_path):
     """`weights` (a resumed LoRA run's merged model) may be a local trainer rank's shared
     buffers, which its next weights call rewrites in place: the check's reference is a copy,

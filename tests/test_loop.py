@@ -157,9 +157,39 @@ def test_the_weight_sync_time_leaves_out_the_engine_weights_check(every_sync):
     trainer.synced_weights = trainer.named_weights
     run = SimpleNamespace(cfg=make_cfg(f"debug.check_weight_update_every_sync={str(every_sync).lower()}"))
     check, engine = SlowCheck(), SyncedEngine()
+    loop.load_target(run.cfg, "train")  # the trainer's module imported before, not timed (~0.5 s alone)
     seconds = loop.sync_weights(run, trainer, engine, check, 4)
     assert seconds < 0.4 and list(engine.weights) == ["w"]
     assert check.checked == ([4] if every_sync else [])
+
+
+class BroadcastEngine:
+    """rollout.weight_update_mode=distributed: the engine receives the trainer's NCCL broadcast."""
+
+    def __init__(self):
+        self.broadcasts = 0
+
+    def update_weights(self, weights):
+        raise AssertionError("a distributed sync pushes nothing by name")
+
+    def update_weights_from_trainer(self, trainer):
+        self.broadcasts += 1
+
+
+def test_a_distributed_sync_is_checked_too_against_the_trainers_whole_model():
+    """The reported bug: with weight_update_mode=distributed the sync returned before the
+    every-sync check, which then never ran. It runs, against named_weights (nothing was
+    gathered by name for the broadcast)."""
+    trainer = SimpleNamespace(named_weights=lambda: {"w": torch.ones(1)})
+    trainer.synced_weights = trainer.named_weights
+    run = SimpleNamespace(cfg=make_cfg("rollout.weight_update_mode=distributed",
+                                       "debug.check_weight_update_every_sync=true"))
+    checked = []
+    check = SimpleNamespace(
+        check_sync=lambda engine, weights, rollout_id: checked.append((dict(weights), rollout_id)))
+    engine = BroadcastEngine()
+    loop.sync_weights(run, trainer, engine, check, 7)
+    assert engine.broadcasts == 1 and checked == [({"w": torch.ones(1)}, 7)]
 
 
 def nonfinite_samples(n: int) -> list[Sample]:

@@ -102,12 +102,17 @@ class WeightCheck:
         return [self._record("sync", rollout_id, i, compare_tensors(actual, {**expected, **self.buffers[i]}))
                 for i, actual in enumerate(snapshots(engines))]
 
-    def check_first_sync(self, engines, trainer) -> list[dict]:
-        """Randomise every engine's parameters, sync from the trainer, compare with the checkpoint."""
+    def check_first_sync(self, engines, trainer, distributed: bool = False) -> list[dict]:
+        """Randomise every engine's parameters, sync from the trainer the way every sync goes
+        (`distributed`: rollout.weight_update_mode=distributed, the NCCL broadcast), compare
+        with the checkpoint."""
         generator = torch.Generator().manual_seed(0)
         engines.update_weights({k: torch.randn(v.shape, generator=generator).to(v.dtype)
                                 for k, v in self.reference.items() if k in self.loaded[0]})
-        engines.update_weights(trainer.named_weights())
+        if distributed:
+            engines.update_weights_from_trainer(trainer)
+        else:
+            engines.update_weights(trainer.named_weights())
         return self._compare_all(engines, self.reference, None)
 
     def check_sync(self, engines, trained: dict[str, torch.Tensor], rollout_id: int) -> list[dict]:
