@@ -165,14 +165,15 @@ def test_the_real_model_on_ray_actors_syncs_its_weights_exactly(tmp_path, smollm
     engine reads in place (relax/cluster/ray_weights.py): the engine equals the trainer's
     weights at load and after every sync, and the first step is exact."""
     require("ray", RAY)
-    rollouts, steps = run_loop(tmp_path, *REAL, "cluster=ray", "rollout.num_rollout=2",
+    one_thread = [x for x in REAL if not x.startswith("train.num_threads=")]  # 2 actors: a core each
+    rollouts, steps = run_loop(tmp_path, *one_thread, "cluster=ray", "rollout.num_rollout=1",
                                "debug.strict_checks=true", "debug.check_weight_update_equal=true",
                                "debug.check_weight_update_every_sync=true")
     first = rollouts[0]
     assert first["rollout/log_probs"] == first["rollout/ref_log_probs"] and first["rollout/kl"] == 0.0
     assert steps[0]["train/ppo_kl"] == 0.0 and all(s["train/grad_norm"] > 0 for s in steps)
-    report = json.loads((tmp_path / "weight_check.json").read_text())  # after steps that moved the weights
-    assert report["passed"] and [c["stage"] for c in report["checks"]] == ["load", "sync", "sync", "sync"]
+    report = json.loads((tmp_path / "weight_check.json").read_text())  # the last after a step moved them
+    assert report["passed"] and [c["stage"] for c in report["checks"]] == ["load", "sync", "sync"]
     assert all(c["compared"] >= 272 for c in report["checks"])
     placement = json.loads((tmp_path / "built.json").read_text())["placement"]
     assert placement["cluster"] == "ray" and len(placement["trainer_ranks"]) == len(placement["engines"]) == 1
