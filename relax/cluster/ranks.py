@@ -165,9 +165,11 @@ def _rank_main(conn, environ, rank, world_size, port, factory, args, kwargs, log
         while True:
             method, a, kw = conn.recv()
             result = run_method(trainer, rank, method, a, kw)
-            if method in WEIGHTS and on_cpu(result):
+            if rank != 0:  # rank 0 answers for the group
+                result = None
+            elif method in WEIGHTS and on_cpu(result):
                 result = outbox.pack(result)
-            conn.send(("ok", result if rank == 0 else None))
+            conn.send(("ok", result))
             if method == "shutdown":
                 break
     except EOFError:  # the driver went away
