@@ -9,6 +9,8 @@ from collections.abc import Mapping
 
 import ray
 
+from relax.cluster.shared_weights import on_cpu
+
 
 class Tensors(dict):
     """Weights (name -> tensor) that pickle as raw bytes: each CPU tensor as a flat uint8 numpy
@@ -21,7 +23,7 @@ class Tensors(dict):
     def __reduce__(self):
         import torch
 
-        if not all(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in self.values()):
+        if not on_cpu(self):
             return dict, (dict(self),)
         meta = [(name, t.dtype, tuple(t.shape)) for name, t in self.items()]
         raw = [t.detach().contiguous().reshape(-1).view(torch.uint8).numpy() for t in self.values()]

@@ -24,7 +24,8 @@ class SharedBucket:
 
 
 def on_cpu(named) -> bool:
-    """Weights that can go through shared memory (CUDA tensors pickle through CUDA IPC)."""
+    """Weights of CPU tensors only: what goes through shared memory here, or as raw arrays
+    through Ray (relax/cluster/ray_weights.py); CUDA tensors pickle through CUDA IPC."""
     import torch
 
     return isinstance(named, dict) and bool(named) and all(
