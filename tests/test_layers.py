@@ -3,6 +3,8 @@ the module or parameter where it sits; a clean run departs nowhere."""
 
 import json
 import math
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,7 @@ from relax.train import layer_dump
 from relax.files import safe_load
 from relax.logger import read_metrics
 
-from .conftest import relax_cli, run_loop
+from .conftest import make_cfg, relax_cli, run_loop
 
 SMALL = ["rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4", "checkpoint.save_interval=null"]
 DUMP = "debug.dump_layers=${hydra:runtime.output_dir}/layers"  # (for the CLI: each job its own)
@@ -201,6 +203,26 @@ def test_bad_dump_settings_are_refused_before_anything_runs(tmp_path, tiny_path,
     )
     assert proc.returncode == 2 and message in proc.stdout + proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "layers").exists()
+
+
+def test_a_replays_dump_samples_are_checked_against_the_dumped_rollouts_file_only(tmp_path, replay):
+    """Rollout 1's replay file holds 8 samples, rollout 0's 16: sample 15 is refused only where
+    rollout 1 is the one dumped, and the error names its file."""
+    from relax.errors import ConfigError
+    from relax.loop import prepare
+    from relax.replay import keep_groups, read_rollout, save_rollout
+
+    first = Path(replay[1].split("=", 1)[1].format(rollout_id=0))
+    data, samples = read_rollout(first)
+    shutil.copy(first, tmp_path / "0.pt")
+    save_rollout(tmp_path / "1.pt", 1, keep_groups(samples, {0, 1}), data["manifest"])
+    args = ("debug=train_only", f"debug.load_rollout_data={tmp_path}/{{rollout_id}}.pt",
+            "rollout.num_rollout=2", *SMALL, f"debug.dump_layers={tmp_path}/layers",
+            "debug.dump_layers_samples=[0,15]")
+    assert prepare(make_cfg(*args, run_dir=tmp_path / "a"), tmp_path / "a").plan.dump_layers_rollouts == [0]
+    with pytest.raises(ConfigError, match=r"\[15\] beyond the 8 samples per rollout of the replay file "
+                                          + re.escape(str(tmp_path / "1.pt"))):
+        prepare(make_cfg(*args, "debug.dump_layers_rollouts=[1]", run_dir=tmp_path / "b"), tmp_path / "b")
 
 
 def test_rollout_only_has_no_trainer_to_dump(tmp_path, tiny_path):
