@@ -7,6 +7,8 @@ status.json  `{"status": running | completed | failed | interrupted, "pid", "hos
              the run) let every reader tell a live run from a dead one: `describe()`.
 Stop         SIGINT (Ctrl-C) and SIGTERM ask the loop to stop after the current rollout, whose
              checkpoint is then written when checkpointing is on; a second one aborts at once.
+             Sent to every process of the job, they are still the driver's alone (the
+             processes it starts: relax/cluster/ranks.py, leave_stops_to_the_driver).
 Log          A library that configures logging for itself (SGLang's engine calls
              `logging.basicConfig(force=True)` and sets the root level to its own) would take
              away the handlers Hydra set up: `LogGuard` puts them back.

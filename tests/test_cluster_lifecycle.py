@@ -75,10 +75,16 @@ def run_driver(tmp_path, *args) -> tuple[subprocess.Popen, set[tuple[int, int]]]
     raise AssertionError(f"the driver never came up: {driver.stderr.read()[-3000:]}")
 
 
+GROUP_STOPS = {"Ctrl-C": signal.SIGINT, "SIGTERM to the group": signal.SIGTERM}
+
+
 @pytest.mark.parametrize("end", ["kill -9", *(pytest.param(e, marks=pytest.mark.slow)
-                                                for e in ("completes", "Ctrl-C"))])
+                                                for e in ("completes", *GROUP_STOPS))])
 def test_a_private_instance_leaves_no_process_behind(tmp_path, tiny_path, end):
+    """Whichever way the job ends; a stop that signals every process of the job (a terminal's
+    Ctrl-C; `timeout`, `kill -- -PGID`: SIGTERM) is the driver's, and a clean one."""
     from relax.cluster.reaper import start_time
+    from relax.process import read_status
 
     num_rollout = 2 if end == "completes" else 100_000
     driver, seen = run_driver(tmp_path, *TINY, f"rollout.num_rollout={num_rollout}")
@@ -86,10 +92,13 @@ def test_a_private_instance_leaves_no_process_behind(tmp_path, tiny_path, end):
         time.sleep(3)  # the job runs a little: Ray's late agents are up
     if end == "kill -9":
         driver.kill()
-    elif end == "Ctrl-C":  # what a terminal sends: SIGINT to the job's whole process group
-        os.killpg(driver.pid, signal.SIGINT)
+    elif end in GROUP_STOPS:
+        os.killpg(driver.pid, GROUP_STOPS[end])
     code = driver.wait(timeout=120)
     assert (code == 0) == (end == "completes"), driver.stderr.read()[-3000:]
+    if end in GROUP_STOPS:
+        status = read_status(next((tmp_path / "outputs" / "runs").iterdir()))
+        assert code == 128 + GROUP_STOPS[end] and status["status"] == "interrupted", status
     time.sleep(0.5)  # the watching thread has seen the driver end and stopped adding
     processes = list(seen)
     assert len(processes) >= 4  # GCS, raylet, the rank's and the engine's actors at least

@@ -6,12 +6,15 @@ in its own dir keeps its record, and an engine that reconfigures logging keeps r
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from relax.checkpoint import scan
 from relax.rollout.torch_engine import TorchEngine
@@ -106,22 +109,30 @@ def test_a_live_runs_dir_is_refused_and_its_status_left_alone(tmp_path, fork_cli
     assert proc.exitcode == 128 + signal.SIGTERM
 
 
-def test_ctrl_c_to_the_whole_process_group_reaches_ranks_that_leave_the_stop_to_the_driver(tmp_path):
-    """A terminal's Ctrl-C signals every process of the job; dp2 trainer ranks ignore it, so
-    the driver still finishes the rollout and writes its checkpoint (ranks take part)."""
-    proc = subprocess.Popen([sys.executable, "-m", "relax", *LONG, "parallel=dp2"], cwd=tmp_path,
-                            stdout=open(tmp_path / "out.log", "w"), stderr=subprocess.STDOUT,
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_stop_of_the_whole_process_group_is_left_to_the_driver(tmp_path, signum):
+    """A terminal's Ctrl-C (SIGINT), `timeout` or `kill -- -PGID` (SIGTERM) signal every process
+    of the job: dp2 trainer ranks and train.async's engine process ignore it while the driver
+    lives (the fork server the ranks come from dies of SIGTERM: the ranks outlive it), so the
+    driver still finishes the rollout with them and writes its checkpoint."""
+    proc = subprocess.Popen([sys.executable, "-m", "relax", *LONG, "parallel=dp2", "train.async=true"],
+                            cwd=tmp_path, stdout=open(tmp_path / "out.log", "w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
         wait_for(tmp_path / "outputs/run/relax.log", "Finish rollout 1", timeout=300)
-        os.killpg(proc.pid, signal.SIGINT)
+        os.killpg(proc.pid, signum)
         proc.wait(300)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    stopped_cleanly(tmp_path, signal.SIGINT, proc.returncode)
-    built = json.loads((tmp_path / "outputs/run/built.json").read_text())
-    assert built["world_size"] == 2
+    stopped_cleanly(tmp_path, signum, proc.returncode)
+    assert "Traceback" not in (tmp_path / "out.log").read_text()
+    placement = json.loads((tmp_path / "outputs/run/built.json").read_text())["placement"]
+    pids = {p["pid"] for p in placement["trainer_ranks"] + placement["engines"]}
+    assert len(pids) == 3 and proc.pid not in pids  # two ranks and an engine, each a process
+    if signum == signal.SIGTERM:
+        logs = [tmp_path / "outputs/run" / f for f in ("rank0.log", "rank1.log", "engine0.log")]
+        assert all(f"SIGTERM: left to the driver (pid {proc.pid})" in f.read_text() for f in logs)
 
 
 def test_a_run_resumed_in_its_own_dir_keeps_its_config_and_compares_equivalent(tmp_path, fork_cli):
@@ -272,3 +283,47 @@ def test_proc_stat_reads_a_process_whose_name_holds_spaces_and_parentheses():
         os.waitpid(pid, 0)
         os.close(ready_r)
         os.close(ready_w)
+
+
+def _serve_until_stopped(conn, driver) -> None:
+    """A process the driver started, in short: its signals set up, then waiting on its pipe."""
+    from relax.cluster.ranks import leave_stops_to_the_driver
+
+    leave_stops_to_the_driver(driver)
+    conn.send("ready")
+    conn.recv()
+
+
+def started_by(driver):
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_serve_until_stopped, args=(child, driver), daemon=True)
+    proc.start()
+    assert parent.recv() == "ready"
+    return proc, parent
+
+
+def test_a_rank_ignores_the_jobs_signals_while_its_driver_lives_and_the_driver_stops_it_at_once():
+    from relax.cluster.ranks import stop_processes, this_driver
+
+    proc, conn = started_by(this_driver())
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGTERM):
+        os.kill(proc.pid, signum)
+    proc.join(2)
+    assert proc.is_alive()
+    begin = time.monotonic()
+    stop_processes([proc], [conn])
+    assert proc.exitcode == -signal.SIGKILL and time.monotonic() - begin < 5
+
+
+def test_a_rank_dies_of_sigterm_once_its_driver_is_gone_even_as_a_zombie():
+    from relax.process import start_time
+
+    driver = subprocess.Popen(["sleep", "60"])
+    proc, _ = started_by((driver.pid, start_time(driver.pid)))
+    driver.kill()  # not reaped yet: a zombie, whose pid still exists
+    time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGTERM)
+    proc.join(10)
+    driver.wait()
+    assert proc.exitcode == -signal.SIGTERM

@@ -26,14 +26,15 @@ import traceback
 
 import torch.multiprocessing as mp
 
-from relax.cluster.ranks import (RankError, _die_with_parent, freeze_heap, on_this_host, receive,
-                                 stop_processes)
+from relax.cluster.ranks import (RankError, freeze_heap, leave_stops_to_the_driver, on_this_host, receive,
+                                 stop_processes, this_driver)
 from relax.cluster.shared_weights import SharedBucket, SharedWeights
 from relax.errors import USER_ERRORS
 
 
-def _engine_main(conn, index: int, factory, args, kwargs, log_file: str | None, num_threads: int) -> None:
-    _die_with_parent()
+def _engine_main(conn, driver, index: int, factory, args, kwargs, log_file: str | None,
+                 num_threads: int) -> None:
+    leave_stops_to_the_driver(driver)
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints a hung engine's stacks
     logging.basicConfig(level=logging.INFO, format=f"[%(asctime)s][engine{index}][%(name)s] %(message)s",
                         handlers=[logging.FileHandler(log_file)] if log_file else None, force=True)
@@ -74,7 +75,7 @@ class EngineProcesses:
         for i, gpu in enumerate(base_gpu_ids):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_engine_main, name=f"relax-engine{i}", args=(
-                child, i, factory, args, {"base_gpu_id": gpu}, self.logs[i], num_threads))
+                child, this_driver(), i, factory, args, {"base_gpu_id": gpu}, self.logs[i], num_threads))
             proc.start()
             child.close()
             self.conns.append(parent)

@@ -33,6 +33,7 @@ from relax import faults
 from relax.cluster.shared_weights import SharedBucket, SharedWeights, on_cpu
 from relax.distributed import free_port
 from relax.errors import USER_ERRORS
+from relax.process import start_time
 
 log = logging.getLogger(__name__)
 
@@ -124,36 +125,57 @@ def receive(conn, proc, who: str, log: str, kill) -> object:
 
 
 def stop_processes(procs: list, conns: list) -> None:
-    """SIGTERM, then SIGKILL what is still alive 10 s later; close the pipes."""
+    """SIGKILL (a SIGTERM from the living driver would be ignored: leave_stops_to_the_driver);
+    close the pipes."""
     for proc in procs:
-        if proc.is_alive():
-            proc.terminate()
-    for proc in procs:
-        proc.join(timeout=10)
         if proc.is_alive():
             proc.kill()
-            proc.join()
+    for proc in procs:
+        proc.join()
     for conn in conns:
         conn.close()
 
 
-def _die_with_parent() -> None:
-    # Linux: SIGTERM this process when its parent dies, however it dies (a local rank's parent
-    # is the fork server, which exits when the driver does)
+def this_driver() -> tuple[int, int | None]:
+    """The driver, as a process it starts knows it: (pid, start time; None where not Linux)."""
+    return os.getpid(), start_time(os.getpid())
+
+
+def leave_stops_to_the_driver(driver: tuple[int, int | None]) -> None:
+    """In a process the driver started (a trainer rank, an engine). A stop of the whole job
+    reaches it too: a terminal's Ctrl-C (SIGINT to the process group), `timeout` or
+    `kill -- -PGID` (SIGTERM to it), a scheduler stopping the job (Slurm at its time limit,
+    `systemctl stop`: SIGTERM to every process). The driver then finishes the rollout with this
+    process and writes the checkpoint, so SIGINT is ignored here, and SIGTERM while the driver
+    lives. Without the driver it ends: SIGTERM once the driver is gone, which the kernel sends
+    when the parent dies (a local rank's parent is the fork server, which exits with the
+    driver); the driver itself stops it with SIGKILL (stop_processes)."""
     try:
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG (Linux)
     except OSError:
         pass
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if driver[1] is None:  # not Linux: a driver's death cannot be told from here; SIGTERM ends it
+        return
+
+    def on_sigterm(signum, frame):
+        if start_time(driver[0]) != driver[1]:  # the driver is gone (exited, or a zombie)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)  # ends here, as by default
+            return
+        log.warning("SIGTERM: left to the driver (pid %d), which stops this process after the current "
+                    "rollout", driver[0])
+
+    signal.signal(signal.SIGTERM, on_sigterm)
 
 
 WEIGHTS = ("named_weights", "synced_weights")  # what rank 0 returns through shared memory
 
 
-def _rank_main(conn, environ, rank, world_size, port, factory, args, kwargs, log_dir, num_threads):
+def _rank_main(conn, driver, environ, rank, world_size, port, factory, args, kwargs, log_dir, num_threads):
     os.environ.clear()  # the driver's environment now, not the fork server's when it started
     os.environ.update(environ)
-    _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every process: the driver stops the ranks
+    leave_stops_to_the_driver(driver)
     start_rank(rank, world_size, "127.0.0.1", port, log_dir, num_threads, rank)
     import torch.distributed as dist
 
@@ -236,7 +258,7 @@ class LocalRanks(RankGroup):
         for rank in range(world_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_rank_main, daemon=True, name=f"relax-rank{rank}",
-                               args=(child, dict(os.environ), rank, world_size, port, factory,
+                               args=(child, this_driver(), dict(os.environ), rank, world_size, port, factory,
                                      args, kwargs or {}, log_dir, num_threads))
             proc.start()
             child.close()

@@ -84,7 +84,10 @@ class Reaper:
 
 
 def main(driver: int, since_ticks: int, poll_s: float = 1.0) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C of the job must not stop the reaper
+    # a stop of the whole job (Ctrl-C, a scheduler's SIGTERM to every process) must not stop the
+    # reaper: it ends when the driver does
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
     processes: dict[int, int] = {}
     while True:  # until the driver closes the pipe or dies
         processes.update((pid, started) for pid, started in descendants(driver, since_ticks)
