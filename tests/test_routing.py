@@ -2,8 +2,12 @@
 replay (algo.routing_replay: R3 the engine's experts, R2 the old-log-prob pass's) makes the
 trainer route as recorded (relax/train/routing.py)."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from relax.errors import ConfigError
 from relax.model import families, load_causal_lm, read_hf_config
@@ -66,8 +70,6 @@ def test_agreement_and_replay_sums_by_hand():
 def test_the_first_forward_at_the_rollouts_weights_is_the_one_measured_and_replayed_by_r2():
     """Later forwards (training steps that moved the weights) neither replace the routing measured
     against the engine's nor what R2 replays."""
-    from types import SimpleNamespace
-
     first, later = (routing.Record(torch.full((2, 1, 2), e), torch.full((2, 1, 2), e)) for e in (0, 3))
     for mode in (None, "rollout", "train"):
         mb = SimpleNamespace(trainer_experts=None, replay_experts=None)
@@ -414,3 +416,73 @@ def test_inspect_shows_routing_agreement_per_layer(tmp_path, replay, bf16_rollou
     proc = relax_cli("inspect", str(tmp_path / "dump"), cwd=tmp_path)
     assert proc.returncode == 0 and "MoE layer" in proc.stdout, proc.stdout
     assert f"{per_layer[1]:.4f}" in proc.stdout
+
+
+class FakeRouter(torch.nn.Module):
+    """A TopKRouter as train=megatron's hooks see it: gating logits are the hidden states
+    themselves ([s, b, experts]); the forward routes rows s * b + b_i to their own top-2."""
+    config = SimpleNamespace(num_moe_experts=4)
+    router_replay = None
+
+    def gating(self, hidden):
+        return hidden
+
+    def forward(self, hidden):
+        logits = hidden.reshape(-1, 4)
+        return logits, torch.zeros_like(logits, dtype=torch.bool).scatter_(1, logits.topk(2).indices, True)
+
+
+class FakeLayer(torch.nn.Module):
+    def __init__(self, layer_number):
+        super().__init__()
+        self.layer_number, self.mlp = layer_number, torch.nn.Module()
+        self.mlp.router = FakeRouter()
+
+
+def _megatron_routing_on_tp_rank(rank: int, init_file: str) -> None:
+    """Tensor-parallel rank `rank` of 2 with sequence parallelism: its routers see positions
+    2·rank and 2·rank+1 of a 4-position micro-batch of 2 rows."""
+    from relax.train.megatron.routing import Routing
+
+    from .test_megatron_convert import layout
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        layers = [FakeLayer(1), FakeLayer(2)]
+        tp_sp = layout(tp_size=2, tp_rank=rank, sequence_parallel=True)
+        tracker = Routing([[torch.nn.ModuleList(layers)]], tp_sp, num_layers=2, top_k=2, mode=None)
+        # logits [T=4, b=2, experts=4]: row b_i at position t picks experts t + 2b_i and t + 2b_i + 1 (mod 4)
+        t, b = torch.arange(4)[:, None], torch.arange(2)[None, :]
+        logits = sum(torch.nn.functional.one_hot((t + 2 * b + k) % 4, 4).float() * (2 - k) for k in (0, 1))
+        engine = torch.stack([(t + 2 * b) % 4, (t + 2 * b + 1) % 4], -1).transpose(0, 1)  # [b, T, 2] alike
+        engine = torch.cat([engine, engine], -1).clone()  # [b, T, layers x top_k]
+        engine[1, 2, :2] = torch.tensor([0, 2])  # layer 0, row 1, position 2: not {0, 1}
+        engine[0, 3, 2:] = -1  # layer 1: row 0, position 3 unknown
+        mine = logits[2 * rank:2 * rank + 2]
+        mbs = [SimpleNamespace(routed_experts=engine) for _ in range(2)]
+        positions = torch.arange(4).expand(2, 4)
+
+        def forward(mb, kind, hidden):
+            with tracker.forward(mb, positions, kind):
+                for layer in layers:
+                    layer.mlp.router(hidden)
+
+        for rollout in range(2):
+            for mb in mbs:
+                forward(mb, "ref", -mine)  # the reference's routing is not the actor's: not measured
+                forward(mb, "old", mine)   # the first forward at the rollout's weights: measured
+                forward(mb, "train", -mine)  # later forwards: not measured
+            agreement, _ = tracker.rollout_sums()
+            # per layer, summed over both micro-batches and both ranks: (agreeing, compared) pairs
+            assert agreement.tolist() == [[14.0, 14.0], [16.0, 14.0]], (rank, rollout, agreement)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_megatron_routing_measures_the_first_actor_forward_of_each_rollout_on_each_ranks_tokens(tmp_path):
+    """train=megatron's Routing by hand, on two sequence-parallel TP ranks: each rank compares
+    the engine's experts at its own positions (rows in Megatron's sequence-major order), only in
+    the first non-reference forward of a micro-batch in a rollout, and the sums add up over
+    micro-batches and ranks, anew each rollout."""
+    mp.start_processes(_megatron_routing_on_tp_rank, args=(str(tmp_path / "init"),), nprocs=2,
+                       start_method="fork")
