@@ -5,6 +5,7 @@ replay exactly; the settings where nothing can overlap are refused before anythi
 import asyncio
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -227,3 +228,57 @@ def test_wait_and_close_let_the_generation_in_flight_finish():
     threading.Timer(0.2, gate.set).start()
     rollouts.close()
     assert done == [0, 1, 2] and not rollouts.pending
+
+
+class EchoEngine:
+    """A stand-in engine for EngineProcesses (built in the spawned process from its name)."""
+
+    def __init__(self, name, base_gpu_id):
+        self.name, self.base_gpu_id = name, base_gpu_id
+
+    def who(self, x):
+        return self.name, self.base_gpu_id, x, os.getpid()
+
+    def process(self) -> dict:
+        """The settings an engine process makes for itself."""
+        import ctypes
+        import gc
+
+        import torch
+
+        pdeathsig = ctypes.c_int()
+        ctypes.CDLL("libc.so.6").prctl(2, ctypes.byref(pdeathsig))  # PR_GET_PDEATHSIG
+        return {"threads": torch.get_num_threads(), "heap_frozen": gc.get_freeze_count() > 0,
+                "dies_with_driver": pdeathsig.value == signal.SIGTERM}
+
+    def exit(self, code):
+        os._exit(code)
+
+    def shutdown(self):
+        pass
+
+
+def test_engine_processes_answer_in_order_end_on_shutdown_and_name_a_dead_engine_and_its_log(tmp_path):
+    """EngineProcesses without the loop: each engine's base_gpu_id and results in the order
+    asked; its num_threads, frozen heap and death with the driver; shutdown ends a process by
+    itself; a dead engine is named with its pid and its own log; later calls are refused."""
+    from relax.cluster.engine_processes import EngineProcesses
+    from relax.cluster.ranks import RankError
+
+    engines = EngineProcesses(EchoEngine, ("e",), ["cpu", "cpu"], [0, 2], str(tmp_path), num_threads=2)
+    try:
+        (one, gpu1, x1, pid1), (zero, gpu0, x0, pid0) = engines.map("who", [(10,), (11,)], engines=[1, 0])
+        assert (one, gpu1, x1) == ("e", 2, 10) and (zero, gpu0, x0) == ("e", 0, 11)
+        assert engines.map("process", [()]) == [{"threads": 2, "heap_frozen": True, "dies_with_driver": True}]
+        assert [(p["engine"], p["pid"]) for p in engines.placement()] == [(0, pid0), (1, pid1)]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["engine0.log", "engine1.log"]
+        assert engines.map("shutdown", [()], engines=[0]) == [None]
+        engines.procs[0].join(30)
+        assert engines.procs[0].exitcode == 0  # it left its loop by itself
+        with pytest.raises(RankError, match=rf"^rollout engine 1 \(pid {pid1}\) died \(exit code 3\); "
+                                            rf"see {tmp_path}/engine1.log$"):
+            engines.map("exit", [(3,)], engines=[1])
+        with pytest.raises(RankError, match="the rollout engines were stopped"):
+            engines.map("who", [(1,)])
+    finally:
+        engines.kill()
