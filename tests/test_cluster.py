@@ -339,6 +339,162 @@ def test_an_unreachable_address_fails_fast_naming_it(tmp_path, monkeypatch, auto
     assert time.monotonic() - start < 30
 
 
+class FakeReaper:  # stands in for relax.cluster.reaper.Reaper (no process started)
+    def __init__(self):
+        self.released = False
+
+    def release(self):
+        self.released = True
+
+
+@pytest.fixture
+def fake_ray(monkeypatch):
+    """ray.init / shutdown / is_initialized recorded instead of run: RayCluster's own decisions."""
+    require("ray", RAY)
+    import ray
+
+    from relax.cluster import ray_cluster
+
+    calls = {"init": [], "shutdown": 0, "initialized": False}
+    monkeypatch.setattr(ray, "is_initialized", lambda: calls["initialized"])
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls["init"].append(kwargs))
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.__setitem__("shutdown", calls["shutdown"] + 1))
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: type("Context", (), {"gcs_address": "here:1"}))
+    monkeypatch.setattr(ray_cluster, "Reaper", FakeReaper)
+    monkeypatch.setattr(ray_cluster, "check_reachable", lambda address: None)
+    return calls
+
+
+def test_a_private_instance_fits_the_jobs_cpus_and_resources_and_is_stopped_with_its_reaper(
+        fake_ray, tmp_path):
+    """cluster.address=null: ray.init gets at least the CPUs the bundles need (rounded up), the
+    custom resources and the runtime_env; close() shuts Ray down and releases the reaper."""
+    import os
+
+    from relax.cluster.ray_cluster import RayCluster
+
+    cluster = RayCluster(make_cfg("cluster=ray", "+cluster.runtime_env.env_vars.X=abc"), tmp_path)
+    cpus = os.cpu_count() + 0.5  # more than this machine has, and not whole
+    cluster._connect({"CPU": cpus, "GPU": 0, "trainer": 2.0})
+    assert fake_ray["init"] == [dict(address="local", num_cpus=os.cpu_count() + 1, resources={"trainer": 2.0},
+                                     include_dashboard=False, runtime_env={"env_vars": {"X": "abc"}},
+                                     logging_level=logging.WARNING)]
+    reaper = cluster.reaper
+    assert cluster.private and cluster.owned and isinstance(reaper, FakeReaper)
+    assert cluster.placement()["private_instance"] and cluster.placement()["address"] == "here:1"
+    cluster.close()
+    assert fake_ray["shutdown"] == 1 and reaper.released and cluster.reaper is None
+
+
+def test_a_joined_or_enclosing_ray_is_left_running_and_a_refused_address_is_named(fake_ray, tmp_path,
+                                                                                  monkeypatch):
+    """Already connected (a sweep's Ray task): nothing started, nothing shut down at close.
+    cluster.address=...: no private instance; ray.init's ConnectionError names the key."""
+    from relax.cluster.ray_cluster import RayCluster
+    from relax.errors import ConfigError
+
+    fake_ray["initialized"] = True
+    cluster = RayCluster(make_cfg("cluster=ray"), tmp_path)
+    cluster._connect({"CPU": 1})
+    assert fake_ray["init"] == [] and cluster.connected and not cluster.owned and cluster.reaper is None
+    cluster.close()
+    assert fake_ray["shutdown"] == 0
+    fake_ray["initialized"] = False
+    cluster = RayCluster(make_cfg("cluster=ray", "cluster.address=10.0.0.1:6379"), tmp_path)
+    cluster._connect({"CPU": 1})
+    joined = dict(address="10.0.0.1:6379", runtime_env=None, logging_level=logging.WARNING)
+    assert fake_ray["init"] == [joined]
+    assert cluster.owned and not cluster.private and cluster.reaper is None
+    assert not cluster.placement()["private_instance"]
+    cluster.close()
+    assert fake_ray["shutdown"] == 1
+
+    def refuse(**kwargs):
+        raise ConnectionError("the GCS did not answer")
+    monkeypatch.setattr("ray.init", refuse)
+    with pytest.raises(ConfigError, match=r"^cluster.address=10.0.0.1:6379: the GCS did not answer$"):
+        RayCluster(make_cfg("cluster=ray", "cluster.address=10.0.0.1:6379"), tmp_path)._connect({"CPU": 1})
+
+
+def test_ray_hosts_collect_in_order_raise_user_errors_as_themselves_and_a_peers_death_first(monkeypatch):
+    """RayHosts.collect with ray.wait/get faked (replies arrive last actor first): results in
+    the order asked; a user error raised as itself, noting the actor; a traceback after a peer
+    died reports the death first; any failure kills every actor."""
+    require("ray", RAY)
+    import ray
+
+    from relax.cluster.ray_cluster import RayHosts
+    from relax.cluster.ranks import RankError
+    from relax.errors import ConfigError
+
+    replies, killed = {}, []
+
+    def get(ref):
+        if isinstance(replies[ref], Exception):
+            raise replies[ref]
+        return replies[ref]
+    monkeypatch.setattr(ray, "wait", lambda refs, num_returns, timeout=None: (refs[::-1][:num_returns], []))
+    monkeypatch.setattr(ray, "get", get)
+    monkeypatch.setattr(ray, "kill", lambda actor, no_restart: killed.append(actor))
+
+    def hosts(*answers) -> RayHosts:
+        replies.clear()
+        killed.clear()
+        replies.update({f"ref{i}": a for i, a in enumerate(answers)})
+        group = RayHosts("trainer rank", ["actor0", "actor1"], [0, 1])
+        group.where = [{"node_ip": "10.0.0.1", "node_id": "abcdef0123", "pid": 100 + i} for i in range(2)]
+        return group
+    assert hosts(("ok", "a"), ("ok", "b")).collect(["ref0", "ref1"]) == ["a", "b"] and killed == []
+    with pytest.raises(ConfigError, match="^bad key") as raised:
+        hosts(("ok", "a"), ("error", "Traceback", ConfigError("bad key"))).collect(["ref0", "ref1"])
+    assert raised.value.__notes__ == ["in trainer rank 1 (node 10.0.0.1 (abcdef01), pid 101)"]
+    assert killed == ["actor0", "actor1"]
+    with pytest.raises(RankError, match=r"^trainer rank 0 \(node 10.0.0.1 \(abcdef01\), pid 100\) died: The "
+                                        r"actor .*\nThen trainer rank 1 \(.*pid 101\) failed:\nTraceback: "
+                                        r"connection reset$"):
+        hosts(ray.exceptions.RayActorError(), ("error", "Traceback: connection reset", None)).collect(
+            ["ref0", "ref1"])
+    assert killed == ["actor0", "actor1"]
+
+
+def test_ray_ranks_keep_only_rank_0s_result_and_an_aborted_call_is_not_waited_on(monkeypatch):
+    """RayRanks over fake actors: every rank runs the call, only rank 0 keeps (and, for weights,
+    stores) its result, which is the one returned; shutdown calls `shutdown` on the ranks unless
+    a call is still in flight (Ctrl-C twice), and kills them either way."""
+    require("ray", RAY)
+    import ray
+
+    from relax.cluster.ray_cluster import RayHosts, RayRanks
+
+    class Actor:
+        def __init__(self, rank):
+            self.rank, self.calls = rank, []
+            self.call = self  # actor.call.remote(...)
+
+        def remote(self, method, args, kwargs, keep_result, bucket_bytes):
+            self.calls.append((method, keep_result, bucket_bytes))
+            return ("ok", f"{method} from rank {self.rank}" if keep_result else None)
+    killed = []
+    monkeypatch.setattr(ray, "wait", lambda refs, num_returns, timeout=None: (refs[:num_returns], []))
+    monkeypatch.setattr(ray, "get", lambda reply: reply)
+    monkeypatch.setattr(ray, "kill", lambda actor, no_restart: killed.append(actor.rank))
+    actors = [Actor(0), Actor(1)]
+    ranks = RayRanks(RayHosts("trainer rank", actors, [0, 1]), bucket_bytes=2**20)
+    assert ranks.call("train", 0, []) == "train from rank 0" and not ranks.busy
+    monkeypatch.setattr("relax.cluster.ray_cluster.StoredWeights", lambda refs: refs)
+    assert ranks.named_weights() == "named_weights from rank 0"
+    assert [a.calls for a in actors] == [[("train", True, None), ("named_weights", True, 2**20)],
+                                         [("train", False, None), ("named_weights", False, 2**20)]]
+    ranks.shutdown()
+    assert [a.calls[-1][0] for a in actors] == ["shutdown", "shutdown"] and killed == [0, 1]
+    actors, killed[:] = [Actor(0), Actor(1)], []
+    ranks = RayRanks(RayHosts("trainer rank", actors, [0, 1]), bucket_bytes=2**20)
+    ranks.send("train", 0, [])  # interrupted before its collect
+    ranks.shutdown()
+    assert [a.calls for a in actors] == [[("train", True, None)], [("train", False, None)]]
+    assert killed == [0, 1]
+
+
 def test_weights_cross_ray_as_one_buffer_with_every_dtype_and_shared_storage():
     """cluster=ray's weight sync (ray_weights.Tensors): what arrives equals what was sent, bit
     for bit, in the order sent; tied tensors (one tensor under two names) and the views an MoE's
