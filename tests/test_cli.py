@@ -1,6 +1,7 @@
 """The CLI as users run it: entry points, Hydra output layout, clear errors before work starts."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -144,3 +145,47 @@ def test_experiment_overrides_the_base_config_and_debug_overrides_the_experiment
     assert cfg.seed == 7 and cfg.train.lr == 4e-4 and cfg.algo.use_kl_loss and cfg.rollout.num_rollout == 300
     assert make_cfg().seed == 1234
     assert make_cfg("experiment=arith_grpo_v1", "debug=rollout_only").debug.rollout_only
+
+
+def test_translate_args_quotes_only_templates_and_refuses_misused_flags():
+    """Dicts and lists pass as Hydra values; a template holding a quote gets the other quotes; a
+    flag without a value refuses one, one that needs a value does not take the next flag; a
+    Hydra flag written `--cfg=job` does not swallow the override after it."""
+    assert translate_args(["+x={a: 1}", "y=[1,2]", "z='{q}'", "p=it's_{id}"]) == [
+        "+x={a: 1}", "y=[1,2]", "z='{q}'", "p=\"it's_{id}\""]
+    assert translate_args(["--cfg=job", "seed=1"]) == ["seed=1", "--cfg=job"]
+    with pytest.raises(UsageError, match="^relax: error: --debug-rollout-only takes no value$"):
+        translate_args(["--debug-rollout-only=yes"])
+    with pytest.raises(UsageError, match="^relax: error: --dump-details needs a value$"):
+        translate_args(["--dump-details", "-m"])
+
+
+def test_check_launcher_asks_for_the_ray_extra_for_both_ray_launchers(monkeypatch):
+    """hydra/launcher=ray and ray_aws, also written +hydra/launcher=..., need the [ray] extra."""
+    from relax import cli
+
+    asked = []
+    monkeypatch.setattr(cli.targets, "require_extra", lambda option, *modules: asked.append(option))
+    cli.check_launcher(["hydra/launcher=basic", "+hydra/launcher=ray_aws", "seed=1", "hydra/launcher=ray"])
+    assert asked == ["hydra/launcher=ray_aws", "hydra/launcher=ray"]
+
+
+def test_main_sets_relax_argv_for_the_job_and_restores_the_environment(monkeypatch):
+    """RELAX_ARGV holds the translated overrides while the app runs and is removed after (also
+    after Ctrl-C, which exits with "relax: interrupted" rather than a traceback)."""
+    from relax import cli
+
+    seen = []
+
+    def app():
+        seen.append(os.environ["RELAX_ARGV"])
+        if len(seen) == 2:
+            raise KeyboardInterrupt
+    monkeypatch.setattr(cli, "hydra_app", app)
+    monkeypatch.setattr(sys, "argv", ["relax"])
+    monkeypatch.delenv("RELAX_ARGV", raising=False)
+    cli.main(["--debug-rollout-only", "seed=3"])
+    assert seen == ['["debug.rollout_only=true", "seed=3"]'] and "RELAX_ARGV" not in os.environ
+    with pytest.raises(SystemExit, match="^relax: interrupted$"):
+        cli.main(["seed=4"])
+    assert "RELAX_ARGV" not in os.environ
