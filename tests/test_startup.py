@@ -122,11 +122,26 @@ class DatasetTask:
         pass
 
 
+class WorldlessTrainer:  # takes rank= but not world_size=
+    def __init__(self, cfg, model_path, ref_model_path=None, pad_token_id=0, save_train_data=None, rank=0):
+        pass
+
+
+class KeylessLogger:  # takes the loop's keywords but not its group's keys (backends=, ...)
+    def __init__(self, run_dir, resume_from, run_config):
+        pass
+
+
+NOT_A_CLASS = 3
+
+
 @pytest.mark.parametrize("group,target,reason", [
     ("logger", "ReadmeLogger", "got an unexpected keyword argument 'run_config'"),
     ("rollout", "TwoArgEngine", "too many positional arguments"),
     ("train", "RanklessTrainer", "got an unexpected keyword argument 'rank'"),
     ("task", "DatasetTask", "missing a required argument: 'dataset'"),
+    ("train", "WorldlessTrainer", "got an unexpected keyword argument 'world_size'"),
+    ("logger", "KeylessLogger", "got an unexpected keyword argument 'backends'"),
 ])
 def test_a_target_class_that_cannot_take_the_loops_call_is_refused_at_start_up(tmp_path, group, target,
                                                                                 reason):
@@ -139,6 +154,41 @@ def test_a_target_class_that_cannot_take_the_loops_call_is_refused_at_start_up(t
         prepare(make_cfg(f"{group}._target_={path}"), tmp_path)
     assert list(tmp_path.iterdir()) == []
 
+
+
+def test_a_target_or_function_that_names_no_callable_is_refused_naming_the_key(tmp_path):
+    """A dotted path to a constant or a module imports but cannot be called: a ConfigError naming
+    the key, not a TypeError (or Hydra's ValueError) later."""
+    from relax.loop import prepare
+    from relax.targets import load_function
+
+    with pytest.raises(ConfigError, match=r"^rollout\._target_='tests\.test_startup\.NOT_A_CLASS' does not "
+                                          r"import: it names a int, not a class\."):
+        prepare(make_cfg("rollout._target_=tests.test_startup.NOT_A_CLASS"), tmp_path)
+    with pytest.raises(ConfigError, match=r"^task\.reward_fn='relax\.task' does not import: .*non-callable "
+                                          r"of type 'module'.*Expected a dotted path to a function f\(x\)$"):
+        load_function("relax.task", "task.reward_fn", "f(x)")
+
+
+def test_require_extra_checks_every_module_and_takes_a_broken_parent_for_a_missing_one(monkeypatch):
+    """Each module is looked up (not only the first); a parent package that is half installed
+    (find_spec's ValueError) counts as missing; the error names the option and the install."""
+    import importlib.util
+
+    from relax.targets import require_extra
+
+    def find_spec(name):
+        if name == "gguf":
+            raise ValueError("gguf.__spec__ is None")
+        return None if name == "ray" else object()
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    require_extra("train=megatron", "megatron.core", "peft")  # both "installed"
+    with pytest.raises(ConfigError, match=rf"^hydra/launcher=ray needs the module 'ray', which is not "
+                                          rf"installed in this environment \({re.escape(sys.prefix)}\): "
+                                          rf"install the \[ray\] extra"):
+        require_extra("hydra/launcher=ray", "hydra_plugins.hydra_ray_launcher", "ray")
+    with pytest.raises(ConfigError, match=r"^model.format=gguf needs the module 'gguf'.*\[real\] extra"):
+        require_extra("model.format=gguf", "gguf")
 
 def test_megatron_without_package_metadata_is_a_config_error(monkeypatch):
     import torch
