@@ -105,7 +105,8 @@ else:
 @pytest.mark.parametrize("end", ["release", "kill -9"])
 def test_the_reaper_stops_the_drivers_new_processes_and_exits(end):
     """Released (the driver stopped Ray) or orphaned (the driver was killed), the reaper stops
-    the processes the driver started after it, leaves the older ones, and exits."""
+    the processes the driver started after it, leaves the older ones and those of the driver's
+    parent, and exits."""
     driver = subprocess.Popen([sys.executable, "-c", DRIVER, end], stdout=subprocess.PIPE, text=True,
                               start_new_session=True)
     before, after, reaper = map(int, driver.stdout.readline().split())
@@ -116,12 +117,16 @@ def test_the_reaper_stops_the_drivers_new_processes_and_exits(end):
             assert float(seconds) < 5 and after_code == str(-signal.SIGTERM)
             assert driver.wait(timeout=10) == 0
         else:
+            sibling = subprocess.Popen(["sleep", "60"])  # the driver's parent's, not the driver's
+            born[sibling.pid] = start_time(sibling.pid)
             time.sleep(2.5)
             driver.kill()
             driver.wait()
             assert gone(after, born[after], 10)
             assert start_time(before) == born[before]  # older than the reaper: not its to stop
         assert gone(reaper, born[reaper], 10)
+        if end == "kill -9":
+            assert sibling.poll() is None
     finally:
         driver.kill()
         driver.wait()
