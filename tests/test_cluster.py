@@ -98,7 +98,11 @@ def test_placement_follows_the_debug_plan():
      "cluster.num_gpus_per_engine=1.0 but each engine runs on rollout.rollout_num_gpus_per_engine=2"),
     (["cluster.num_gpus_per_engine=2", "rollout.rollout_num_gpus_per_engine=2", "cluster.num_gpus_per_rank=1",
       "rollout.colocate=true"], "engines of 2.0 GPUs need rollout.colocate=false"),
-], ids=["timeout_0", "negative", "fewer_gpus_than_tp", "colocated_tp2"])
+    (["+cluster.runtime_env.env_vars.X=[1,2]"],
+     "cluster.runtime_env.env_vars.X=[1, 2]: expected a string or a number"),
+    (["+cluster.runtime_env.env_vars=7"], "cluster.runtime_env.env_vars=7: expected a mapping"),
+], ids=["timeout_0", "negative", "fewer_gpus_than_tp", "colocated_tp2", "env_var_list",
+        "env_vars_not_a_mapping"])
 def test_cluster_keys_are_refused_at_their_bounds(overrides, message):
     """check_cluster's bounds, each just past the edge: a zero timeout, -1 GPUs, an engine of
     fewer GPUs than its TP, a colocated engine wider than the rank's one GPU."""
@@ -109,6 +113,18 @@ def test_cluster_keys_are_refused_at_their_bounds(overrides, message):
                            "rollout.colocate=true"))  # one GPU each, shared: accepted
     with pytest.raises(ConfigError, match=re.escape(message)):
         check_cluster(make_cfg("cluster=ray", *overrides))
+
+
+def test_runtime_env_vars_reach_ray_as_strings():
+    """Hydra reads `env_vars.OMP_NUM_THREADS=4` as an int, which Ray refuses once started."""
+    from relax.cluster.placement import ray_runtime_env
+
+    cfg = make_cfg("cluster=ray", "+cluster.runtime_env.env_vars.OMP_NUM_THREADS=4",
+                   "+cluster.runtime_env.env_vars.SCALE=0.5", "+cluster.runtime_env.env_vars.FLAG=true",
+                   "+cluster.runtime_env.env_vars.NAME=abc", "+cluster.runtime_env.working_dir=/w")
+    env_vars = {"OMP_NUM_THREADS": "4", "SCALE": "0.5", "FLAG": "true", "NAME": "abc"}
+    assert ray_runtime_env(cfg.cluster) == {"env_vars": env_vars, "working_dir": "/w"}
+    assert ray_runtime_env(make_cfg("cluster=ray").cluster) is None
 
 
 def test_bundles_are_ordered_by_node_ip_as_a_number_then_by_device(monkeypatch):

@@ -67,9 +67,31 @@ def check_cluster(cfg) -> None:
     if c.num_gpus_per_engine and c.num_gpus_per_engine != tp:
         raise ConfigError(f"cluster.num_gpus_per_engine={c.num_gpus_per_engine} but each engine runs on "
                           f"rollout.rollout_num_gpus_per_engine={tp} GPUs: make them equal")
+    ray_runtime_env(c)
     if cfg.rollout.colocate and c.num_gpus_per_engine > max(c.num_gpus_per_rank, 1):
         raise ConfigError(f"cluster=ray with rollout.colocate=true shares one GPU between rank i and "
                           f"engine i; engines of {c.num_gpus_per_engine} GPUs need rollout.colocate=false")
+
+
+def ray_runtime_env(c) -> dict | None:
+    """cluster.runtime_env as Ray takes it: its env_vars' values as strings (Hydra reads
+    `env_vars.OMP_NUM_THREADS=4` as the int 4, which Ray refuses only once it has started)."""
+    from omegaconf import OmegaConf
+
+    env = OmegaConf.to_container(c.runtime_env, resolve=True) or {}
+    env_vars = env.get("env_vars")
+    if env_vars is None:
+        return env or None
+    if not isinstance(env_vars, dict):
+        raise ConfigError(f"cluster.runtime_env.env_vars={env_vars!r}: expected a mapping of variable names "
+                          f"to values")
+    for name, value in env_vars.items():
+        if not isinstance(value, (str, int, float, bool)):
+            raise ConfigError(f"cluster.runtime_env.env_vars.{name}={value!r}: expected a string or a number "
+                              f"(an environment variable's value)")
+    env["env_vars"] = {name: str(value).lower() if isinstance(value, bool) else str(value)
+                       for name, value in env_vars.items()}
+    return env
 
 
 def plan_bundles(cfg, builds_train: bool, builds_rollout: bool, num_engines: int) -> BundlePlan:

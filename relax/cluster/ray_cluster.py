@@ -33,7 +33,7 @@ from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from relax.cluster.engines import EngineGroup, make_engine_host
-from relax.cluster.placement import check_cluster, plan_bundles, reserve
+from relax.cluster.placement import check_cluster, plan_bundles, ray_runtime_env, reserve
 from relax.cluster.ranks import RankError, RankGroup, freeze_heap, open_store, run_method, start_rank
 from relax.cluster.ray_weights import StoredWeights, Tensors
 from relax.cluster.reaper import Reaper
@@ -260,7 +260,7 @@ class RayCluster:
 
     def _connect(self, needs: dict[str, float]) -> None:
         c = self.cfg.cluster
-        runtime_env = OmegaConf.to_container(c.runtime_env, resolve=True) or None
+        runtime_env = ray_runtime_env(c)
         if ray.is_initialized():  # inside a Ray task (e.g. a sweep on Ray): use its cluster
             log.info("Already connected to Ray: this job's actors join that cluster")
             self.connected = True
