@@ -22,6 +22,7 @@ import os
 import signal
 import socket
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from relax.errors import ConfigError, Interrupted
@@ -139,6 +140,24 @@ def describe(status: dict | None) -> str:
     return (f"died: status.json says running but its process ({where}) is gone (killed with "
             f"SIGKILL, out of memory, or the machine restarted); resume=<run dir> continues from "
             f"its newest complete checkpoint")
+
+
+@contextmanager
+def sigterm_left_to_the_driver():
+    """Processes started inside (a private Ray instance's, SGLang's scheduler) inherit SIGTERM
+    blocked, as Ray and SGLang block SIGINT there themselves: a SIGTERM to every process of the
+    job (`timeout`, `kill -- -PGID`, Slurm, systemd) is then the driver's, which stops after the
+    rollout and stops them itself, instead of each dying of it under a running job."""
+    from multiprocessing import resource_tracker
+
+    # started inside, multiprocessing's resource tracker would unblock SIGTERM again: it blocks
+    # SIGINT and SIGTERM around its own start, then unblocks them, whatever they were before
+    resource_tracker.ensure_running()
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 class Stop:

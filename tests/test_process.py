@@ -327,3 +327,30 @@ def test_a_rank_dies_of_sigterm_once_its_driver_is_gone_even_as_a_zombie():
     proc.join(10)
     driver.wait()
     assert proc.exitcode == -signal.SIGTERM
+
+
+def _send_status(conn) -> None:
+    conn.send(Path("/proc/self/status").read_text())
+
+
+def test_processes_started_with_sigterm_left_to_the_driver_have_it_blocked_and_the_driver_does_not():
+    """What a private Ray instance and SGLang's scheduler are started inside: they inherit SIGTERM
+    blocked (SigBlk, bit 15), the driver's own mask is as it was after."""
+    from relax.process import sigterm_left_to_the_driver
+
+    def blocked(status: str) -> bool:
+        mask = int(next(line for line in status.splitlines() if line.startswith("SigBlk:")).split()[1], 16)
+        return bool(mask >> (signal.SIGTERM - 1) & 1)
+
+    show = [sys.executable, "-c", "print(open('/proc/self/status').read())"]
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, set())
+    with sigterm_left_to_the_driver():
+        assert blocked(subprocess.run(show, capture_output=True, text=True, check=True).stdout)  # Ray's way
+        ctx = multiprocessing.get_context("spawn")  # SGLang's way (its first start, the resource tracker's)
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_send_status, args=(child,))
+        proc.start()
+        assert blocked(parent.recv())
+        proc.join()
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, set()) == before
+    assert not blocked(subprocess.run(show, capture_output=True, text=True, check=True).stdout)

@@ -4,7 +4,10 @@ One engine is shared by the module's in-process tests; assertions are on token i
 log-probs, never on text."""
 
 import json
+import os
+import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -214,6 +217,29 @@ def test_rollout_only_then_train_only(tmp_path, tiny_path):
     steps = [json.loads(line) for line in (tmp_path / "outputs/train/metrics.jsonl").read_text().splitlines()
              if '"step"' in line]
     assert len(steps) == 2 and steps[0]["train/train_rollout_logprob_abs_diff"] < 1e-4
+
+
+@pytest.mark.parametrize("to", ["the driver", "every process of the job"])
+def test_sigterm_stops_a_run_cleanly_and_leaves_no_sglang_process(tmp_path, to):
+    """`kill <pid>`, or `timeout`, `kill -- -PGID`, Slurm (every process, SGLang's scheduler
+    too). Before: SGLang's own SIGTERM handler in the driver drained and exited (status
+    `failed`), and a scheduler killed by it made SGLang SIGKILL the driver (status `running`)."""
+    from .test_process import LONG, stopped_cleanly, wait_for
+
+    already = sglang_processes()
+    proc = subprocess.Popen([sys.executable, "-m", "relax", *LONG, "rollout=sglang"], cwd=tmp_path,
+                            stdout=open(tmp_path / "out.log", "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        wait_for(tmp_path / "outputs/run/relax.log", "Finish rollout 1", timeout=600)
+        (os.kill if to == "the driver" else os.killpg)(proc.pid, signal.SIGTERM)
+        proc.wait(300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    stopped_cleanly(tmp_path, signal.SIGTERM, proc.returncode)
+    time.sleep(1)  # the scheduler's exit after the driver's
+    assert sglang_processes() == already
 
 
 def test_a_dropped_engine_buffer_is_named_and_stops_a_strict_run(tmp_path):

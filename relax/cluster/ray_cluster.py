@@ -39,6 +39,7 @@ from relax.cluster.ray_weights import StoredWeights, Tensors
 from relax.cluster.reaper import Reaper
 from relax.distributed import free_port
 from relax.errors import USER_ERRORS, ConfigError
+from relax.process import sigterm_left_to_the_driver
 from relax.rollout import buckets, num_engines
 from relax.train import make_trainer
 
@@ -269,18 +270,10 @@ class RayCluster:
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
             self.reaper = Reaper()
             custom = {k: v for k, v in needs.items() if k not in ("CPU", "GPU")}
-            # Ray's processes inherit this thread's signal mask: as SIGINT (which Ray blocks there
-            # itself), a SIGTERM to every process of the job (`timeout`, Slurm, systemd) is then
-            # the driver's, which stops after the rollout, not theirs (Ray's stop waits ~1 s
-            # longer per process type for a SIGTERM they no longer take)
             num_cpus = max(os.cpu_count() or 1, int(-(-needs.get("CPU", 0) // 1)))
-            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-            try:
-                ray.init(address="local", num_cpus=num_cpus,
-                         resources=custom or None, include_dashboard=False, runtime_env=runtime_env,
-                         logging_level=logging.WARNING)
-            finally:
-                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+            with sigterm_left_to_the_driver():  # (Ray's stop then waits ~1 s more per process type)
+                ray.init(address="local", num_cpus=num_cpus, resources=custom or None,
+                         include_dashboard=False, runtime_env=runtime_env, logging_level=logging.WARNING)
             self.private = True
         else:
             check_reachable(c.address)

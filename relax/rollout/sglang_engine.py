@@ -20,7 +20,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -29,6 +31,7 @@ from safetensors.torch import load_file, save_file
 from relax import faults
 from relax.targets import require_extra
 from relax.errors import ConfigError
+from relax.process import sigterm_left_to_the_driver
 from relax.model import families, read_hf_config, torch_dtype
 from relax.rollout import Generation, SamplingParams, buckets, engine_dtype, num_engines, prompt_seeds
 
@@ -150,12 +153,31 @@ class SGLangEngine:
         import sglang  # (check_config made sure it is installed)
         self.cfg, self.eos = cfg, eos_token_ids
         self.hf_config = read_hf_config(model_path)
-        self.engine = sglang.Engine(**engine_args(cfg, model_path, base_gpu_id))
+        with sigterm_left_to_the_driver():  # (its scheduler dying of one would kill the driver: SIGKILL)
+            self.engine = sglang.Engine(**engine_args(cfg, model_path, base_gpu_id))
+        self._leave_sigterm_to_relax()
         moe = families.moe_layers(self.hf_config) if families.num_experts(self.hf_config) else None
         self.moe_layers = None if moe is None else [i for i, sparse in enumerate(moe) if sparse]
         self.deterministic = bool(cfg.rollout.sglang_server_args.get("enable_deterministic_inference"))
         log.info("SGLang %s engine on %s", sglang.__version__,
                  f"GPUs {base_gpu_id}.." if GPU else "CPU")
+
+    def _leave_sigterm_to_relax(self) -> None:
+        """SGLang's tokenizer manager starts its event loop at the first request and, in a main
+        thread, makes SIGTERM its own there: drain the requests, then exit (status `failed`:
+        SystemExit). Started here instead, before the run's handlers are set (relax/process.py
+        Stop, or leave_stops_to_the_driver), SIGTERM goes back to the handler it had."""
+        if threading.current_thread() is not threading.main_thread():
+            return  # (SGLang sets none there)
+        previous = signal.getsignal(signal.SIGTERM)
+        manager = self.engine.tokenizer_manager
+
+        async def start():
+            manager.auto_create_handle_loop()
+
+        self.engine.loop.run_until_complete(start())
+        manager.event_loop.remove_signal_handler(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, previous)
 
     def generate(self, prompts: list[list[int]], sp: SamplingParams, seed: int | list[int],
                  first_index: int = 0) -> list[Generation]:
