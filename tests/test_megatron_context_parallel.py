@@ -7,7 +7,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from megatron.core import parallel_state
 
 from relax.train.common import MicroBatch
 from relax.train.megatron.context_parallel import ContextParallelAttention, cp_local, to_sequence_order
@@ -34,6 +33,8 @@ def test_cp_local_cuts_every_per_position_field_as_megatron_does_and_sequence_or
         monkeypatch):
     """A field left out of cp_local's cut (is_weights, the is_flags) would drop TIS/MIS under CP;
     a wrong chunk pairing would put log-probs back at the wrong positions."""
+    from megatron.core import parallel_state  # (here: the SGLang tier collects this file without Megatron)
+
     for cp in (2, 3):
         length = 4 * cp
         mb, locals_ = labelled_micro_batch(length), []
@@ -58,6 +59,8 @@ S, B, HEADS, GROUPS, D, SCALE = 8, 2, 4, 2, 8, 0.3  # GQA; a softmax scale other
 def _attention_on_rank(rank: int, init_file: str, q, k, v, weights) -> None:
     """One of two CP ranks: its queries, keys and values at its positions through
     ContextParallelAttention; output and gradients must be the whole sequence's at them."""
+    from megatron.core import parallel_state
+
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         parallel_state._CONTEXT_PARALLEL_GROUP = dist.group.WORLD
