@@ -109,22 +109,30 @@ def test_a_live_runs_dir_is_refused_and_its_status_left_alone(tmp_path, fork_cli
     assert proc.exitcode == 128 + signal.SIGTERM
 
 
+def signalled_run(cwd: Path, *args: str, signum: int, group: bool = True, timeout: float = 300
+                  ) -> subprocess.Popen:
+    """`relax <LONG> <args>` in a session of its own, sent `signum` after rollout 1 (to its whole
+    process group, or to the driver alone), and waited for; SIGKILLed whatever happens."""
+    proc = subprocess.Popen([sys.executable, "-m", "relax", *LONG, *args], cwd=cwd,
+                            stdout=open(cwd / "out.log", "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        wait_for(cwd / "outputs/run/relax.log", "Finish rollout 1", timeout=timeout)
+        (os.killpg if group else os.kill)(proc.pid, signum)
+        proc.wait(300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_stop_of_the_whole_process_group_is_left_to_the_driver(tmp_path, signum):
     """A terminal's Ctrl-C (SIGINT), `timeout` or `kill -- -PGID` (SIGTERM) signal every process
     of the job: dp2 trainer ranks and train.async's engine process ignore it while the driver
     lives (the fork server the ranks come from dies of SIGTERM: the ranks outlive it), so the
     driver still finishes the rollout with them and writes its checkpoint."""
-    proc = subprocess.Popen([sys.executable, "-m", "relax", *LONG, "parallel=dp2", "train.async=true"],
-                            cwd=tmp_path, stdout=open(tmp_path / "out.log", "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    try:
-        wait_for(tmp_path / "outputs/run/relax.log", "Finish rollout 1", timeout=300)
-        os.killpg(proc.pid, signum)
-        proc.wait(300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    proc = signalled_run(tmp_path, "parallel=dp2", "train.async=true", signum=signum)
     stopped_cleanly(tmp_path, signum, proc.returncode)
     assert "Traceback" not in (tmp_path / "out.log").read_text()
     placement = json.loads((tmp_path / "outputs/run/built.json").read_text())["placement"]

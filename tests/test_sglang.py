@@ -4,10 +4,8 @@ One engine is shared by the module's in-process tests; assertions are on token i
 log-probs, never on text."""
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -224,19 +222,11 @@ def test_sigterm_stops_a_run_cleanly_and_leaves_no_sglang_process(tmp_path, to):
     """`kill <pid>`, or `timeout`, `kill -- -PGID`, Slurm (every process, SGLang's scheduler
     too). Before: SGLang's own SIGTERM handler in the driver drained and exited (status
     `failed`), and a scheduler killed by it made SGLang SIGKILL the driver (status `running`)."""
-    from .test_process import LONG, stopped_cleanly, wait_for
+    from .test_process import signalled_run, stopped_cleanly
 
     already = sglang_processes()
-    proc = subprocess.Popen([sys.executable, "-m", "relax", *LONG, "rollout=sglang"], cwd=tmp_path,
-                            stdout=open(tmp_path / "out.log", "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    try:
-        wait_for(tmp_path / "outputs/run/relax.log", "Finish rollout 1", timeout=600)
-        (os.kill if to == "the driver" else os.killpg)(proc.pid, signal.SIGTERM)
-        proc.wait(300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    proc = signalled_run(tmp_path, "rollout=sglang", signum=signal.SIGTERM, group=to != "the driver",
+                         timeout=600)
     stopped_cleanly(tmp_path, signal.SIGTERM, proc.returncode)
     time.sleep(1)  # the scheduler's exit after the driver's
     assert sglang_processes() == already
