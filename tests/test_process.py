@@ -34,9 +34,9 @@ def wait_for(path: Path, text: str, timeout: float = 120) -> None:
     raise AssertionError(f"no {text!r} in {path} after {timeout} s")
 
 
-def stopped_cleanly(cwd: Path, signum: int, exitcode: int) -> tuple[dict, int]:
-    """The run ended as a clean stop: (its status, the last rollout it finished)."""
-    run = cwd / "outputs" / "run"
+def stopped_cleanly(cwd: Path, signum: int, exitcode: int, run: str = "outputs/run") -> tuple[dict, int]:
+    """The run in `run` ended as a clean stop: (its status, the last rollout it finished)."""
+    run = cwd / run
     status = read_status(run)
     assert exitcode == 128 + signum, (cwd / "out.log").read_text()[-3000:]
     assert status["status"] == "interrupted" and status["host"] == HOST and isinstance(status["pid"], int)
@@ -109,15 +109,15 @@ def test_a_live_runs_dir_is_refused_and_its_status_left_alone(tmp_path, fork_cli
     assert proc.exitcode == 128 + signal.SIGTERM
 
 
-def signalled_run(cwd: Path, *args: str, signum: int, group: bool = True, timeout: float = 300
-                  ) -> subprocess.Popen:
-    """`relax <LONG> <args>` in a session of its own, sent `signum` after rollout 1 (to its whole
-    process group, or to the driver alone), and waited for; SIGKILLed whatever happens."""
+def signalled_run(cwd: Path, *args: str, signum: int, group: bool = True, timeout: float = 300,
+                  run: str = "outputs/run") -> subprocess.Popen:
+    """`relax <LONG> <args>` in a session of its own, sent `signum` after `run`'s rollout 1 (to its
+    whole process group, or to the driver alone), and waited for; SIGKILLed whatever happens."""
     proc = subprocess.Popen([sys.executable, "-m", "relax", *LONG, *args], cwd=cwd,
                             stdout=open(cwd / "out.log", "w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
-        wait_for(cwd / "outputs/run/relax.log", "Finish rollout 1", timeout=timeout)
+        wait_for(cwd / run / "relax.log", "Finish rollout 1", timeout=timeout)
         (os.killpg if group else os.kill)(proc.pid, signum)
         proc.wait(300)
     finally:
@@ -141,6 +141,17 @@ def test_a_stop_of_the_whole_process_group_is_left_to_the_driver(tmp_path, signu
     if signum == signal.SIGTERM:
         logs = [tmp_path / "outputs/run" / f for f in ("rank0.log", "rank1.log", "engine0.log")]
         assert all(f"SIGTERM: left to the driver (pid {proc.pid})" in f.read_text() for f in logs)
+
+
+def test_a_stop_of_a_sweep_ends_its_job_cleanly_and_starts_no_other(tmp_path):
+    """`timeout` or `kill -- -PGID` on `relax -m`: the job in progress stops as a single run does
+    (its rollout finished, its checkpoint written, status `interrupted`) and the sweep ends there,
+    with the job's exit code, instead of going on to the next job."""
+    proc = signalled_run(tmp_path, "-m", "seed=1,2", "hydra.sweep.dir=outputs",
+                         "hydra.sweep.subdir=run${hydra.job.num}", signum=signal.SIGTERM, run="outputs/run0")
+    stopped_cleanly(tmp_path, signal.SIGTERM, proc.returncode, run="outputs/run0")
+    assert not (tmp_path / "outputs/run1").exists()  # the second job never started
+    assert "#1 : seed=2" not in (tmp_path / "out.log").read_text()
 
 
 def test_a_run_resumed_in_its_own_dir_keeps_its_config_and_compares_equivalent(tmp_path, fork_cli):
