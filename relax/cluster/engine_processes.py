@@ -81,6 +81,7 @@ class EngineProcesses:
             self.conns.append(parent)
             self.procs.append(proc)
             self.ready.append(False)
+        self.exiting = False  # every engine answered a shutdown call: let them exit (stop_processes)
         self.shared = SharedWeights()  # the weight buckets sent to every engine
         # one call at a time on the pipes: the loop's thread (e.g. a layer dump's forward) and
         # train.async's rollout thread both call the engines
@@ -104,7 +105,9 @@ class EngineProcesses:
                     self._reply(i)
                     self.ready[i] = True
                 self.conns[i].send((method, a))
-            return [self._reply(i) for i in engines]
+            replies = [self._reply(i) for i in engines]
+            self.exiting = method == "shutdown"
+            return replies
 
     def share(self, named: dict) -> SharedBucket:
         """A weights bucket for every engine, in shared memory."""
@@ -115,5 +118,5 @@ class EngineProcesses:
                 for i, (proc, device) in enumerate(zip(self.procs, self.devices, strict=True))]
 
     def kill(self) -> None:
-        stop_processes(self.procs, self.conns)
+        stop_processes(self.procs, self.conns, self.exiting)
         self.conns = []

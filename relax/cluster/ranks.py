@@ -24,6 +24,7 @@ import os
 import signal
 import socket
 import sys
+import time
 import traceback
 from multiprocessing.connection import wait
 
@@ -124,10 +125,17 @@ def receive(conn, proc, who: str, log: str, kill) -> object:
     return payload
 
 
-def stop_processes(procs: list, conns: list) -> None:
+EXIT_GRACE_S = 5.0  # for a process told to shut down to exit on its own
+
+
+def stop_processes(procs: list, conns: list, exiting: bool = False) -> None:
     """SIGKILL (a SIGTERM from the living driver would be ignored: leave_stops_to_the_driver);
-    close the pipes."""
+    close the pipes. `exiting`: they answered a shutdown call, and get EXIT_GRACE_S to exit on
+    their own first, running their exit handlers: killed, each rank left the semaphore of its
+    tqdm lock behind, and the resource tracker warned of them at the end of the run."""
+    deadline = time.monotonic() + (EXIT_GRACE_S if exiting else 0.0)
     for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
         if proc.is_alive():
             proc.kill()
     for proc in procs:
@@ -299,15 +307,17 @@ class LocalRanks(RankGroup):
         return [{"rank": r, **on_this_host(pid, local_device(r))} for r, pid in enumerate(self.pids)]
 
     def shutdown(self):
+        exiting = False
         if not self.busy and any(p.is_alive() for p in self.procs):  # busy: aborted mid-call (Ctrl-C twice)
             try:
                 self.call("shutdown")
+                exiting = True
             except (RankError, BrokenPipeError, OSError):
                 pass
-        self.kill()
+        self.kill(exiting)
 
-    def kill(self):
-        stop_processes(self.procs, self.conns)
+    def kill(self, exiting: bool = False):
+        stop_processes(self.procs, self.conns, exiting)
         self.conns, self.procs, self.store = [], [p for p in self.procs if p.is_alive()], None
         if self.procs:
             print(f"relax: could not stop {len(self.procs)} trainer ranks", file=sys.stderr)
