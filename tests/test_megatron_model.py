@@ -158,8 +158,10 @@ def _build_on_one_rank(rank: int, init_file: str, cases: list, train) -> None:
 
     from relax.train.megatron import cpu_compat
     from relax.train.megatron.layout import init_layout
-    from relax.train.megatron.model import build_chunks, transformer_config
-    from relax.train.megatron.weights import Weights
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    from relax.train.megatron.model import build_chunks, transformer_config, wrap_for_training
+    from relax.train.megatron.weights import Weights, inner_optimizers
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
     try:
@@ -177,6 +179,27 @@ def _build_on_one_rank(rank: int, init_file: str, cases: list, train) -> None:
                 logits = chunk(input_ids=tokens, position_ids=torch.arange(tokens.shape[1]).expand_as(tokens),
                                attention_mask=None)
             torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-5, msg=family)
+
+        # the last pipeline stage's two virtual stages (Megatron's own state stays single-rank:
+        # only the chunks' places are read): the output layer is on its last chunk only
+        hf = hf_config("qwen2", num_hidden_layers=4)
+        last = layout(pp_size=2, pp_rank=1, vpp=2)
+        chunks = build_chunks(transformer_config(hf, last, train, "float32"), hf, last)
+        assert [(c.pre_process, c.post_process, len(c.decoder.layers)) for c in chunks] == [
+            (False, False, 1), (False, True, 1)]
+
+        # Megatron DDP and its optimizer with the configured Adam (train=torch's AdamW)
+        config = transformer_config(hf, one, train, "float32")
+        wrapped, optimizer = wrap_for_training(build_chunks(config, hf, one), config, train, "float32")
+        assert config.finalize_model_grads_func is finalize_model_grads  # per-token loss scaling, DP sums
+        ddp = wrapped[0].ddp_config
+        assert (ddp.grad_reduce_in_fp32, ddp.overlap_grad_reduce, ddp.use_distributed_optimizer) == (
+            True, False, True)
+        groups = [group for inner in inner_optimizers(optimizer) for group in inner.param_groups]
+        assert {(g["lr"], g["betas"], g["eps"], g["weight_decay"]) for g in groups} == {
+            (2e-3, (0.8, 0.95), 1e-6, 0.1)}
+        assert sum(len(g["params"]) for g in groups) == len(list(wrapped[0].parameters()))
+        assert optimizer.config.clip_grad == 0.5
     finally:
         dist.destroy_process_group()
 
@@ -184,7 +207,9 @@ def _build_on_one_rank(rank: int, init_file: str, cases: list, train) -> None:
 def test_a_model_built_on_one_cpu_rank_computes_transformers_logits(tmp_path):
     """Per family (Llama-3 RoPE scaling and tied embeddings, Qwen2's q/k/v biases, Qwen3's q/k
     norm and head_dim, both MoE routers and the gated shared expert): the Megatron model that
-    transformer_config, build_chunks and the HF weights make gives transformers' logits."""
+    transformer_config, build_chunks and the HF weights make gives transformers' logits; a
+    pipeline stage's chunks hold what their virtual stages should; wrap_for_training passes the
+    configured optimizer settings on."""
     import megatron.core.models.gpt  # noqa: F401  (imported before the fork, once)
     import transformers
 
@@ -205,7 +230,8 @@ def test_a_model_built_on_one_cpu_rank_computes_transformers_logits(tmp_path):
         cases.append((family, str(tmp_path / family), tokens, expected, inv_freq))
     llama_default = transformers.LlamaConfig(**{**hf_config("llama").to_dict(), "rope_parameters": None})
     assert not torch.allclose(cases[0][4], families.hf_rotary(llama_default).inv_freq)  # scaled
-    train = make_cfg("train=megatron").train
+    train = make_cfg("train=megatron", "train.lr=2e-3", "train.adam_beta1=0.8", "train.adam_beta2=0.95",
+                     "train.adam_eps=1e-6", "train.weight_decay=0.1", "train.clip_grad=0.5").train
     mp.start_processes(_build_on_one_rank, args=(str(tmp_path / "init"), cases, train), nprocs=1,
                        start_method="fork")
 
