@@ -5,7 +5,10 @@
 Runs the default job (GRPO on the tiny model, 32 prompts x 8 samples per rollout; extra
 key=value overrides pick another, e.g. `experiment=smollm2_arith_v1 eval.interval=null` for
 the real model) through the real CLI, cluster=local and cluster=ray (a private Ray
-instance) in turn, `--repeats` times each, interleaved, and keeps each side's fastest run
+instance) in turn, and with `--layout single` a third side between them, `processes`:
+cluster=local with the trainer and the engine each in a process of its own, as under Ray
+(bench/local_in_processes.py), which splits Ray's cost into that of separate processes and
+Ray's own; `--repeats` times each, interleaved, and keeps each side's fastest run
 (timings on shared 2-core machines vary up to 3x, and noise only ever adds time).
 Measured from the run's own log:
   start-up      launch -> rollout 0 begins (imports, model, Ray instance and actors)
@@ -69,9 +72,14 @@ def finish_times(run: Path) -> list[float]:
             for line in (run / "relax.log").read_text().splitlines() if "] - Finish rollout " in line]
 
 
-def one_run(cluster: str, args, extra: list[str]) -> dict:
-    cwd = Path(tempfile.mkdtemp(prefix=f"relax-bench-{cluster}-"))
-    cmd = [sys.executable, "-m", "relax", f"cluster={cluster}", f"rollout.num_rollout={args.rollouts}",
+SIDES = {"local": ["-m", "relax", "cluster=local"],
+         "processes": [str(Path(__file__).with_name("local_in_processes.py")), "cluster=local"],
+         "ray": ["-m", "relax", "cluster=ray"]}
+
+
+def one_run(side: str, args, extra: list[str]) -> dict:
+    cwd = Path(tempfile.mkdtemp(prefix=f"relax-bench-{side}-"))
+    cmd = [sys.executable, *SIDES[side], f"rollout.num_rollout={args.rollouts}",
            f"parallel={args.layout}", "checkpoint.save_interval=null", "hydra.run.dir=run", *extra]
     env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
     launched = time.time()
@@ -88,7 +96,7 @@ def one_run(cluster: str, args, extra: list[str]) -> dict:
                 memory[k] = memory.get(k, 0.0) + rss_mb(pid)
         time.sleep(0.2)
     if proc.returncode != 0:
-        raise SystemExit(f"cluster={cluster} failed:\n{proc.stderr.read()[-3000:]}")
+        raise SystemExit(f"{side} failed:\n{proc.stderr.read()[-3000:]}")
     stamps = finish_times(cwd / "run")
     rollouts = [r for r in map(json.loads, metrics.read_text().splitlines()) if "step" not in r]
     steady = rollouts[1:] or rollouts
@@ -153,13 +161,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--layout", default="single", help="parallel=<layout> of both jobs")
     args, extra = ap.parse_known_args()
-    runs = {"local": [], "ray": []}
+    runs = {"local": [], "ray": []} if args.layout != "single" else {"local": [], "processes": [], "ray": []}
     for i in range(args.repeats):
-        for cluster in runs:
-            runs[cluster].append(one_run(cluster, args, extra))
-            r = runs[cluster][-1]
+        for side in runs:
+            runs[side].append(one_run(side, args, extra))
+            r = runs[side][-1]
             phases = ", ".join(f"{k} {v * 1000:.0f}" for k, v in r["phases"].items())
-            print(f"  {cluster:5s} #{i}: start-up {r['startup']:.1f} s, per rollout "
+            print(f"  {side:9s} #{i}: start-up {r['startup']:.1f} s, per rollout "
                   f"{r['per_rollout'] * 1000:.0f} ms ({phases}), memory {sum(r['memory'].values()):.0f} MB",
                   flush=True)
     best = {c: {"startup": min(r["startup"] for r in rs), "per_rollout": min(r["per_rollout"] for r in rs),
@@ -174,9 +182,13 @@ def main() -> None:
     print(f"per rollout: local {local['per_rollout'] * 1000:.0f} ms, "
           f"ray {ray['per_rollout'] * 1000:.0f} ms: ratio "
           f"{ray['per_rollout'] / local['per_rollout']:.3f} (goal <= 1.10)")
+    if "processes" in best:  # the same processes as ray, without Ray: what is left is Ray's own
+        procs = best["processes"]["per_rollout"]
+        print(f"per rollout, trainer and engine in local processes: {procs * 1000:.0f} ms: ratio "
+              f"{procs / local['per_rollout']:.3f} to local; ray {ray['per_rollout'] / procs:.3f} of it")
     for name, b in best.items():
         parts = ", ".join(f"{k} {v:.0f} MB" for k, v in sorted(b["memory"].items()))
-        print(f"memory {name:5s}: {sum(b['memory'].values()):.0f} MB ({parts})")
+        print(f"memory {name:9s}: {sum(b['memory'].values()):.0f} MB ({parts})")
     print(f"the Ray instance itself: {ray['memory'].get('ray itself', 0):.0f} MB resident")
     floor = ray_floor()
     print("\nRay's floor here, ms beyond the work (median of 30): " + ", ".join(
