@@ -27,7 +27,7 @@ import traceback
 import torch.multiprocessing as mp
 
 from relax.cluster.ranks import (RankError, freeze_heap, leave_stops_to_the_driver, on_this_host, receive,
-                                 stop_processes, this_driver)
+                                 stop_processes, this_driver, thread_lock_for_progress_bars)
 from relax.cluster.shared_weights import SharedBucket, SharedWeights
 from relax.errors import USER_ERRORS
 
@@ -35,6 +35,7 @@ from relax.errors import USER_ERRORS
 def _engine_main(conn, driver, index: int, factory, args, kwargs, log_file: str | None,
                  num_threads: int) -> None:
     leave_stops_to_the_driver(driver)
+    thread_lock_for_progress_bars()
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints a hung engine's stacks
     logging.basicConfig(level=logging.INFO, format=f"[%(asctime)s][engine{index}][%(name)s] %(message)s",
                         handlers=[logging.FileHandler(log_file)] if log_file else None, force=True)
@@ -81,7 +82,6 @@ class EngineProcesses:
             self.conns.append(parent)
             self.procs.append(proc)
             self.ready.append(False)
-        self.exiting = False  # every engine answered a shutdown call: let them exit (stop_processes)
         self.shared = SharedWeights()  # the weight buckets sent to every engine
         # one call at a time on the pipes: the loop's thread (e.g. a layer dump's forward) and
         # train.async's rollout thread both call the engines
@@ -105,9 +105,7 @@ class EngineProcesses:
                     self._reply(i)
                     self.ready[i] = True
                 self.conns[i].send((method, a))
-            replies = [self._reply(i) for i in engines]
-            self.exiting = method == "shutdown"
-            return replies
+            return [self._reply(i) for i in engines]
 
     def share(self, named: dict) -> SharedBucket:
         """A weights bucket for every engine, in shared memory."""
@@ -118,5 +116,5 @@ class EngineProcesses:
                 for i, (proc, device) in enumerate(zip(self.procs, self.devices, strict=True))]
 
     def kill(self) -> None:
-        stop_processes(self.procs, self.conns, self.exiting)
+        stop_processes(self.procs, self.conns)
         self.conns = []

@@ -24,7 +24,6 @@ import os
 import signal
 import socket
 import sys
-import time
 import traceback
 from multiprocessing.connection import wait
 
@@ -98,6 +97,19 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
+def thread_lock_for_progress_bars() -> None:
+    """In a process the driver started (a trainer rank, an engine): tqdm's first progress bar
+    would make a multiprocessing lock, a POSIX semaphore that only the process's exit handlers
+    unlink. The driver SIGKILLs these processes, and at the end of every run with local ranks
+    the resource tracker warned of the semaphores left behind. Their bars, each process its own,
+    need a lock between threads only."""
+    import threading
+
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
+
+
 def run_method(trainer, rank: int, method: str, args, kwargs):
     """One call on one rank (`sigkill_rank:<rank>:<rollout_id>`: the test fault of a rank
     killed with SIGKILL as its train step for that rollout starts)."""
@@ -125,17 +137,10 @@ def receive(conn, proc, who: str, log: str, kill) -> object:
     return payload
 
 
-EXIT_GRACE_S = 5.0  # for a process told to shut down to exit on its own
-
-
-def stop_processes(procs: list, conns: list, exiting: bool = False) -> None:
+def stop_processes(procs: list, conns: list) -> None:
     """SIGKILL (a SIGTERM from the living driver would be ignored: leave_stops_to_the_driver);
-    close the pipes. `exiting`: they answered a shutdown call, and get EXIT_GRACE_S to exit on
-    their own first, running their exit handlers: killed, each rank left the semaphore of its
-    tqdm lock behind, and the resource tracker warned of them at the end of the run."""
-    deadline = time.monotonic() + (EXIT_GRACE_S if exiting else 0.0)
+    close the pipes."""
     for proc in procs:
-        proc.join(max(0.0, deadline - time.monotonic()))
         if proc.is_alive():
             proc.kill()
     for proc in procs:
@@ -184,6 +189,7 @@ def _rank_main(conn, driver, environ, rank, world_size, port, factory, args, kwa
     os.environ.clear()  # the driver's environment now, not the fork server's when it started
     os.environ.update(environ)
     leave_stops_to_the_driver(driver)
+    thread_lock_for_progress_bars()
     start_rank(rank, world_size, "127.0.0.1", port, log_dir, num_threads, rank)
     import torch.distributed as dist
 
@@ -307,17 +313,15 @@ class LocalRanks(RankGroup):
         return [{"rank": r, **on_this_host(pid, local_device(r))} for r, pid in enumerate(self.pids)]
 
     def shutdown(self):
-        exiting = False
         if not self.busy and any(p.is_alive() for p in self.procs):  # busy: aborted mid-call (Ctrl-C twice)
             try:
                 self.call("shutdown")
-                exiting = True
             except (RankError, BrokenPipeError, OSError):
                 pass
-        self.kill(exiting)
+        self.kill()
 
-    def kill(self, exiting: bool = False):
-        stop_processes(self.procs, self.conns, exiting)
+    def kill(self):
+        stop_processes(self.procs, self.conns)
         self.conns, self.procs, self.store = [], [p for p in self.procs if p.is_alive()], None
         if self.procs:
             print(f"relax: could not stop {len(self.procs)} trainer ranks", file=sys.stderr)

@@ -34,7 +34,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from relax.cluster.engines import EngineGroup, make_engine_host
 from relax.cluster.placement import check_cluster, plan_bundles, ray_runtime_env, reserve
-from relax.cluster.ranks import RankError, RankGroup, freeze_heap, open_store, run_method, start_rank
+from relax.cluster.ranks import (RankError, RankGroup, freeze_heap, open_store, run_method, start_rank,
+                                 thread_lock_for_progress_bars)
 from relax.cluster.ray_weights import StoredWeights, Tensors
 from relax.cluster.reaper import Reaper
 from relax.distributed import free_port
@@ -54,6 +55,7 @@ class Host:
 
         self.role, self.index, self.obj, self.store = role, index, None, None
         faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints a hung actor's stacks
+        thread_lock_for_progress_bars()  # (Ray kills its actors)
         torch.set_num_threads(num_threads)
 
     def where(self) -> tuple:
