@@ -17,7 +17,7 @@ import pytest
 
 from relax.logger import read_metrics
 
-from .conftest import only_run_dir, relax_cli, run_loop
+from .conftest import REPO, only_run_dir, relax_cli, run_loop
 from .extras import RAY, require
 from .test_cluster import ROLES, TINY, alive, on, placement, replay, wait_gone
 
@@ -108,6 +108,34 @@ def test_a_private_instance_leaves_no_process_behind(tmp_path, tiny_path, end):
         left = [(pid, started) for pid, started in left if start_time(pid) == started]
         time.sleep(0.2)
     assert left == [], [open(f"/proc/{pid}/cmdline").read() for pid, _ in left]
+
+
+STOPPING_RAY = """
+import os, signal, sys
+from tests.conftest import make_cfg
+from relax.cluster.ray_cluster import RayCluster
+
+caught = []
+cluster = RayCluster(make_cfg("cluster=ray"), sys.argv[1])
+cluster._connect({"CPU": 1})
+signal.signal(signal.SIGTERM, lambda signum, frame: caught.append(signum))  # (the run's Stop)
+cluster.close()
+mask = next(int(line.split()[1], 16) for line in open("/proc/self/status") if line.startswith("SigCgt"))
+os.kill(os.getpid(), signal.SIGTERM)
+kernel = "in the kernel's mask" if mask & 1 << signal.SIGTERM - 1 else "default"
+print("caught" if caught else "not caught", kernel)
+"""
+
+
+def test_the_drivers_sigterm_handler_outlives_rays_shutdown(tmp_path):
+    """Ray's core worker installs Abseil's failure-signal handler in the driver, and resets those
+    signals, SIGTERM included, to the system default at ray.shutdown, behind Python's back: a
+    SIGTERM while a run's private instance stopped (seconds) killed the driver before it wrote its
+    status. The driver's core worker is started without it (keep_sigterm_in_the_driver)."""
+    out = subprocess.run([sys.executable, "-c", STOPPING_RAY, str(tmp_path)], cwd=REPO, capture_output=True,
+                         text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "caught in the kernel's mask", out.stderr[-3000:]
 
 
 @pytest.mark.slow

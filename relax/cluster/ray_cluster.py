@@ -251,6 +251,18 @@ def check_reachable(address: str) -> None:
                           f"`ray start --head`, or use cluster.address=null for a private instance") from None
 
 
+def keep_sigterm_in_the_driver() -> None:
+    """Before the driver connects: no Abseil failure-signal handler in its core worker. It takes
+    SIGTERM (and SIGSEGV, SIGABRT...) at ray.init, Relax's Stop takes SIGTERM back, and at
+    ray.shutdown Ray reset them all to the system default, behind Python's back: a SIGTERM
+    while Ray stopped (seconds) killed the driver before it wrote its status (`running`, as if
+    it had died). Ray's switch is RAY_DISABLE_FAILURE_SIGNAL_HANDLER, read at import; set here
+    for this process alone, the actors keep their handler (and its C++ stack on a crash)."""
+    from ray._private import ray_constants
+
+    ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
+
+
 class RayCluster:
     check_config = staticmethod(check_cluster)
 
@@ -268,6 +280,7 @@ class RayCluster:
             log.info("Already connected to Ray: this job's actors join that cluster")
             self.connected = True
             return
+        keep_sigterm_in_the_driver()
         if c.address is None:  # a new private instance (even where RAY_ADDRESS is set), sized to fit the job
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
             self.reaper = Reaper()
