@@ -134,8 +134,8 @@ def test_a_stop_of_the_whole_process_group_is_left_to_the_driver(tmp_path, signu
     driver still finishes the rollout with them and writes its checkpoint."""
     proc = signalled_run(tmp_path, "parallel=dp2", "train.async=true", signum=signum)
     stopped_cleanly(tmp_path, signum, proc.returncode)
-    # ... and the ranks and the engine, told to shut down, exited on their own (killed, each left
-    # its tqdm lock's semaphore, which the resource tracker reported at exit)
+    # ... and the killed ranks and engine left no semaphore behind (tqdm's multiprocessing lock,
+    # which the resource tracker reported at exit: thread_lock_for_progress_bars)
     assert "leaked semaphore" not in (tmp_path / "out.log").read_text()
     placement = json.loads((tmp_path / "outputs/run/built.json").read_text())["placement"]
     pids = {p["pid"] for p in placement["trainer_ranks"] + placement["engines"]}
