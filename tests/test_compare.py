@@ -388,26 +388,28 @@ def test_the_baseline_is_a_completed_job_with_training_steps():
     assert rollout_only.verdict == "FAILED" and "no training steps" in rollout_only.reasons[0]
 
 
+def run_dir(path, launched, status, steps, noise_ulp=0):
+    """A hand-written run dir: its config's layout, its status and one metrics line per step
+    (loss 0.5 and grad_norm 1.0 unless a step says otherwise)."""
+    (path / ".hydra").mkdir(parents=True)
+    (path / ".hydra" / "config.yaml").write_text(
+        f"train: {{_target_: T}}\nparallel: {{name: {path.name}, noise_ulp: {noise_ulp}}}\n")
+    (path / "status.json").write_text(json.dumps(status))
+    (path / "metrics.jsonl").write_text("".join(
+        json.dumps({"rollout_id": i, "step": i, "train/loss": 0.5, "train/grad_norm": 1.0, **p}) + "\n"
+        for i, p in enumerate(steps)))
+    os.utime(path / ".hydra", (launched, launched))
+
+
 def test_jobs_are_read_from_their_run_dirs_in_launch_order(tmp_path):
     """find_jobs/load_job on hand-written run dirs: the twin's noise_ulp from its config, the mean
     step time and the peak memory over the steps that logged them, no error for a completed job,
     a failed one's error, and a multirun dir's jobs in launch order (not by name)."""
-    def run_dir(name, launched, status, perf, noise_ulp=0):
-        path = tmp_path / "multi" / name
-        (path / ".hydra").mkdir(parents=True)
-        (path / ".hydra" / "config.yaml").write_text(
-            f"train: {{_target_: T}}\nparallel: {{name: {name}, noise_ulp: {noise_ulp}}}\n")
-        (path / "status.json").write_text(json.dumps(status))
-        (path / "metrics.jsonl").write_text("".join(
-            json.dumps({"rollout_id": i, "step": i, "train/loss": 0.5, "train/grad_norm": 1.0, **p}) + "\n"
-            for i, p in enumerate(perf)))
-        os.utime(path / ".hydra", (launched, launched))
-
-    run_dir("twin", 100, {"status": "completed"}, [{}], noise_ulp=1)
-    run_dir("single", 200, {"status": "completed"},
+    run_dir(tmp_path / "multi" / "twin", 100, {"status": "completed"}, [{}], noise_ulp=1)
+    run_dir(tmp_path / "multi" / "single", 200, {"status": "completed"},
             [{"perf/step_time": 1.0, "perf/peak_memory_mb": 500.0},
              {"perf/step_time": 3.0, "perf/peak_memory_mb": 300.0}, {"perf/step_time": None}])
-    run_dir("dp2", 300, {"status": "failed", "error": "boom"}, [])
+    run_dir(tmp_path / "multi" / "dp2", 300, {"status": "failed", "error": "boom"}, [])
     twin, single, dp2 = find_jobs([tmp_path / "multi"])
     assert [j.name for j in (twin, single, dp2)] == ["twin", "single", "dp2"]
     assert (twin.noise_ulp, single.noise_ulp, twin.backend, single.layout) == (1, 0, "T", "single")
@@ -415,3 +417,40 @@ def test_jobs_are_read_from_their_run_dirs_in_launch_order(tmp_path):
     assert (twin.step_time, twin.peak_memory_mb) == (None, None)  # a trainer that logs no perf/*
     assert (single.status, single.error, dp2.error) == ("completed", None, "failed: boom")
     assert pick_baseline([twin, single, dp2], None) is single
+
+
+def test_judged_steps_without_a_gradient_are_named_in_a_note(tmp_path, capsys):
+    """A replay whose GRPO groups all had equal rewards (every advantage 0: the real model's
+    8-token answers under a 0/1 reward) trains nothing: loss and grad_norm are 0 in every job and
+    the verdict can only speak for the forwards. The note says which judged steps those were."""
+    import torch
+
+    def sweep(root, grad_norms):
+        for launched, name in enumerate(("single", "dp2")):
+            run_dir(root / name, launched, {"status": "completed"},
+                    [{"train/loss": 0.0 if gn == 0 else 0.5, "train/grad_norm": gn} for gn in grad_norms])
+            torch.save({0: [-1.0, -2.0]}, root / name / "first_step_log_probs.pt")
+        return root
+
+    idle = sweep(tmp_path / "idle", [0.0, 0.0, 0.0])
+    assert main([str(idle), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [j["verdict"] for j in report["jobs"]] == ["equivalent"] * 2  # the forwards are equal
+    untrained = [n for n in report["notes"] if "no gradient" in n]
+    assert len(untrained) == 1 and untrained[0].startswith("baseline step(s) 0, 1 had no gradient")
+    assert "task.reward_fn=relax.task.rewards.response_length" in untrained[0]
+    assert main([str(idle)]) == 0
+    assert "note: baseline step(s) 0, 1 had no gradient" in capsys.readouterr().out  # steps >= 2: not judged
+    # one judged step without a gradient is named alone; none, no note
+    assert main([str(sweep(tmp_path / "first", [0.0, 1.0, 1.0])), "--json"]) == 0
+    assert [n for n in json.loads(capsys.readouterr().out)["notes"] if "no gradient" in n][0].startswith(
+        "baseline step(s) 0 had no gradient")
+    assert main([str(sweep(tmp_path / "trained", [1.0, 1.0, 1.0])), "--json"]) == 0
+    assert not [n for n in json.loads(capsys.readouterr().out)["notes"] if "no gradient" in n]
+
+
+def test_the_numerics_reward_varies_with_the_response():
+    from relax.task.rewards import Rewards, response_length
+
+    assert [response_length(r, "7") for r in ("", "7", "It is 7.")] == [0.0, 0.01, 0.08]
+    assert Rewards("relax.task.rewards.response_length").fn is response_length  # what the docs' key loads

@@ -20,14 +20,8 @@ from .extras import RAY, require
 
 pytestmark = pytest.mark.slow
 
-def characters(response: str, label: str) -> float:
-    """A reward every group varies in (no two responses alike), so every step trains: these
-    tests are about numerics, not learning (the recipe's reward is in docs/real-model.md)."""
-    return len(response) / 100
-
-
 REAL = ["model=smollm2", "task=word_problems", "task.operations=[plus]", "task.max_operand=20",
-        "task.reward_fn=tests.test_real_model.characters",
+        "task.reward_fn=relax.task.rewards.response_length",  # every step trains: numerics, not learning
         "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=8",
         "train.lr=1e-5", "train.num_threads=2", "checkpoint.save_interval=null"]
 

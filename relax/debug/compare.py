@@ -145,6 +145,18 @@ class Noise:
                 f"grow chaotically (NaN/Inf checked at every step)"]
 
 
+def notes(base: Job, noise: Noise) -> list[str]:
+    """What the verdicts could not judge: steps past the judged ones, and judged steps the
+    baseline took without a gradient, where only the jobs' forwards were compared."""
+    idle = [t for t, gn in enumerate(base.grad_norm[:noise.judged_steps]) if gn == 0]
+    untrained = [f"baseline step(s) {fmt_series(idle, 8, 'd')} had no gradient (grad_norm 0: in every GRPO "
+                 f"group the rewards were equal, so every advantage was 0): there only the jobs' forwards "
+                 f"were compared, not their backward passes or optimizer steps. Replay rollouts whose "
+                 f"groups' rewards differ (a reward that varies with every response: "
+                 f"task.reward_fn=relax.task.rewards.response_length)"] if idle else []
+    return noise.notes(len(base.loss)) + untrained
+
+
 def scaled_floor(fixed: float, twin_diff: float | None, margin: float) -> float:
     """The noise rule of every comparison (steps here, layers in relax/debug/layers.py): a
     difference is noise up to max(the fixed tolerance, margin x the twin's difference)."""
@@ -312,7 +324,7 @@ def render(jobs: list[Job], base: Job, noise: Noise, console: Console) -> None:
     tol = ", ".join(f"{k} {v:.2e}" for k, v in next((j.tolerances for j in jobs if j.tolerances), {}).items())
     if tol:
         console.print(f"step-0 tolerances: {tol}", highlight=False)
-    for note in noise.notes(len(base.loss)):
+    for note in notes(base, noise):
         console.print(f"note: {note}", highlight=False)
 
 
@@ -376,7 +388,7 @@ def main(argv: list[str]) -> int:
         print(json.dumps({"baseline": base.name, "plot": str(out),
                           "twin": noise.twin.name if noise.twin else None,
                           "twin_departed_at_step": noise.twin_departed_at_step,
-                          "judged_steps": noise.judged_steps, "notes": noise.notes(len(base.loss)),
+                          "judged_steps": noise.judged_steps, "notes": notes(base, noise),
                           "jobs": [{k: (str(v) if isinstance(v, Path) else v)
                                     for k, v in vars(j).items() if k != "log_probs"} for j in jobs]}))
     else:

@@ -26,6 +26,14 @@ from relax.sample import Sample
 BACKOFF_S = 0.5  # the first reward_url retry's wait; doubled for each further one
 
 
+def response_length(response: str, label: str) -> float:
+    """Not a task's reward, one for numerics work (layout sweeps, replays, `relax compare`): the
+    response's length in characters / 100, so a GRPO group's rewards differ whenever its
+    responses do and every step has a gradient, which a task's 0/1 reward on an untrained
+    model's short answers often leaves at 0."""
+    return len(response) / 100
+
+
 def describe(sample: Sample) -> str:
     return (f"sample {sample.index} (prompt={sample.prompt!r}, response={sample.response!r}, "
             f"label={sample.label!r})")
