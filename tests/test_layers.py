@@ -141,11 +141,18 @@ def test_layout_faults_are_named_against_the_twins_floor(tmp_path, replay):
     # one DP rank's gradient scaled: the forward and the weights agree, every gradient is off
     assert first(dp2, "forward") is None and first(dp2, "params") is None
     assert first(dp2, "grads") == "lm_head.weight" and 4e-3 < dp2["first"]["grads"][1] < 6e-3
+    scaled = dp2["spreads"]["grads"]  # a scale: the difference lies where the gradient does
+    assert 0.9 * scaled["own"] <= scaled["elements"] <= 1.1 * scaled["own"]
+    assert set(dp2["spreads"]) == {"grads"}  # (one per departing part)
     # layer 1's attention output never all-reduced over TP
     assert first(tp2, "forward") == "model.layers.1.self_attn" and first(tp2, "params") is None
     assert tp2["diffs"]["forward"]["model.layers.0"] < 1e-5
     # one shard of one weight perturbed
     assert first(fsdp2, "params") == "model.layers.0.self_attn.q_proj.weight"
+    shard = fsdp2["spreads"]["params"]  # rank 1's half of the rows, each element + 1e-3
+    half, side = shard["total"] // 2, math.isqrt(shard["total"])  # (the tiny q_proj: hidden x hidden)
+    assert 0.85 * half <= shard["elements"] <= half and shard["at"][0] >= side // 2
+    assert shard["values"][0] - shard["values"][1] == pytest.approx(1e-3, rel=1e-3)
     assert first(fsdp2, "forward") == "model.layers.0.self_attn"
     twin_floor = jobs["parallel=tp2"]["floors"]["grads"]
     assert max(twin_floor.values()) > 256 * torch.finfo(torch.float32).eps  # the twin raised some floors
@@ -275,6 +282,27 @@ def test_gradients_are_judged_in_backward_order_and_weights_in_forward_order():
     assert dep.first == {"forward": ("model.layers.0", 0.5, 1e-4),
                          "grads": ("model.layers.1.self_attn.q_proj.weight", 0.5, 1e-4),
                          "params": ("model.layers.0.mlp.down_proj.weight", 0.5, 1e-4)}
+
+
+def test_a_departure_says_over_how_many_elements_it_lies():
+    """One element off (Adam's first step turning a gradient that rounding decides the sign of)
+    against a whole tensor off (a layout bug): the first tensors' spreads, in the line printed."""
+    base = synthetic()
+    stray = synthetic()
+    stray.params["model.layers.0.input_layernorm.weight"] = torch.tensor([1.0, 1.0006])
+    stray.forward["model.layers.1"] = [torch.tensor([1.0, 1.3])]
+    stray.grads["model.norm.weight"] = torch.tensor([1.2, 1.2])
+    dep = layers.judge_layers("stray", layers.diffs(stray, base), 1e-4, 10.0, None)
+    dep.locate(stray, base)
+    assert dep.spreads["params"] == {"elements": 1, "total": 2, "share": 0.9, "own": 2, "at": [1],
+                                     "values": [pytest.approx(1.0006), 1.0]}
+    assert dep.spreads["forward"]["at"] == [0, 1]  # [sample, element] of a module's output
+    assert dep.spreads["grads"]["elements"] == 2  # both off alike: 90 % needs both
+    line = dep.line()
+    assert "weights depart at model.layers.0.input_layernorm.weight (rel 4.2e-04, floor 1.0e-04; 90% of it " \
+           "in 1 of 2 elements (of the tensor itself: 2), the largest at [1]: 1.0006 vs 1)" in line, line
+    assert layers.spread(torch.ones(3), torch.ones(3))["elements"] == 0  # equal: no largest
+    assert layers.spread(torch.ones(3), torch.ones(4)) is None  # shapes differ (rel_diff: inf)
 
 
 def test_the_recording_side_by_hand(tmp_path):

@@ -17,7 +17,12 @@ Compare. Per tensor, the relative difference ||a - b|| / ||b|| over the dumped s
 against a floor: `--layer-eps-multiple` x the baseline dtype's epsilon, raised to
 `--envelope-margin` x the noise twin's difference where the sweep has a twin (the same rule
 as the step tolerances of relax/debug/compare.py: `scaled_floor`). The first module (forward
-order), the first gradient (backward order) and the first weight above their floors are named.
+order), the first gradient (backward order) and the first weight above their floors are named,
+each with how its difference spreads (`spread`): over how many elements 90 % of it lies, and
+where the largest one is. A bug in a layout (a missing all-reduce, a wrong scale) moves most
+elements; a handful is rounding that something amplified, such as Adam's first step, which
+moves every weight by about the learning rate in the sign of its gradient, also where rounding
+alone decides that sign (docs/debugging.md).
 """
 
 from __future__ import annotations
@@ -93,6 +98,39 @@ def rel_diff(a, b) -> float:
     return num / den if den > 0 else (0.0 if num == 0 else math.inf)
 
 
+def holding(squared: torch.Tensor, share: float) -> int:
+    """How many of the elements hold `share` of the sum of `squared` (0 if it is 0)."""
+    ordered = squared.sort(descending=True).values.cumsum(0)
+    if ordered[-1] == 0:
+        return 0
+    return min(int(torch.searchsorted(ordered, share * ordered[-1])) + 1, len(squared))
+
+
+def spread(a, b, share: float = 0.9) -> dict | None:
+    """How a's difference from b lies over the elements of one tensor or a list of per-sample
+    tensors: how many of the `total` elements hold `share` of ||a - b||^2 (`elements`) and of
+    ||b||^2 (`own`: a difference spread like the tensor itself is a scale, one far narrower is
+    local), and the largest difference (`at`: its index, [sample, ...] for a list; `values`: a's
+    and b's there). None where the shapes differ."""
+    listed = isinstance(a, list)
+    a, b = (a, b) if listed else ([a], [b])
+    if len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b)):
+        return None
+    flat = [(x.float() - y.float()).reshape(-1) for x, y in zip(a, b)]
+    squared = torch.cat(flat).double() ** 2
+    out = {"elements": holding(squared, share), "total": len(squared), "share": share,
+           "own": holding(torch.cat([y.reshape(-1) for y in b]).double() ** 2, share)}
+    if out["elements"] == 0:
+        return {**out, "at": None, "values": None}
+    k, worst = 0, int(squared.argmax())  # (tensor k of the list, its element)
+    while worst >= flat[k].numel():
+        worst -= flat[k].numel()
+        k += 1
+    at = [int(i) for i in torch.unravel_index(torch.tensor(worst), a[k].shape)]
+    return {**out, "at": [k, *at] if listed else at,
+            "values": [float(a[k].reshape(-1)[worst]), float(b[k].reshape(-1)[worst])]}
+
+
 # Within a decoder layer, the order its parameters' gradients are computed in (backward runs
 # from the MLP's output back to the attention's input); names not listed come last.
 BACKWARD_IN_LAYER = ("mlp.down_proj", "mlp.up_proj", "mlp.gate_proj", "mlp.shared_expert_gate",
@@ -117,8 +155,7 @@ def backward_order(name: str) -> tuple:
 def diffs(a: Dump, b: Dump) -> dict[str, dict[str, float]]:
     """Per part (forward, grads, params), per tensor in its order (forward order; backward
     order for gradients), a's relative difference from b; a tensor only one side has is inf."""
-    forward = {**b.forward, LOG_PROBS: b.log_probs}
-    ours = {**a.forward, LOG_PROBS: a.log_probs}
+    forward, ours = tensors(b, "forward"), tensors(a, "forward")
     out = {"forward": {n: rel_diff(ours[n], forward[n]) if n in ours else math.inf for n in forward}}
     for part in ("grads", "params"):
         theirs, mine = getattr(b, part), getattr(a, part)
@@ -137,10 +174,17 @@ class Departure:
     first: dict[str, tuple[str, float, float] | None] = field(
         default_factory=dict
     )  # part -> (name, rel, floor)
+    spreads: dict[str, dict | None] = field(default_factory=dict)  # part -> spread() of its first
 
     @property
     def departs(self) -> bool:
         return any(v is not None for v in self.first.values())
+
+    def locate(self, a: Dump, b: Dump) -> None:
+        """The spread of each part's first departing tensor, a's against b's."""
+        for part, first in self.first.items():
+            if first is not None:
+                self.spreads[part] = spread(tensors(a, part)[first[0]], tensors(b, part)[first[0]])
 
     def line(self) -> str:
         what = {
@@ -149,12 +193,25 @@ class Departure:
             "params": "weights depart at",
         }
         parts = [
-            f"{what[p]} {n} (rel {r:.1e}, floor {f:.1e})"
+            f"{what[p]} {n} (rel {r:.1e}, floor {f:.1e}{describe(self.spreads.get(p))})"
             for p, v in self.first.items()
             if v
             for n, r, f in [v]
         ]
         return f"{self.job}: " + ("; ".join(parts) if parts else "departs nowhere")
+
+
+def tensors(dump: Dump, part: str) -> dict:
+    return {**dump.forward, LOG_PROBS: dump.log_probs} if part == "forward" else getattr(dump, part)
+
+
+def describe(where: dict | None) -> str:
+    if not where or where["at"] is None:
+        return ""
+    a, b = where["values"]
+    return (f"; {where['share']:.0%} of it in {where['elements']} of {where['total']} elements (of the "
+            f"tensor itself: {where['own']}), the largest at [{', '.join(map(str, where['at']))}]: "
+            f"{a:.6g} vs {b:.6g}")
 
 
 def judge_layers(
@@ -279,6 +336,7 @@ def within_run(
         if not other.forward:  # (rollout=sglang: docs/debugging.md)
             d["forward"] = {LOG_PROBS: d["forward"][LOG_PROBS]}
         deps.append(judge_layers(source, d, fixed, margin, None))
+        deps[-1].locate(other, base)
     if not deps:
         raise ValueError(f"{run}: a trainer layer dump, but no engine or reference dump to compare it with")
     return deps, f"{run.name}: engine and reference against the trainer"
@@ -335,6 +393,8 @@ def compare_runs(
     twin_diffs = diffs(twin, base) if twin else None
     fixed = floor_fixed(base, eps_multiple)
     deps = [judge_layers(d.name, diffs(d, base), fixed, margin, twin_diffs) for d in others]
+    for dep, dump in zip(deps, others, strict=True):
+        dep.locate(dump, base)
     noise = f"noise twin {twin.name}" if twin else f"no noise twin: floor {eps_multiple:g} x eps"
     return deps, f"baseline {base.name}, rollout {base.manifest['rollout_id']}; {noise}"
 
@@ -372,6 +432,7 @@ def compare_layers(args) -> int:
                             "job": d.job,
                             "departs": d.departs,
                             "first": d.first,
+                            "spreads": d.spreads,
                             "diffs": d.diffs,
                             "floors": d.floors,
                         }
