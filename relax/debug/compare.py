@@ -188,6 +188,18 @@ def maybe_noise(value: float, limit: float, noise: Noise) -> str:
             f"grown over many steps), add parallel=twin to the sweep to measure it")
 
 
+def after_the_first_update(step: int) -> str:
+    """Step 1 (step 0 agreed) is the first after an optimizer step, and Adam's first update moves
+    every weight by about the learning rate in its gradient's sign, also where rounding decides
+    that sign: a correct layout can part there in a handful of elements (docs/debugging.md)."""
+    if step != 1:
+        return ""
+    return ("; step 0 agreed: Adam's first update may have turned a gradient element that rounding "
+            "left near 0 into a whole learning-rate step. Dump the weights it left "
+            "(debug.dump_layers_rollouts=[1]) and compare them (relax compare --layers --rollout-id 1): "
+            "a few elements is that, a whole tensor a bug")
+
+
 def first_divergence(job: Job, base: Job, noise: Noise) -> tuple[int, str] | None:
     """The first step with a NaN/Inf, a difference beyond the noise model's limit (judged steps
     only), or a departure before `noise.early()`."""
@@ -202,14 +214,15 @@ def first_divergence(job: Job, base: Job, noise: Noise) -> tuple[int, str] | Non
                 limit = noise.limit(step, metric)
                 if over(d[metric], limit):
                     return step, (f"step {step}: {label} {d[metric]:.2e} > {limit:.2e} ({where})"
-                                  + maybe_noise(d[metric], limit, noise))
+                                  + maybe_noise(d[metric], limit, noise) + after_the_first_update(step))
             if early is not None and not departed and over(d[metric], noise.floor[metric]):
                 departed = True
                 if step < early:
                     return step, (f"step {step}: {label} {d[metric]:.2e} > {noise.floor[metric]:.2e}: "
                                   f"departs from the baseline before step {early:g}, 1/"
                                   f"{noise.departure_ratio:g} of the step {noise.twin.name} departs at "
-                                  f"(a correct layout departs about when the twin does)")
+                                  f"(a correct layout departs about when the twin does)"
+                                  + after_the_first_update(step))
     return None
 
 
