@@ -44,12 +44,22 @@ from relax.train import check_batch_split, checkpoint_layout
 log = logging.getLogger("relax")
 
 
+def zero_std_ratio(samples: list[Sample]) -> float:
+    """The share of prompts whose samples all got the same reward: under a group baseline (GRPO,
+    reinforce) their advantages are 0 and they add no gradient (TRL: frac_reward_zero_std)."""
+    rewards: dict[int, set[float]] = {}
+    for s in samples:
+        rewards.setdefault(s.group_index, set()).add(s.reward)
+    return sum(len(r) == 1 for r in rewards.values()) / len(rewards)
+
+
 def rollout_stats(samples: list[Sample], seconds: float, tokenizer, answer_format) -> dict:
     n_tokens = sum(s.response_length for s in samples)
     model_lp = [lp for s in samples for lp, m in zip(s.rollout_log_probs, s.loss_mask) if m]  # not a tool's
     return {
         **response_health(samples, tokenizer, answer_format),
         "rollout/raw_reward": sum(s.reward for s in samples) / len(samples),
+        "rollout/zero_std_ratio": zero_std_ratio(samples),
         "rollout/response_len": n_tokens / len(samples),
         "rollout/truncated_ratio": sum(s.status == "truncated" for s in samples) / len(samples),
         "rollout/rollout_log_probs": sum(model_lp) / max(len(model_lp), 1),

@@ -55,9 +55,9 @@ def hand_run(tmp_path: Path, tokenizer, replays: bool = False, save: str | None 
 
 def test_a_rollouts_record_by_hand_without_eval_time_and_its_files(tmp_path, tokenizer):
     """rollout/*: means over samples, log-probs of model tokens only (not a tool's), truncated
-    (not aborted) share; perf/rollout_time without the evaluation's time (and tokens/s on it);
-    staleness = rollout_id - policy_version, absent for replayed data; the saved rollout data and
-    samples.jsonl line are this rollout's."""
+    (not aborted) share, the share of groups with equal rewards; perf/rollout_time without the
+    evaluation's time (and tokens/s on it); staleness = rollout_id - policy_version, absent for
+    replayed data; the saved rollout data and samples.jsonl line are this rollout's."""
     run = hand_run(tmp_path, tokenizer, save=f"{tmp_path}/data/{{rollout_id}}.pt")
     stats = {"perf/eval_time": 2.0, "eval/arithmetic/reward": 0.75, "rollout/generation_rounds": 1}
     samples, record = loop.rollout(run, FakeRollouts(stats, 6.0, policy_version=3), 5)
@@ -66,6 +66,7 @@ def test_a_rollouts_record_by_hand_without_eval_time_and_its_files(tmp_path, tok
     assert record["rollout/raw_reward"] == 0.5
     assert record["rollout/response_len"] == 2.0  # 8 tokens / 4 samples
     assert record["rollout/truncated_ratio"] == 0.25
+    assert record["rollout/zero_std_ratio"] == 0.5  # group 1's rewards are 0.5 and 0.5: no gradient
     assert record["rollout/rollout_log_probs"] == pytest.approx(-8.0 / 7)  # 7 model tokens
     assert record["perf/rollout_time"] == 4.0 and record["perf/tokens_per_s"] == 2.0
     assert (record["perf/eval_time"], record["eval/arithmetic/reward"]) == (2.0, 0.75)
