@@ -150,9 +150,9 @@ def notes(base: Job, noise: Noise) -> list[str]:
     baseline took without a gradient, where only the jobs' forwards were compared."""
     idle = [t for t, gn in enumerate(base.grad_norm[:noise.judged_steps]) if gn == 0]
     untrained = [f"baseline step(s) {fmt_series(idle, 8, 'd')} had no gradient (grad_norm 0: in every GRPO "
-                 f"group the rewards were equal, so every advantage was 0): there only the jobs' forwards "
-                 f"were compared, not their backward passes or optimizer steps. Replay rollouts whose "
-                 f"groups' rewards differ (a reward that varies with every response: "
+                 f"group the rewards were equal, rollout/zero_std_ratio 1, so every advantage was 0): there "
+                 f"only the jobs' forwards were compared, not their backward passes or optimizer steps. "
+                 f"Replay rollouts whose groups' rewards differ (a reward that varies with every response: "
                  f"task.reward_fn=relax.task.rewards.response_length)"] if idle else []
     return noise.notes(len(base.loss)) + untrained
 
