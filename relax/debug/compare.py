@@ -36,6 +36,7 @@ from rich.console import Console
 from rich.table import Table
 
 from relax.debug.jobs import DIVERGED, EQUIVALENT, FAILED, Job, find_jobs, pick_baseline, unusable
+from relax.debug.plots import plot_steps
 from relax.debug.verdicts import over, worst
 from relax.errors import ConfigError, ReplayError
 
@@ -281,29 +282,6 @@ def judge(job: Job, base: Job, tol: Tolerances, twin: Job | None = None,
     job.verdict, job.reasons = (DIVERGED, reasons) if reasons else (EQUIVALENT, [])
 
 
-def plot(jobs: list[Job], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from relax.debug.doctor import save_figure
-
-    fig, (ax_loss, ax_gn) = plt.subplots(1, 2, figsize=(11, 4.5))
-    for job in jobs:
-        if job.loss:
-            style = "-" if job.verdict == EQUIVALENT else "--"
-            label = f"{job.name} ({job.verdict})"
-            ax_loss.plot(job.loss, style, marker="o", label=label)
-            ax_gn.plot(job.grad_norm, style, marker="o", label=label)
-    ax_loss.set(title="train/loss per step", xlabel="step")
-    ax_gn.set(title="train/grad_norm per step", xlabel="step")
-    ax_gn.legend(fontsize=8)
-    fig.tight_layout()
-    save_figure(fig, out, dpi=100)
-    plt.close(fig)
-
-
 def fmt_series(xs: list[float], limit: int = 4, fmt: str = ".4g") -> str:
     shown = ", ".join(format(x, fmt) for x in xs[:limit])
     return shown + (f", … ({len(xs)})" if len(xs) > limit else "")
@@ -396,7 +374,7 @@ def main(argv: list[str]) -> int:
     for job in jobs:
         judge(job, base, tol, noise=noise)
     out = args.plot or (args.paths[0] / "compare.png")
-    plot(jobs, out)
+    plot_steps(jobs, out)
     if args.json:
         print(json.dumps({"baseline": base.name, "plot": str(out),
                           "twin": noise.twin.name if noise.twin else None,

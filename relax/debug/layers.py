@@ -64,10 +64,8 @@ def load_dump(path: Path) -> Dump:
     """A layer dump, or ValueError naming the file and what is wrong with it."""
     data = safe_load(path, mmap=True)  # (a real model's dump is ~1 GB of weights and gradients)
     if not isinstance(data, dict) or data.get("format_version") != FORMAT_VERSION:
-        raise ValueError(
-            f"{path}: not a Relax layer dump of format {FORMAT_VERSION} "
-            f"(format_version {data.get('format_version') if isinstance(data, dict) else '?'})"
-        )
+        raise ValueError(f"{path}: not a Relax layer dump of format {FORMAT_VERSION} "
+                         f"(format_version {data.get('format_version') if isinstance(data, dict) else '?'})")
     missing = [k for k in ("manifest", "forward", LOG_PROBS, "grads", "params") if k not in data]
     if missing:
         raise ValueError(f"{path}: layer dump without {', '.join(missing)}")
@@ -160,9 +158,8 @@ def diffs(a: Dump, b: Dump) -> dict[str, dict[str, float]]:
     for part in ("grads", "params"):
         theirs, mine = getattr(b, part), getattr(a, part)
         names = sorted(theirs, key=backward_order, reverse=part == "params")  # weights: forward order
-        out[part] = (
-            {n: rel_diff(mine[n], theirs[n]) if n in mine else math.inf for n in names} if mine else {}
-        )
+        out[part] = {n: rel_diff(mine[n], theirs[n]) if n in mine else math.inf
+                     for n in names} if mine else {}
     return out
 
 
@@ -171,9 +168,8 @@ class Departure:
     job: str
     diffs: dict[str, dict[str, float]]
     floors: dict[str, dict[str, float]]
-    first: dict[str, tuple[str, float, float] | None] = field(
-        default_factory=dict
-    )  # part -> (name, rel, floor)
+    # part -> (name, rel, floor) of its first tensor above the floor
+    first: dict[str, tuple[str, float, float] | None] = field(default_factory=dict)
     spreads: dict[str, dict | None] = field(default_factory=dict)  # part -> spread() of its first
 
     @property
@@ -187,17 +183,10 @@ class Departure:
                 self.spreads[part] = spread(tensors(a, part)[first[0]], tensors(b, part)[first[0]])
 
     def line(self) -> str:
-        what = {
-            "forward": "forward departs at",
-            "grads": "gradients depart at",
-            "params": "weights depart at",
-        }
-        parts = [
-            f"{what[p]} {n} (rel {r:.1e}, floor {f:.1e}{describe(self.spreads.get(p))})"
-            for p, v in self.first.items()
-            if v
-            for n, r, f in [v]
-        ]
+        what = {"forward": "forward departs at", "grads": "gradients depart at",
+                "params": "weights depart at"}
+        parts = [f"{what[p]} {n} (rel {r:.1e}, floor {f:.1e}{describe(self.spreads.get(p))})"
+                 for p, v in self.first.items() if v for n, r, f in [v]]
         return f"{self.job}: " + ("; ".join(parts) if parts else "departs nowhere")
 
 
@@ -214,26 +203,18 @@ def describe(where: dict | None) -> str:
             f"{a:.6g} vs {b:.6g}")
 
 
-def judge_layers(
-    job: str,
-    d: dict[str, dict[str, float]],
-    fixed: float,
-    margin: float,
-    twin: dict[str, dict[str, float]] | None,
-) -> Departure:
+def judge_layers(job: str, d: dict[str, dict[str, float]], fixed: float, margin: float,
+                 twin: dict[str, dict[str, float]] | None) -> Departure:
     """The first tensor of each part whose difference leaves its floor."""
     from relax.debug.compare import scaled_floor
     from relax.debug.verdicts import over
 
-    floors = {
-        part: {n: scaled_floor(fixed, (twin or {}).get(part, {}).get(n), margin) for n in values}
-        for part, values in d.items()
-    }
+    floors = {part: {n: scaled_floor(fixed, (twin or {}).get(part, {}).get(n), margin) for n in values}
+              for part, values in d.items()}
     dep = Departure(job, d, floors)
     for part, values in d.items():
-        dep.first[part] = next(
-            ((n, v, floors[part][n]) for n, v in values.items() if over(v, floors[part][n])), None
-        )
+        dep.first[part] = next(((n, v, floors[part][n]) for n, v in values.items()
+                                if over(v, floors[part][n])), None)
     return dep
 
 
@@ -253,11 +234,8 @@ def dump_dir_of(run: Path) -> Path:
 def load_source(run: Path, source: str, rollout_id: int | None) -> Dump:
     """The run's `source` dump of `rollout_id` (default: its first dumped rollout)."""
     directory = dump_dir_of(run)
-    found = sorted(
-        (int(p.name.split("_")[0]), p)
-        for p in directory.glob(f"*_{source}.pt")
-        if p.name.split("_")[0].isdigit()
-    )
+    found = sorted((int(p.name.split("_")[0]), p) for p in directory.glob(f"*_{source}.pt")
+                   if p.name.split("_")[0].isdigit())
     if rollout_id is not None:
         found = [(i, p) for i, p in found if i == rollout_id]
     if not found:
@@ -273,56 +251,8 @@ def floor_fixed(dump: Dump, eps_multiple: float) -> float:
     return eps_multiple * EPS.get(str(dump.manifest.get("dtype", "float32")), EPS["float32"])
 
 
-def plot_layers(departures: list[Departure], out: Path) -> None:
-    """Relative difference per module (forward order) and per gradient (backward order), one
-    line per job, each job's floor shaded."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from relax.debug.doctor import save_figure
-
-    parts = [p for p in ("forward", "grads") if any(d.diffs.get(p) for d in departures)]
-    fig, axes = plt.subplots(1, len(parts), figsize=(7 * len(parts), 4.8), squeeze=False)
-    for ax, part in zip(axes[0], parts, strict=True):
-        for dep in departures:
-            names = list(dep.diffs[part])
-            if not names:
-                continue
-            tiny = 1e-12  # log axis: an exact match is drawn at the bottom
-            values = [max(dep.diffs[part][n], tiny) for n in names]
-            (line,) = ax.plot(range(len(names)), values, marker=".", label=dep.job)
-            ax.fill_between(
-                range(len(names)),
-                tiny,
-                [dep.floors[part][n] for n in names],
-                color=line.get_color(),
-                alpha=0.12,
-            )
-        ax.set_yscale("log")
-        labels = list(next(d.diffs[part] for d in departures if d.diffs.get(part)))
-        step = max(1, len(labels) // 24)
-        ax.set_xticks(
-            range(0, len(labels), step),
-            [labels[i].replace("model.", "") for i in range(0, len(labels), step)],
-            rotation=70,
-            fontsize=6,
-        )
-        ax.set(
-            title=f"{'module outputs (forward order)' if part == 'forward' else 'gradients (backward order)'}"
-            f": rel Δ, floor shaded",
-            ylabel="||a - b|| / ||b||",
-        )
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    save_figure(fig, out, dpi=100)
-    plt.close(fig)
-
-
-def within_run(
-    run: Path, rollout_id: int | None, eps_multiple: float, margin: float
-) -> tuple[list[Departure], str]:
+def within_run(run: Path, rollout_id: int | None, eps_multiple: float,
+               margin: float) -> tuple[list[Departure], str]:
     """One run: its engine's and its reference model's forward against its trainer's, on the
     same sequences (an engine that recorded no module outputs is compared on its log-probs)."""
     base = load_source(run, "train", rollout_id)
@@ -346,20 +276,16 @@ def runs_of(paths: list[Path]) -> list[Path]:
     """The run dirs to compare: the given ones, or a multirun dir's jobs in launch order."""
     if len(paths) > 1 or (paths[0] / "built.json").is_file():
         return paths
-    jobs = sorted(
-        (p for p in paths[0].iterdir() if (p / "built.json").is_file()),
-        key=lambda p: (p / "built.json").stat().st_mtime,
-    )
+    jobs = sorted((p for p in paths[0].iterdir() if (p / "built.json").is_file()),
+                  key=lambda p: (p / "built.json").stat().st_mtime)
     if not jobs:
-        raise ValueError(
-            f"{paths[0]}: neither a run dir nor a multirun dir (no built.json in it or its subdirs)"
-        )
+        raise ValueError(f"{paths[0]}: neither a run dir nor a multirun dir (no built.json in it or its "
+                         f"subdirs)")
     return jobs
 
 
-def compare_runs(
-    paths: list[Path], baseline: str | None, rollout_id: int | None, eps_multiple: float, margin: float
-) -> tuple[list[Departure], str]:
+def compare_runs(paths: list[Path], baseline: str | None, rollout_id: int | None, eps_multiple: float,
+                 margin: float) -> tuple[list[Departure], str]:
     """Departures of each job from the baseline (a sweep dir's jobs against --baseline, else its
     `single` job; runs A B ..: each against A, or --baseline), or of one run's engine from its
     trainer, and what was compared with what."""
@@ -372,9 +298,8 @@ def compare_runs(
     if baseline is not None:
         base_run = next((r for r in runs if baseline in (r.name, layout[r])), None)
         if base_run is None:
-            raise ValueError(
-                f"--baseline {baseline!r}: no such job (jobs: {', '.join(r.name for r in runs)})"
-            )
+            raise ValueError(f"--baseline {baseline!r}: no such job "
+                             f"(jobs: {', '.join(r.name for r in runs)})")
     else:  # a sweep: its single job; runs A B ...: A
         base_run = next((r for r in runs if layout[r] == "single"), runs[0]) if len(paths) == 1 else runs[0]
     base = load_source(base_run, "train", rollout_id)
@@ -382,14 +307,8 @@ def compare_runs(
     others = [d for d in dumps if d is not base]
     for dump in others:
         check(dump, base)
-    twin = next(
-        (
-            d
-            for d in others
-            if d.manifest.get("noise_ulp") and d.manifest.get("backend") == base.manifest.get("backend")
-        ),
-        None,
-    )
+    twin = next((d for d in others if d.manifest.get("noise_ulp")
+                 and d.manifest.get("backend") == base.manifest.get("backend")), None)
     twin_diffs = diffs(twin, base) if twin else None
     fixed = floor_fixed(base, eps_multiple)
     deps = [judge_layers(d.name, diffs(d, base), fixed, margin, twin_diffs) for d in others]
@@ -413,34 +332,19 @@ def compare_layers(args) -> int:
     from relax.errors import ConfigError, ReplayError
 
     try:
-        departures, what = compare_runs(
-            args.paths, args.baseline, args.rollout_id, args.layer_eps_multiple, args.envelope_margin
-        )
+        departures, what = compare_runs(args.paths, args.baseline, args.rollout_id, args.layer_eps_multiple,
+                                        args.envelope_margin)
     except (ConfigError, ReplayError, ValueError) as e:
         print(f"relax compare: error: {e}", file=sys.stderr)
         return 2
     out = args.plot or (args.paths[0] / "compare_layers.png")
+    from relax.debug.plots import plot_layers
+
     plot_layers(departures, out)
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "compared": what,
-                    "plot": str(out),
-                    "jobs": [
-                        {
-                            "job": d.job,
-                            "departs": d.departs,
-                            "first": d.first,
-                            "spreads": d.spreads,
-                            "diffs": d.diffs,
-                            "floors": d.floors,
-                        }
-                        for d in departures
-                    ],
-                }
-            )
-        )
+        print(json.dumps({"compared": what, "plot": str(out), "jobs": [
+            {"job": d.job, "departs": d.departs, "first": d.first, "spreads": d.spreads, "diffs": d.diffs,
+             "floors": d.floors} for d in departures]}))
     else:
         print(f"relax compare --layers ({what})")
         for d in departures:

@@ -194,7 +194,7 @@ class TorchEngine:
         """Logits at the last position of `ids`; writes K/V into cache[start:start+T].
         cos/sin: [B, T, 1, D] rotary tables at each token's position (sin sign-folded).
         `record(name, tensor)`, where given, receives every module output of
-        relax.debug.layers.module_names (the final norm at every position)."""
+        relax.train.layer_dump.module_names (the final norm at every position)."""
         B, T = ids.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         record = record or (lambda name, tensor: None)
@@ -228,7 +228,7 @@ class TorchEngine:
     @torch.inference_mode()
     def record_layers(self, sequences: list[list[int]]) -> dict[str, list[torch.Tensor]]:
         """debug.dump_layers: each sequence (prompt + response) prefilled alone, every module
-        output of relax.debug.layers.module_names recorded ([len, hidden] fp32 per sequence)."""
+        output of relax.train.layer_dump.module_names recorded ([len, hidden] fp32 per sequence)."""
         out: dict[str, list[torch.Tensor]] = {}
         cos_table, sin_table = self.rotary(torch.empty(0, dtype=self.dtype),
                                            torch.arange(max(map(len, sequences)))[None])

@@ -1,0 +1,75 @@
+"""The figures `relax compare` draws next to the runs: loss and grad_norm per step by job
+(`plot_steps`), and with `--layers` each job's relative difference per module and per
+gradient against its floor (`plot_layers`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from relax.debug.jobs import EQUIVALENT, Job
+
+if TYPE_CHECKING:
+    from relax.debug.layers import Departure
+
+
+def figure():
+    """matplotlib's pyplot, drawing to files only."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_steps(jobs: list[Job], out: Path) -> None:
+    """train/loss and train/grad_norm per step, one line per job (dashed: not equivalent)."""
+    from relax.debug.doctor import save_figure
+
+    plt = figure()
+    fig, (ax_loss, ax_gn) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for job in jobs:
+        if job.loss:
+            style = "-" if job.verdict == EQUIVALENT else "--"
+            label = f"{job.name} ({job.verdict})"
+            ax_loss.plot(job.loss, style, marker="o", label=label)
+            ax_gn.plot(job.grad_norm, style, marker="o", label=label)
+    ax_loss.set(title="train/loss per step", xlabel="step")
+    ax_gn.set(title="train/grad_norm per step", xlabel="step")
+    ax_gn.legend(fontsize=8)
+    fig.tight_layout()
+    save_figure(fig, out, dpi=100)
+    plt.close(fig)
+
+
+def plot_layers(departures: list[Departure], out: Path) -> None:
+    """Relative difference per module (forward order) and per gradient (backward order), one
+    line per job, each job's floor shaded."""
+    from relax.debug.doctor import save_figure
+
+    plt = figure()
+    parts = [p for p in ("forward", "grads") if any(d.diffs.get(p) for d in departures)]
+    fig, axes = plt.subplots(1, len(parts), figsize=(7 * len(parts), 4.8), squeeze=False)
+    for ax, part in zip(axes[0], parts, strict=True):
+        for dep in departures:
+            names = list(dep.diffs[part])
+            if not names:
+                continue
+            tiny = 1e-12  # log axis: an exact match is drawn at the bottom
+            values = [max(dep.diffs[part][n], tiny) for n in names]
+            (line,) = ax.plot(range(len(names)), values, marker=".", label=dep.job)
+            ax.fill_between(range(len(names)), tiny, [dep.floors[part][n] for n in names],
+                            color=line.get_color(), alpha=0.12)
+        ax.set_yscale("log")
+        labels = list(next(d.diffs[part] for d in departures if d.diffs.get(part)))
+        step = max(1, len(labels) // 24)
+        ax.set_xticks(range(0, len(labels), step),
+                      [labels[i].replace("model.", "") for i in range(0, len(labels), step)],
+                      rotation=70, fontsize=6)
+        what = "module outputs (forward order)" if part == "forward" else "gradients (backward order)"
+        ax.set(title=f"{what}: rel Δ, floor shaded", ylabel="||a - b|| / ||b||")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    save_figure(fig, out, dpi=100)
+    plt.close(fig)
