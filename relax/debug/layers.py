@@ -18,11 +18,12 @@ against a floor: `--layer-eps-multiple` x the baseline dtype's epsilon, raised t
 `--envelope-margin` x the noise twin's difference where the sweep has a twin (the same rule
 as the step tolerances of relax/debug/compare.py: `scaled_floor`). The first module (forward
 order), the first gradient (backward order) and the first weight above their floors are named,
-each with how its difference spreads (`spread`): over how many elements 90 % of it lies, and
-where the largest one is. A bug in a layout (a missing all-reduce, a wrong scale) moves most
-elements; a handful is rounding that something amplified, such as Adam's first step, which
-moves every weight by about the learning rate in the sign of its gradient, also where rounding
-alone decides that sign (docs/debugging.md).
+each with how its difference spreads (`spread`): over how many elements 90 % of it lies,
+against how many hold 90 % of the tensor itself, and where the largest one is. A bug in a layout
+spreads like the tensor (a wrong scale, a missing all-reduce) or over a whole shard; a handful
+of elements is rounding that something amplified, such as Adam's first step, which moves every
+weight by about the learning rate in the sign of its gradient, also where rounding alone
+decides that sign (docs/debugging.md).
 """
 
 from __future__ import annotations
@@ -191,10 +192,12 @@ class Departure:
 
 
 def tensors(dump: Dump, part: str) -> dict:
+    """A dump's tensors of one part by name (forward: the module outputs and the log-probs)."""
     return {**dump.forward, LOG_PROBS: dump.log_probs} if part == "forward" else getattr(dump, part)
 
 
 def describe(where: dict | None) -> str:
+    """A spread, as the departure line's tail."""
     if not where or where["at"] is None:
         return ""
     a, b = where["values"]
