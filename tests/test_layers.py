@@ -305,6 +305,27 @@ def test_a_departure_says_over_how_many_elements_it_lies():
     assert layers.spread(torch.ones(3), torch.ones(4)) is None  # shapes differ (rel_diff: inf)
 
 
+def test_holding_counts_the_largest_elements_exactly_without_sorting_them_all():
+    """holding's bins give the count a full sort gives: gaussian, heavy-tailed (values over many
+    powers of two), one element, all equal, ties, at three shares."""
+    def by_sorting(x, share):
+        ordered = x.sort(descending=True).values.cumsum(0)
+        if ordered[-1] == 0:
+            return 0
+        return min(int(torch.searchsorted(ordered, share * ordered[-1])) + 1, len(x))
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(100):
+        n = int(torch.randint(1, 3000, (1,), generator=g))
+        normal = torch.randn(n, generator=g, dtype=torch.float64)
+        x = [normal ** 2, (normal * torch.exp(5 * torch.randn(n, generator=g, dtype=torch.float64))) ** 2,
+             torch.zeros(n, dtype=torch.float64).index_fill_(0, torch.tensor([n // 2]), 3.0),
+             torch.ones(n, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g).double()][trial % 5]
+        for share in (0.5, 0.9, 0.99):
+            assert layers.holding(x, share) == by_sorting(x, share), (trial, share)
+    assert layers.holding(torch.zeros(5, dtype=torch.float64), 0.9) == 0
+
+
 def test_the_recording_side_by_hand(tmp_path):
     """layer_dump by hand: the module names in forward order; `recording` takes a module's output
     (of a tuple, the first element) as whole fp32 while the block runs, and its hooks are gone

@@ -98,11 +98,23 @@ def rel_diff(a, b) -> float:
 
 
 def holding(squared: torch.Tensor, share: float) -> int:
-    """How many of the elements hold `share` of the sum of `squared` (0 if it is 0)."""
-    ordered = squared.sort(descending=True).values.cumsum(0)
-    if ordered[-1] == 0:
+    """How many of the largest elements of `squared` (>= 0, fp64) hold `share` of its sum (0 if
+    it is 0). Sorting a real model's embedding (28M elements) takes ~4 s here, so the elements
+    go into bins of 1/16 of a power of two, summed per bin from the largest down, and only the
+    bin where `share` is reached is sorted."""
+    positive = squared[squared > 0]
+    if not len(positive):
         return 0
-    return min(int(torch.searchsorted(ordered, share * ordered[-1])) + 1, len(squared))
+    target = share * float(positive.sum())
+    bins = torch.floor(torch.log2(positive) * 16).long()
+    bins = int(bins.max()) - bins  # 0: the largest values' bin
+    sums = torch.zeros(int(bins.max()) + 1, dtype=torch.float64).index_add_(0, bins, positive)
+    reached = sums.cumsum(0)
+    last = min(int(torch.searchsorted(reached, target)), len(sums) - 1)  # the bin `share` is reached in
+    before = float(reached[last - 1]) if last else 0.0
+    inside = positive[bins == last].sort(descending=True).values.cumsum(0)
+    count = int((bins < last).sum()) + min(int(torch.searchsorted(inside, target - before)) + 1, len(inside))
+    return min(count, len(squared))
 
 
 def spread(a, b, share: float = 0.9) -> dict | None:
