@@ -47,12 +47,18 @@ def save_figure(fig, path: Path, dpi: int = 90) -> None:
         fig.savefig(f, format="png", dpi=dpi)
 
 
-def write_plots(run: RunData, out_dir: Path) -> list[str]:
+def pyplot():
+    """matplotlib's pyplot, drawing to files only (no display here or in CI)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def write_plots(run: RunData, out_dir: Path) -> list[str]:
+    plt = pyplot()
     written = []
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
     x = [r["rollout_id"] for r in run.rollouts]

@@ -113,8 +113,7 @@ def holding(squared: torch.Tensor, share: float) -> int:
     last = min(int(torch.searchsorted(reached, target)), len(sums) - 1)  # the bin `share` is reached in
     before = float(reached[last - 1]) if last else 0.0
     inside = positive[bins == last].sort(descending=True).values.cumsum(0)
-    count = int((bins < last).sum()) + min(int(torch.searchsorted(inside, target - before)) + 1, len(inside))
-    return min(count, len(squared))
+    return int((bins < last).sum()) + min(int(torch.searchsorted(inside, target - before)) + 1, len(inside))
 
 
 def spread(a, b, share: float = 0.9) -> dict | None:

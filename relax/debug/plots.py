@@ -13,21 +13,11 @@ if TYPE_CHECKING:
     from relax.debug.layers import Departure
 
 
-def figure():
-    """matplotlib's pyplot, drawing to files only."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def plot_steps(jobs: list[Job], out: Path) -> None:
     """train/loss and train/grad_norm per step, one line per job (dashed: not equivalent)."""
-    from relax.debug.doctor import save_figure
+    from relax.debug.doctor import pyplot, save_figure
 
-    plt = figure()
+    plt = pyplot()
     fig, (ax_loss, ax_gn) = plt.subplots(1, 2, figsize=(11, 4.5))
     for job in jobs:
         if job.loss:
@@ -46,9 +36,9 @@ def plot_steps(jobs: list[Job], out: Path) -> None:
 def plot_layers(departures: list[Departure], out: Path) -> None:
     """Relative difference per module (forward order) and per gradient (backward order), one
     line per job, each job's floor shaded."""
-    from relax.debug.doctor import save_figure
+    from relax.debug.doctor import pyplot, save_figure
 
-    plt = figure()
+    plt = pyplot()
     parts = [p for p in ("forward", "grads") if any(d.diffs.get(p) for d in departures)]
     fig, axes = plt.subplots(1, len(parts), figsize=(7 * len(parts), 4.8), squeeze=False)
     for ax, part in zip(axes[0], parts, strict=True):

@@ -70,13 +70,9 @@ def describe(sample: dict) -> str:
 
 def plot(samples: list[dict], threshold: float, rollout_id: int, path: Path) -> Path:
     """The PNG at `path`, written atomically: a panel per sample of `worst_samples`."""
-    import matplotlib
+    from relax.debug.doctor import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from relax.debug.doctor import save_figure
-
+    plt = pyplot()
     longest = max(len(s["log_probs"]) for s in samples)
     width = min(max(7.0, 0.3 * longest), 40.0)
     fig, axes = plt.subplots(len(samples), 1, figsize=(width, 3.2 * len(samples)), squeeze=False)
