@@ -266,6 +266,9 @@ class RayClusterGroup(ClusterConfig):  # cluster=ray
     placement_strategy: str = "PACK"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD (Ray's strategies)
     placement_timeout_s: float = 300  # fail when the placement group is not ready after this long
     runtime_env: dict[str, Any] = field(default_factory=dict)  # Ray runtime_env for the job's actors
+    # actors on the driver's node: calls through a Unix socket, weights through shared memory
+    # (false: Ray's calls and object store, as actors on other nodes; relax/cluster/ray_sockets.py)
+    same_node_sockets: bool = True
 
 
 @dataclass

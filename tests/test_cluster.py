@@ -848,6 +848,83 @@ def test_rank_0_puts_the_weights_into_the_object_store_in_buckets(two_nodes):
         ray.shutdown()
 
 
+def test_actors_on_the_drivers_node_are_called_through_a_socket_and_weights_cross_in_shared_memory(
+        two_nodes):
+    """cluster.same_node_sockets: once built, actors on the driver's node (node A) serve the
+    driver's calls through a Unix socket; rank 0's weights arrive in shared memory made by the
+    first call and rewritten in place by the next; an engine gets its weights the same way; an
+    actor on the other node (B) keeps Ray's calls. A user error is raised as itself; an actor
+    killed mid-run is named, with Ray's word on its death."""
+    import multiprocessing
+    import os
+    import signal
+
+    import ray
+
+    from relax.cluster.ray_cluster import Host, RayHosts, RayRanks
+    from relax.cluster.ray_sockets import SocketHosts, reach_by_socket
+    from relax.cluster.ranks import RankError
+    from relax.errors import ConfigError
+
+    def model():  # plays both a trainer rank and an engine
+        class Model:
+            def __init__(self):
+                self.weights = {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(4).bfloat16()}
+
+            def named_weights(self):
+                return self.weights
+
+            def step(self):
+                for t in self.weights.values():
+                    t.add_(1)
+
+            def update_weights(self, named):
+                self.weights = {k: v.clone() for k, v in named.items()}
+                return sorted(named)
+
+            def fail(self):
+                raise ConfigError("model.path: no such file")
+        return Model()
+
+    def start(role: str, node_resource: str) -> RayHosts:
+        actor = ray.remote(Host).options(resources={node_resource: 1}).remote(role, 0, 1, authkey)
+        assert ray.get(actor.build.remote(model, (), {}))[0] == "ok"
+        hosts = RayHosts(role, [actor], [0])
+        hosts.where = [ray.get(actor.where.remote())[1]]
+        return hosts
+
+    authkey = bytes(multiprocessing.current_process().authkey)
+    ray.init(address=two_nodes.address)
+    try:
+        far = start("rollout engine", "rollout")
+        assert reach_by_socket(far) is far and far.placement()[0]["reached_by"] == "ray"
+        ranks = RayRanks(reach_by_socket(start("trainer rank", "trainer")), bucket_bytes=2**20)
+        engine = reach_by_socket(start("rollout engine", "trainer"))
+        assert isinstance(ranks.hosts, SocketHosts) and isinstance(engine, SocketHosts)
+        assert ranks.placement()[0]["reached_by"] == "socket"
+        first = ranks.named_weights()
+        assert first["w"].is_shared() and torch.equal(first["w"], torch.arange(6.0).reshape(2, 3))
+        ranks.call("step")
+        second = ranks.named_weights()
+        assert second["w"] is first["w"]  # the same shared memory, rewritten: no new segments
+        assert torch.equal(second["w"], torch.arange(1.0, 7.0).reshape(2, 3))
+        assert torch.equal(second["b"], torch.full((4,), 2, dtype=torch.bfloat16))
+        assert engine.map("update_weights", [(engine.share(dict(second)),)]) == [["b", "w"]]
+        far.map("update_weights", [(far.share(dict(second)),)])  # the other node: the object store
+        for hosts in (engine, far):
+            received = hosts.map("named_weights", [()])[0]
+            assert all(torch.equal(received[k], second[k]) for k in second)
+        with pytest.raises(ConfigError, match=r"^model.path: no such file\nin rollout engine 0 \(node "):
+            engine.map("fail", [()])
+        with pytest.raises(RankError, match="were stopped"):  # a failure stops the group
+            engine.map("named_weights", [()])
+        os.kill(ranks.hosts.where[0]["pid"], signal.SIGKILL)
+        with pytest.raises(RankError, match=r"^trainer rank 0 \(node .*, pid \d+\) died: .+"):
+            ranks.call("step")
+    finally:
+        ray.shutdown()
+
+
 def test_errors_name_the_rank_or_engine_node_and_traceback(two_nodes, tiny_path, tokenizer, tmp_path):
     from relax.cluster import open_cluster
     from relax.cluster.ranks import RankError

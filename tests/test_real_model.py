@@ -153,14 +153,18 @@ def test_lora_on_the_real_model_keeps_the_first_step_exact_and_the_engine_merged
     assert len(adapter) == 30 * 7 * 2 and not (checkpoint / "hf").exists()  # A and B of 7 projections x 30
 
 
-def test_the_real_model_on_ray_actors_syncs_its_weights_exactly(tmp_path, smollm2_path):
+@pytest.mark.parametrize("reached_by", ["socket", "ray"])
+def test_the_real_model_on_ray_actors_syncs_its_weights_exactly(tmp_path, smollm2_path, reached_by):
     """cluster=ray (a private instance): trainer and engine in Ray actors of their own, SmolLM2's
-    540 MB through the object store in buckets of 512 MB (two buckets) as raw arrays that the
-    engine reads in place (relax/cluster/ray_weights.py): the engine equals the trainer's
-    weights at load and after every sync, and the first step is exact."""
+    540 MB in buckets of 512 MB (two buckets): through shared memory made once (the actors are
+    on the driver's node: relax/cluster/ray_sockets.py), or with cluster.same_node_sockets=false
+    through the object store as raw arrays that the engine reads in place
+    (relax/cluster/ray_weights.py). Either way the engine equals the trainer's weights at load
+    and after every sync, and the first step is exact."""
     require("ray", RAY)
     one_thread = [x for x in REAL if not x.startswith("train.num_threads=")]  # 2 actors: a core each
     rollouts, steps = run_loop(tmp_path, *one_thread, "cluster=ray", "rollout.num_rollout=1",
+                               f"cluster.same_node_sockets={reached_by == 'socket'}",
                                "debug.strict_checks=true", "debug.check_weight_update_equal=true",
                                "debug.check_weight_update_every_sync=true")
     first = rollouts[0]
@@ -171,3 +175,4 @@ def test_the_real_model_on_ray_actors_syncs_its_weights_exactly(tmp_path, smollm
     assert all(c["compared"] >= 272 for c in report["checks"])
     placement = json.loads((tmp_path / "built.json").read_text())["placement"]
     assert placement["cluster"] == "ray" and len(placement["trainer_ranks"]) == len(placement["engines"]) == 1
+    assert {p["reached_by"] for p in placement["trainer_ranks"] + placement["engines"]} == {reached_by}

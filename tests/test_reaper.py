@@ -84,18 +84,21 @@ def test_stop_kills_what_ignores_sigterm_and_spares_a_reused_pid():
 # A driver: the reaper, a process started before it (kept) and one after it (the reaper's);
 # prints their pids, waits for the reaper to record them, then releases it or waits to be killed.
 DRIVER = """
-import subprocess, sys, time
+import os, subprocess, sys, time
+from multiprocessing import resource_tracker
 from relax.cluster.reaper import Reaper
 before = subprocess.Popen(['sleep', '60'])
 time.sleep(0.1)
 reaper = Reaper()
 after = subprocess.Popen(['sleep', '60'])
+resource_tracker.ensure_running()  # the driver's own helper, started after the reaper too
 print(before.pid, after.pid, reaper.proc.pid, flush=True)
 time.sleep(2.5)  # the reaper looks once a second
 if sys.argv[1] == 'release':
     t = time.monotonic()
     reaper.release()
-    print(round(time.monotonic() - t, 2), after.poll(), flush=True)
+    tracker = resource_tracker._resource_tracker._pid
+    print(round(time.monotonic() - t, 2), after.poll(), os.waitpid(tracker, os.WNOHANG)[0] == 0, flush=True)
     before.kill()
 else:
     time.sleep(60)
@@ -105,16 +108,16 @@ else:
 @pytest.mark.parametrize("end", ["release", "kill -9"])
 def test_the_reaper_stops_the_drivers_new_processes_and_exits(end):
     """Released (the driver stopped Ray) or orphaned (the driver was killed), the reaper stops
-    the processes the driver started after it, leaves the older ones and those of the driver's
-    parent, and exits."""
+    the processes the driver started after it, leaves the older ones, those of the driver's
+    parent and (released) the driver's multiprocessing resource tracker, and exits."""
     driver = subprocess.Popen([sys.executable, "-c", DRIVER, end], stdout=subprocess.PIPE, text=True,
                               start_new_session=True)
     before, after, reaper = map(int, driver.stdout.readline().split())
     born = {pid: start_time(pid) for pid in (before, after, reaper)}
     try:
         if end == "release":
-            seconds, after_code = driver.stdout.readline().split()
-            assert float(seconds) < 5 and after_code == str(-signal.SIGTERM)
+            seconds, after_code, tracker_alive = driver.stdout.readline().split()
+            assert float(seconds) < 5 and after_code == str(-signal.SIGTERM) and tracker_alive == "True"
             assert driver.wait(timeout=10) == 0
         else:
             sibling = subprocess.Popen(["sleep", "60"])  # the driver's parent's, not the driver's

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import socket
 import time
 from dataclasses import dataclass
 
@@ -180,3 +181,24 @@ def order_bundles(group, bundles) -> tuple[list[int], list[dict]]:
     where = [{"bundle": i, "node_id": node_of[i], "node_ip": ips.get(node_of[i]), "device": devices[i],
               "resources": bundles[i]} for i in range(len(bundles))]
     return sorted(range(len(bundles)), key=key), where
+
+
+def check_reachable(address: str) -> None:
+    """Fail within seconds, naming the address, where ray.init would retry for minutes. `auto`
+    is what Ray would pick (RAY_ADDRESS, else the last cluster `ray start` recorded), which may
+    be a cluster that has since stopped."""
+    if "://" in address:  # Ray Client: ray.init reports it
+        return
+    from ray._private.services import canonicalize_bootstrap_address
+
+    try:
+        resolved = canonicalize_bootstrap_address(address)
+    except (ConnectionError, ValueError) as e:
+        raise ConfigError(f"cluster.address={address}: {e}") from None
+    host, _, port = resolved.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=10).close()
+    except (OSError, ValueError) as e:
+        where = address if resolved == address else f"{address} ({resolved})"
+        raise ConfigError(f"cluster.address={where}: no Ray cluster answers there ({e}). Start one with "
+                          f"`ray start --head`, or use cluster.address=null for a private instance") from None

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import faulthandler
 import logging
+import multiprocessing
 import os
 import signal
-import socket
 import time
 import traceback
 
@@ -33,7 +33,7 @@ from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from relax.cluster.engines import EngineGroup, make_engine_host
-from relax.cluster.placement import check_cluster, plan_bundles, ray_runtime_env, reserve
+from relax.cluster.placement import check_cluster, check_reachable, plan_bundles, ray_runtime_env, reserve
 from relax.cluster.ranks import (RankError, RankGroup, freeze_heap, open_store, run_method, start_rank,
                                  thread_lock_for_progress_bars)
 from relax.cluster.ray_weights import StoredWeights, Tensors
@@ -50,9 +50,13 @@ log = logging.getLogger(__name__)
 class Host:
     """Inside a Ray actor: one trainer rank or one engine. Builds its object, runs calls on it."""
 
-    def __init__(self, role: str, index: int, num_threads: int):
+    def __init__(self, role: str, index: int, num_threads: int, authkey: bytes | None = None):
+        """`authkey`: the driver's multiprocessing key, taken before anything here starts a
+        process, so that the job shares one key as a local process tree does (ray_sockets.py)."""
         import torch
 
+        if authkey:
+            multiprocessing.current_process().authkey = authkey
         self.role, self.index, self.obj, self.store = role, index, None, None
         faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints a hung actor's stacks
         thread_lock_for_progress_bars()  # (Ray kills its actors)
@@ -96,6 +100,12 @@ class Host:
             return [ray.put(Tensors(bucket)) for bucket in buckets(result, bucket_bytes)]
         return _guarded(call)
 
+    def serve(self, path: str) -> tuple:
+        """The driver's calls through a Unix socket at `path`, until it closes (ray_sockets.py)."""
+        from relax.cluster.ray_sockets import serve
+
+        return _guarded(lambda: serve(self, path))
+
 
 def _guarded(fn) -> tuple:
     """("ok", result), or ("error", the traceback, the exception if it is a user error)."""
@@ -107,6 +117,7 @@ def _guarded(fn) -> tuple:
 
 class RayHosts:
     """A list of Host actors: run one method on several of them, raise the first failure."""
+    reached_by = "ray"  # how the driver calls them (built.json); ray_sockets.SocketHosts: "socket"
 
     def __init__(self, role: str, actors: list, bundles: list[int]):
         self.role, self.actors, self.bundles = role, actors, bundles
@@ -120,32 +131,44 @@ class RayHosts:
         return f"node {w.get('node_ip', '?')} ({w.get('node_id', '?')[:8]}), pid {w.get('pid', '?')}"
 
     def send(self, method: str, args: list[tuple], engines: list[int] | None = None) -> list:
-        return [self.actors[i].call.remote(method, a, {})
-                for i, a in zip(engines or range(len(args)), args, strict=True)]
+        return [self.start(i, method, a, {}) for i, a in zip(engines or range(len(args)), args, strict=True)]
 
-    def collect(self, refs: list, engines: list[int] | None = None) -> list:
+    def start(self, i: int, method: str, args, kwargs, keep_result: bool = True, bucket_bytes=None):
+        """Start one call on actor i; what `collect` waits for (here its ref)."""
+        return self.actors[i].call.remote(method, args, kwargs, keep_result, bucket_bytes)
+
+    def next_reply(self, pending: dict) -> tuple:
+        """(call, reply) of the first of `pending` (call -> (position, actor index)) to finish."""
+        (ref,), _ = ray.wait(list(pending), num_returns=1)
+        return ref, self._reply(ref, pending[ref][1])
+
+    def watched(self, pending: dict) -> dict:
+        """The refs that tell a pending call's actor died (ref -> actor index)."""
+        return {ref: i for ref, (_, i) in pending.items()}
+
+    def collect(self, calls: list, engines: list[int] | None = None) -> list:
         """Results in order; on the first error or death, every actor is stopped and it is raised.
         A failure is often the echo of a peer's death (a collective's connection reset): a death
         among the others within a few seconds is reported as the cause."""
-        engines = engines or list(range(len(refs)))
-        pending, results = {ref: k for k, ref in enumerate(refs)}, [None] * len(refs)
+        engines = engines or list(range(len(calls)))
+        pending = {call: (k, i) for k, (call, i) in enumerate(zip(calls, engines, strict=True))}
+        results = [None] * len(calls)
         while pending:
-            (ref,), _ = ray.wait(list(pending), num_returns=1)
-            k = pending.pop(ref)
-            reply = self._reply(ref, engines[k])
+            call, reply = self.next_reply(pending)
+            k, i = pending.pop(call)
             if reply[0] == "ok":
                 results[k] = reply[1]
                 continue
             user_error = reply[2] if reply[0] == "error" else None
-            death = self._first_death(pending, engines) if reply[0] == "error" and not user_error else None
+            peer_died = reply[0] == "error" and not user_error and self._first_death(self.watched(pending))
             self.kill()
             if user_error is not None:  # raised as itself
-                user_error.add_note(f"in {self._where(engines[k])}")
+                user_error.add_note(f"in {self._where(i)}")
                 raise user_error
             if reply[0] == "died":
                 raise RankError(reply[1])
-            failed = f"{self._where(engines[k])} failed:\n{reply[1]}"
-            raise RankError(f"{death}\nThen {failed}" if death else failed)
+            failed = f"{self._where(i)} failed:\n{reply[1]}"
+            raise RankError(f"{peer_died}\nThen {failed}" if peer_died else failed)
         return results
 
     def _where(self, i: int) -> str:
@@ -161,10 +184,9 @@ class RayHosts:
             return "died", (f"{self._where(i)} died: {reason}. Its log: `ray logs` on that node, "
                             f"or the driver's output")
 
-    def _first_death(self, pending: dict, engines: list[int], wait_s: float = 5.0) -> str | None:
-        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=wait_s)
-        deaths = [reply[1] for reply in (self._reply(ref, engines[pending[ref]]) for ref in ready)
-                  if reply[0] == "died"]
+    def _first_death(self, watched: dict, wait_s: float = 5.0) -> str | None:
+        ready, _ = ray.wait(list(watched), num_returns=len(watched), timeout=wait_s)
+        deaths = [r[1] for r in (self._reply(ref, watched[ref]) for ref in ready) if r[0] == "died"]
         return deaths[0] if deaths else None
 
     def map(self, method: str, args: list[tuple], engines: list[int] | None = None) -> list:
@@ -175,9 +197,16 @@ class RayHosts:
         a trainer rank put it there: StoredWeights)."""
         return named if isinstance(named, ray.ObjectRef) else ray.put(Tensors(named))
 
+    def weights(self, result) -> StoredWeights:
+        """Trainer rank 0's weights, from what its weights call returned (the buckets' refs)."""
+        return StoredWeights(result)
+
+    def address(self, i: int) -> tuple[str, int]:
+        return ray.get(self.actors[i].address.remote())
+
     def placement(self) -> list[dict]:
         key = "rank" if self.role == "trainer rank" else "engine"
-        return [{key: i, "bundle": b, **w}
+        return [{key: i, "bundle": b, **w, "reached_by": self.reached_by}
                 for i, (b, w) in enumerate(zip(self.bundles, self.where, strict=True))]
 
     def kill(self) -> None:
@@ -197,12 +226,12 @@ class RayRanks(RankGroup):
 
     def _send(self, method: str, args: tuple, kwargs: dict, bucket_bytes: int | None = None) -> None:
         self.busy = True
-        self._refs = [actor.call.remote(method, args, kwargs, rank == 0, bucket_bytes)
-                      for rank, actor in enumerate(self.hosts.actors)]
+        self._refs = [self.hosts.start(rank, method, args, kwargs, rank == 0, bucket_bytes)
+                      for rank in range(len(self.hosts))]
 
-    def _stored(self, method: str) -> StoredWeights:
+    def _stored(self, method: str):
         self._send(method, (), {}, self.bucket_bytes)
-        return StoredWeights(self.collect())
+        return self.hosts.weights(self.collect())
 
     def named_weights(self):
         return self._stored("named_weights")
@@ -216,7 +245,7 @@ class RayRanks(RankGroup):
         return result
 
     def rank0_address(self) -> tuple[str, int]:
-        return ray.get(self.hosts.actors[0].address.remote())
+        return self.hosts.address(0)
 
     def placement(self) -> list[dict]:
         return self.hosts.placement()
@@ -228,27 +257,6 @@ class RayRanks(RankGroup):
             except RankError:
                 pass
         self.hosts.kill()
-
-
-def check_reachable(address: str) -> None:
-    """Fail within seconds, naming the address, where ray.init would retry for minutes. `auto`
-    is what Ray would pick (RAY_ADDRESS, else the last cluster `ray start` recorded), which may
-    be a cluster that has since stopped."""
-    if "://" in address:  # Ray Client: ray.init reports it
-        return
-    from ray._private.services import canonicalize_bootstrap_address
-
-    try:
-        resolved = canonicalize_bootstrap_address(address)
-    except (ConnectionError, ValueError) as e:
-        raise ConfigError(f"cluster.address={address}: {e}") from None
-    host, _, port = resolved.rpartition(":")
-    try:
-        socket.create_connection((host, int(port)), timeout=10).close()
-    except (OSError, ValueError) as e:
-        where = address if resolved == address else f"{address} ({resolved})"
-        raise ConfigError(f"cluster.address={where}: no Ray cluster answers there ({e}). Start one with "
-                          f"`ray start --head`, or use cluster.address=null for a private instance") from None
 
 
 def keep_sigterm_in_the_driver() -> None:
@@ -337,6 +345,10 @@ class RayCluster:
                      num_threads=threads, device_index=0)) for r, actor in enumerate(ranks.actors)]))
         for hosts, refs in builds:
             hosts.collect(refs)  # on an error: its actors stopped here, the others by close()
+        if cfg.cluster.same_node_sockets:
+            from relax.cluster.ray_sockets import reach_by_socket
+
+            self.hosts = [ranks, engines] = [reach_by_socket(hosts) for hosts in self.hosts]
         log.info("Ray actors ready in %.1f s: %d trainer rank(s), %d engine(s)", time.perf_counter() - t0,
                  len(ranks), len(engines))
         return (EngineGroup(engines, cfg.rollout) if engines.actors else None,
@@ -346,8 +358,9 @@ class RayCluster:
         options = dict(num_cpus=resources.get("CPU", 0), num_gpus=resources.get("GPU", 0),
                        resources={k: v for k, v in resources.items() if k not in ("CPU", "GPU")},
                        max_restarts=0)
+        authkey = bytes(multiprocessing.current_process().authkey)
         actors = [ray.remote(Host).options(**options, scheduling_strategy=PlacementGroupSchedulingStrategy(
-            placement_group=self.group, placement_group_bundle_index=b)).remote(role, i, threads)
+            placement_group=self.group, placement_group_bundle_index=b)).remote(role, i, threads, authkey)
             for i, b in enumerate(bundles)]
         hosts = RayHosts(role, actors, bundles)
         self.hosts.append(hosts)

@@ -73,8 +73,11 @@ class Reaper:
                 stdin=subprocess.PIPE, text=True, start_new_session=True)
 
     def release(self, wait_s: float = 15.0) -> None:
-        """Stop what is left of the driver's new processes now (the driver stopped Ray first)."""
+        """Stop what is left of the driver's new processes now (the driver stopped Ray first),
+        but for the driver's own multiprocessing helpers, which it goes on using: the next job of
+        a sweep in this process (`relax -m cluster=ray,local`) would find them killed."""
         if self.proc:
+            self.proc.stdin.write("".join(f"{pid}\n" for pid in multiprocessing_helpers()))
             self.proc.stdin.close()
             try:
                 self.proc.wait(timeout=wait_s)
@@ -83,18 +86,32 @@ class Reaper:
             self.proc = None
 
 
+def multiprocessing_helpers() -> list[int]:
+    """The pids of this process's multiprocessing resource tracker and fork server, if started
+    (the standard library keeps them in private attributes)."""
+    from multiprocessing import forkserver, resource_tracker
+
+    pids = [getattr(resource_tracker._resource_tracker, "_pid", None),
+            getattr(forkserver._forkserver, "_forkserver_pid", None)]
+    return [pid for pid in pids if pid]
+
+
 def main(driver: int, since_ticks: int, poll_s: float = 1.0) -> None:
     # a stop of the whole job (Ctrl-C, a scheduler's SIGTERM to every process) must not stop the
     # reaper: it ends when the driver does
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)
     processes: dict[int, int] = {}
+    spared: set[int] = set()  # what the driver, releasing the reaper, keeps (one pid a line)
     while True:  # until the driver closes the pipe or dies
         processes.update((pid, started) for pid, started in descendants(driver, since_ticks)
                          if pid != os.getpid())
-        if select.select([sys.stdin], [], [], poll_s)[0] and not sys.stdin.readline():
+        line = sys.stdin.readline() if select.select([sys.stdin], [], [], poll_s)[0] else None
+        if line == "":
             break
-    stop(processes)
+        if line:
+            spared.add(int(line))
+    stop({pid: started for pid, started in processes.items() if pid not in spared})
 
 
 if __name__ == "__main__":
