@@ -884,6 +884,9 @@ def test_actors_on_the_drivers_node_are_called_through_a_socket_and_weights_cros
 
             def fail(self):
                 raise ConfigError("model.path: no such file")
+
+            def unpicklable(self):
+                return lambda: None
         return Model()
 
     def start(role: str, node_resource: str) -> RayHosts:
@@ -918,6 +921,9 @@ def test_actors_on_the_drivers_node_are_called_through_a_socket_and_weights_cros
             engine.map("fail", [()])
         with pytest.raises(RankError, match="were stopped"):  # a failure stops the group
             engine.map("named_weights", [()])
+        engine = reach_by_socket(start("rollout engine", "trainer"))  # a reply that cannot be sent
+        with pytest.raises(RankError, match=r"rollout engine 0 \(node .*\) failed:\nTraceback(.|\n)*pickle"):
+            engine.map("unpicklable", [()])
         os.kill(ranks.hosts.where[0]["pid"], signal.SIGKILL)
         with pytest.raises(RankError, match=r"^trainer rank 0 \(node .*, pid \d+\) died: .+"):
             ranks.call("step")

@@ -102,7 +102,10 @@ class SocketHosts(RayHosts):
     def start(self, i: int, method: str, args, kwargs, keep_result: bool = True, bucket_bytes=None) -> int:
         if not self.conns:
             raise RankError(f"the {self.role}s were stopped (one failed earlier)")
-        self.conns[i].send((method, args, kwargs, keep_result))
+        try:
+            self.conns[i].send((method, args, kwargs, keep_result))
+        except OSError:  # it died since its last call: next_reply reads the end of its socket
+            pass
         return i
 
     def next_reply(self, pending: dict) -> tuple:
@@ -110,10 +113,10 @@ class SocketHosts(RayHosts):
         i = next(i for _, i in pending.values() if self.conns[i] is ready[0])
         try:
             reply = self.conns[i].recv()
-        except (EOFError, OSError):  # it died: Ray says how, once its serving task has ended
-            ray.wait([self.serving[i]], timeout=10)
-            reply = self._reply(self.serving[i], i)
-            if reply[0] != "died":
+        except (EOFError, OSError):  # it died, or `serve` failed: its task's end says which
+            ended = ray.wait([self.serving[i]], timeout=10)[0]
+            reply = self._reply(self.serving[i], i) if ended else ("ok", None)
+            if reply[0] == "ok":
                 reply = "died", f"{self._where(i)} closed its socket"
         if reply[0] == "ok" and isinstance(reply[1], SharedBucket):
             reply = "ok", self.inbox.unpack(reply[1])
