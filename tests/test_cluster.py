@@ -862,7 +862,7 @@ def test_actors_on_the_drivers_node_are_called_through_a_socket_and_weights_cros
     import ray
 
     from relax.cluster.ray_cluster import Host, RayHosts, RayRanks
-    from relax.cluster.ray_sockets import SocketHosts, reach_by_socket
+    from relax.cluster.ray_sockets import SocketHosts, _connect, reach_by_socket
     from relax.cluster.ranks import RankError
     from relax.errors import ConfigError
 
@@ -924,6 +924,11 @@ def test_actors_on_the_drivers_node_are_called_through_a_socket_and_weights_cros
         engine = reach_by_socket(start("rollout engine", "trainer"))  # a reply that cannot be sent
         with pytest.raises(RankError, match=r"rollout engine 0 \(node .*\) failed:\nTraceback(.|\n)*pickle"):
             engine.map("unpicklable", [()])
+        hint = (r"did not open its socket /nonexistent/socket in time \(an actor that sees another /tmp, "
+                r"e.g. in a container\? cluster.same_node_sockets=false keeps Ray's calls\)")
+        with pytest.raises(RankError, match=hint):
+            _connect(far, 0, "/nonexistent/socket", ray.remote(lambda: time.sleep(60)).remote(), authkey,
+                     deadline=time.monotonic() + 0.5)  # (its serving task still runs: it did not fail)
         os.kill(ranks.hosts.where[0]["pid"], signal.SIGKILL)
         with pytest.raises(RankError, match=r"^trainer rank 0 \(node .*, pid \d+\) died: .+"):
             ranks.call("step")

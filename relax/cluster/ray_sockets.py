@@ -55,7 +55,10 @@ def serve(host, path: str) -> None:
 
 
 def reach_by_socket(hosts: RayHosts, timeout_s: float = 60) -> RayHosts:
-    """`hosts` as SocketHosts if every actor runs on the driver's node; else as they are."""
+    """`hosts` as SocketHosts if every actor runs on the driver's node; else as they are (and
+    always through Ray Client, `ray://`: its driver is not on the cluster's nodes)."""
+    if ray.util.client.ray.is_connected():
+        return hosts
     node = ray.get_runtime_context().get_node_id()
     if not hosts.actors or any(w["node_id"] != node for w in hosts.where):
         return hosts
@@ -84,7 +87,9 @@ def _connect(hosts: RayHosts, i: int, path: str, serving, authkey: bytes, deadli
             if ray.wait([serving], timeout=0.01)[0]:
                 raise RankError(f"{hosts._where(i)} did not serve: {hosts._reply(serving, i)[1]}") from None
             if time.monotonic() > deadline:
-                raise RankError(f"{hosts._where(i)} did not open its socket {path} in time") from None
+                raise RankError(f"{hosts._where(i)} did not open its socket {path} in time (an actor "
+                                "that sees another /tmp, e.g. in a container? cluster.same_node_sockets="
+                                "false keeps Ray's calls)") from None
 
 
 class SocketHosts(RayHosts):
