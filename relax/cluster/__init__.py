@@ -8,7 +8,8 @@ checks (`check_cluster`: its `check_config`); it starts nothing yet. Then
 cluster=local (LocalCluster): engines in the driver (with train.async, each in a local
 process of its own: relax/cluster/engine_processes.py), trainer ranks as local processes
 (relax/cluster/ranks.py), a single-rank torch trainer in the driver itself; Ray is never
-imported. cluster=ray (relax/cluster/ray_cluster.py): every rank and engine is a Ray actor.
+imported. cluster=ray (relax/cluster/ray_cluster.py): every rank and engine is a Ray actor
+(those on the driver's node called through Unix sockets: relax/cluster/ray_sockets.py).
 The loop cannot tell which it got: both give the same trainer and engine interfaces.
 """
 
