@@ -11,7 +11,7 @@ import os
 import pytest
 
 from relax.debug.compare import (
-    Job, Tolerances, envelope, find_twin, judge, main, noise_model, pick_baseline,
+    Job, Tolerances, envelope, find_twins, judge, main, noise_model, pick_baseline,
 )
 from relax.debug.jobs import find_jobs
 from relax.errors import ConfigError
@@ -110,6 +110,24 @@ def test_broken_layouts_diverge_at_step_0(tmp_path, long_replay, clean):
     assert report["fsdp2"]["reasons"][0].startswith("step 0: grad_norm rel Δ")
 
 
+@pytest.mark.slow
+def test_several_twins_are_judged_together_by_the_earliest_departure(tmp_path, long_replay, clean):
+    """`parallel=twin2,twin3` beside twin: three independent samples of the rounding noise; the
+    envelope is their largest difference, judged up to the earliest twin's departure."""
+    more = sweep(tmp_path, long_replay, "twin2,twin3")
+    twins = ("twin", "twin2", "twin3")
+    runs = [clean / "parallel=single", clean / "parallel=dp2", clean / "parallel=twin",
+            more / "parallel=twin2", more / "parallel=twin3"]
+    code, jobs, report = compare(*runs)
+    assert code == 0, jobs
+    assert report["twin"] == "parallel=twin, parallel=twin2, parallel=twin3"
+    assert all(jobs[t]["verdict"] == "equivalent" for t in twins)
+    assert jobs["dp2"]["verdict"] == "equivalent" and jobs["dp2"]["envelope"] == report["twin"]
+    departures = [jobs[t]["departed_at_step"] for t in twins]
+    assert report["twin_departed_at_step"] == min(departures) == report["judged_steps"], departures
+    assert len({jobs[t]["grad_norm"][0] for t in twins}) == 3  # independent nudges, other roundings
+
+
 @pytest.mark.manual  # ~9 min on 2 cores: the slow tier runs the same workflow on a shorter replay (above)
 @pytest.mark.timeout(3000)
 def test_the_readme_sweep_over_the_default_400_rollouts_is_equivalent_with_and_without_a_twin(tmp_path):
@@ -174,16 +192,16 @@ FIRST_UPDATE = ("; step 0 agreed: Adam's first update may have turned a gradient
 
 
 def judged(other, twin=TWIN, tol=TOL):
-    judge(other, BASE, tol, twin)
+    judge(other, BASE, tol, [twin] if twin else [])
     return other
 
 
 def test_late_chaotic_growth_after_the_twin_departed_is_equivalent():
-    noise = noise_model(BASE, TOL, TWIN)
+    noise = noise_model(BASE, TOL, [TWIN])
     assert noise.twin_departed_at_step == 4 and noise.judged_steps == 4
     # to step 3 a step's limit is max(1e-4, 10 x the twin's largest Δ by then): 5e-4 at step 3
     assert [noise.limit(t, "grad_norm") for t in range(4)] == pytest.approx([1e-4, 1e-4, 2e-4, 5e-4])
-    env = envelope(TWIN, BASE)  # the twin's running maximum (loss, grad_norm) per step
+    env = envelope([TWIN], BASE)  # the twin's running maximum (loss, grad_norm) per step
     assert [gn for _, gn in env] == pytest.approx([1e-6, 5e-6, 2e-5, 5e-5, 2e-4, 1e-3, 1e-2, 3e-2, 0.1, 0.3])
     assert {loss for loss, _ in env} == {0.0}
     # a correct layout departs at step 5, after the twin, and by step 9 is 10x further from the
@@ -202,27 +220,52 @@ def test_late_chaotic_growth_after_the_twin_departed_is_equivalent():
     assert judged(off(0.0, 1e-6, 1e-5, 4e-4, *[0.0] * 6)).verdict == "equivalent"
 
 
+def test_several_twins_are_several_samples_of_the_noise_the_largest_and_earliest_count():
+    """parallel=twin,twin2,twin3: the envelope is the largest difference any twin reached by
+    each step, and steps are judged by size up to the earliest twin's departure. A layout whose
+    step 1 jumped (Adam's first update flipping an element rounding left near 0) is DIVERGED
+    against one quiet twin and equivalent once another twin shows the same jump."""
+    quiet = TWIN
+    flipped = job([0.0] * 10, [1.0 + d for d in (1e-6, 1.8e-5, 2e-5, 5e-5, 6e-5, 2e-4, 1e-2, 3e-2, 0.1, 0.3)],
+                  "twin2", layout="twin2", noise_ulp=2)
+    layout = off(1e-6, 1.5e-4, 1e-4, 1e-4, 1e-4, 1e-4, 1e-3, 1e-2, 1e-1, 1.0)
+    assert find_twins([BASE, quiet, flipped, layout], BASE) == [quiet, flipped]
+    noise = noise_model(BASE, TOL, [quiet, flipped])
+    assert noise.twin == "twin, twin2" and noise.twin_departed_at_step == 4 and noise.judged_steps == 4
+    assert [noise.limit(t, "grad_norm") for t in range(4)] == pytest.approx([1e-4, 1.8e-4, 2e-4, 5e-4])
+    judge(layout, BASE, TOL, [quiet])
+    assert layout.verdict == "DIVERGED" and layout.diverged_at_step == 1
+    judge(layout, BASE, TOL, [quiet, flipped])
+    assert layout.verdict == "equivalent" and layout.envelope == "twin, twin2"
+    assert layout.notes == ["steps >= 4 not judged by size: the first of twin, twin2 departed from the "
+                            "baseline at step 4, past which fp32 rounding differences grow chaotically "
+                            "(NaN/Inf checked at every step)"]
+    early = job([0.0] * 10, [1.0 + d for d in (1e-6, 1e-6, 3e-4, 1e-3, 1e-2, 0.1, 0.1, 0.1, 0.1, 0.1)],
+                "twin3", layout="twin3", noise_ulp=3)
+    assert noise_model(BASE, TOL, [quiet, flipped, early]).twin_departed_at_step == 2  # the earliest
+
+
 def test_a_layout_departing_long_before_the_twin_is_diverged_inside_the_envelope():
     slow_twin = job([0.0] * 12, [1.0 + 1e-6] + [1.0 + 5e-5] * 7 + [1.0 + 1e-3] * 4, "twin", layout="twin",
                     noise_ulp=1)
     base = job([0.0] * 12, [1.0] * 12, "base", layout="single")
-    noise = noise_model(base, TOL, slow_twin)
+    noise = noise_model(base, TOL, [slow_twin])
     assert noise.twin_departed_at_step == 8 and noise.limit(1, "grad_norm") == pytest.approx(5e-4)
     early = job([0.0] * 12, [1.0, 1.0 + 2e-4, *[1.0] * 10])  # inside 5e-4, but departs at 1 < 8 / 4
-    judge(early, base, TOL, slow_twin)
+    judge(early, base, TOL, [slow_twin])
     assert early.verdict == "DIVERGED" and early.diverged_at_step == 1 == early.departed_at_step
     assert early.reasons == ["step 1: grad_norm rel Δ 2.00e-04 > 1.00e-04: departs from the baseline "
                              "before step 2, 1/4 of the step twin departs at (a correct layout departs "
                              "about when the twin does)" + FIRST_UPDATE]
     on_time = job([0.0] * 12, [1.0, 1.0, 1.0 + 2e-4, *[1.0] * 9])  # departs at step 2 = 8 / 4
-    judge(on_time, base, TOL, slow_twin)
+    judge(on_time, base, TOL, [slow_twin])
     assert on_time.verdict == "equivalent" and on_time.departed_at_step == 2
-    judge(on_time, base, Tolerances(departure_ratio=2.0), slow_twin)  # before 8 / 2
+    judge(on_time, base, Tolerances(departure_ratio=2.0), [slow_twin])  # before 8 / 2
     assert on_time.verdict == "DIVERGED" and on_time.diverged_at_step == 2
     # a twin that never departs in the run bounds its departure by the run's length: 12 / 4 = 3
     steady = job([0.0] * 12, [1.0 + 1e-6] + [1.0 + 5e-5] * 11, "twin", layout="twin", noise_ulp=1)
-    assert noise_model(base, TOL, steady).twin_departed_at_step is None
-    judge(on_time, base, TOL, steady)
+    assert noise_model(base, TOL, [steady]).twin_departed_at_step is None
+    judge(on_time, base, TOL, [steady])
     assert on_time.verdict == "DIVERGED" and "before step 3" in on_time.reasons[0]
 
 
@@ -232,7 +275,7 @@ def test_without_a_twin_later_steps_are_not_judged_and_it_says_so():
     assert late.departed_at_step == 2
     assert late.notes == ["steps >= 2 not judged: add parallel=twin to the sweep to judge them against "
                           "the baseline's rounding noise (NaN/Inf checked at every step)"]
-    judge(late, BASE, Tolerances(strict_steps=10), None)  # judged everywhere: DIVERGED where it departs
+    judge(late, BASE, Tolerances(strict_steps=10), [])  # judged everywhere: DIVERGED where it departs
     assert late.verdict == "DIVERGED" and late.diverged_at_step == 2 and late.notes == []
     # a small excess may be a deep model's rounding noise; an order of magnitude more is not
     small = judged(off(0.0, 2e-4, *[0.0] * 8), twin=None)
@@ -251,13 +294,13 @@ def test_without_a_twin_later_steps_are_not_judged_and_it_says_so():
 def test_the_step_0_tolerances_are_scaled_by_the_twin():
     base = job([0.0] * 3, [1.0] * 3, "base", {0: [-1.0, -2.0]}, layout="single")
     twin = job([0.0] * 3, [1.0 + 2e-5, 1.0, 1.0], "twin", {0: [-1.0, -2.0 + 3e-6]}, "twin", noise_ulp=1)
-    noise = noise_model(base, TOL, twin)  # 10 x the twin's 3e-6 and 2e-5; the loss's stays 1e-5
+    noise = noise_model(base, TOL, [twin])  # 10 x the twin's 3e-6 and 2e-5; the loss's stays 1e-5
     assert noise.floor == pytest.approx({"logprob": 3e-5, "grad_norm": 2e-4, "loss": 1e-5})
     deep = job([0.0] * 3, [1.0 + 1.5e-4, 1.0, 1.0], "deep", {0: [-1.0 + 2e-5, -2.0]})
-    judge(deep, base, TOL, twin)  # a deep model's 2e-5 > 1e-5: inside its own noise
+    judge(deep, base, TOL, [twin])  # a deep model's 2e-5 > 1e-5: inside its own noise
     assert deep.verdict == "equivalent" and deep.departed_at_step is None
     assert deep.tolerances == pytest.approx({"logprob_atol": 3e-5, "grad_norm_rtol": 2e-4, "loss_atol": 1e-5})
-    judge(deep, base, TOL, None)  # without the twin: DIVERGED, and maybe noise
+    judge(deep, base, TOL, [])  # without the twin: DIVERGED, and maybe noise
     assert deep.verdict == "DIVERGED" and deep.diverged_at_step == 0
     assert deep.reasons[0] == ("max |Δ log_prob| 2.00e-05 > 1.00e-05 (first step); within 10x the "
                                "tolerance: may be rounding noise (of a deep model, or grown over many "
@@ -265,11 +308,11 @@ def test_the_step_0_tolerances_are_scaled_by_the_twin():
     # a deep model's twin may be beyond the fixed log_prob tolerance by itself (SmolLM2-135M:
     # 1.24e-5): that is the noise's scale, not a departure that would end judging at step 0
     deep_twin = job([0.0] * 3, [1.0] * 3, "twin", {0: [-1.0, -2.0 + 2e-5]}, "twin", noise_ulp=1)
-    noise = noise_model(base, TOL, deep_twin)
+    noise = noise_model(base, TOL, [deep_twin])
     assert noise.twin_departed_at_step is None and noise.judged_steps == 3
     assert noise.floor["logprob"] == pytest.approx(2e-4)
     beyond = job([0.0] * 3, [1.0] * 3, "beyond", {0: [-1.0 + 4e-5, -2.0]})
-    judge(beyond, base, TOL, twin)
+    judge(beyond, base, TOL, [twin])
     assert beyond.verdict == "DIVERGED" and beyond.diverged_at_step == 0 == beyond.departed_at_step
     assert beyond.reasons == ["max |Δ log_prob| 4.00e-05 > 3.00e-05 (max of 1e-05 and 10 x twin) "
                               "(first step)"]
@@ -280,12 +323,12 @@ def test_the_envelope_is_the_twins_running_maximum():
     of noise: step 2's limit stays 10 x 5e-5."""
     base = job([0.0] * 3, [1.0] * 3, "base", layout="single")
     twin = job([0.0, 2e-6, 0.0], [1.0, 1.0 + 5e-5, 1.0 + 1e-6], "twin", layout="twin", noise_ulp=1)
-    env = envelope(twin, base)
+    env = envelope([twin], base)
     assert [gn for _, gn in env] == pytest.approx([0.0, 5e-5, 5e-5], abs=1e-12)
     assert [loss for loss, _ in env] == pytest.approx([0.0, 2e-6, 2e-6], abs=1e-12)
-    assert noise_model(base, TOL, twin).limit(2, "grad_norm") == pytest.approx(5e-4)
+    assert noise_model(base, TOL, [twin]).limit(2, "grad_norm") == pytest.approx(5e-4)
     inside = job([0.0] * 3, [1.0, 1.0, 1.0 + 3e-4])
-    judge(inside, base, TOL, twin)
+    judge(inside, base, TOL, [twin])
     assert inside.verdict == "equivalent", inside.reasons
 
 
@@ -293,7 +336,7 @@ def test_a_twin_of_another_length_is_no_twin():
     """The envelope is read step by step: a twin with fewer steps than the baseline measures no noise
     for the steps it lacks."""
     short = job([0.0] * 9, [1.0] * 9, "twin", layout="twin", noise_ulp=1)
-    assert find_twin([BASE, short], BASE) is None and find_twin([BASE, short, TWIN], BASE) is TWIN
+    assert find_twins([BASE, short], BASE) == [] and find_twins([BASE, short, TWIN], BASE) == [TWIN]
 
 
 def test_the_divergence_step_is_the_earliest_of_log_probs_and_steps():
@@ -318,7 +361,7 @@ def test_nan_or_inf_anywhere_is_diverged():
         assert inf.reasons == ["step 7: train/grad_norm is inf"] and inf.diverged_at_step == 7
     # a twin with a NaN measures no noise: it is DIVERGED, and the others are judged without it
     nan_twin = job([0.0] * 10, [1.0] * 9 + [math.nan], "twin", layout="twin", noise_ulp=1)
-    assert find_twin([BASE, nan_twin], BASE) is None and find_twin([BASE, TWIN], BASE) is TWIN
+    assert find_twins([BASE, nan_twin], BASE) == [] and find_twins([BASE, TWIN], BASE) == [TWIN]
     assert judged(nan_twin, twin=None).diverged_at_step == 9
 
 
@@ -330,7 +373,7 @@ def test_bad_tolerances_exit_2_with_one_message(tmp_path, capsys):
         assert err.startswith(f"relax compare: error: {args[0]} ") and err.count("\n") == 1, err
 
 
-def test_the_twin_moves_every_weight_by_one_ulp():
+def test_the_twin_moves_every_weight_by_one_ulp_and_twins_of_more_ulps_move_their_own_ways():
     import torch
 
     from relax.train.common import nudge_ulps
@@ -343,14 +386,22 @@ def test_the_twin_moves_every_weight_by_one_ulp():
     moved = weights.detach()
     assert torch.all((moved == up) | (moved == down)) and not torch.equal(moved, before)
     assert 0 < int((moved == up).sum()) < 6  # random signs, both present
-    for ulps in (2, 3):  # parallel.noise_ulp=n: n steps, each weight in its one random direction
-        nudged = torch.nn.Parameter(before.clone())
+    # parallel.noise_ulp=n (twin2, twin3): n steps, each weight in a random direction of its
+    # own, drawn from seed + n - 1: independent of the other twins' (the same directions would
+    # repeat twin's rounding, only larger)
+    many = torch.randn(4000)
+    ups = {}
+    for ulps in (1, 2, 3):
+        nudged = torch.nn.Parameter(many.clone())
         nudge_ulps([nudged], ulps, seed=0)
-        expected = before.clone()
+        ups[ulps] = nudged.detach() > many
+        expected = many.clone()
         for _ in range(ulps):
-            expected = torch.where(moved == up, torch.nextafter(expected, torch.tensor(torch.inf)),
+            expected = torch.where(ups[ulps], torch.nextafter(expected, torch.tensor(torch.inf)),
                                    torch.nextafter(expected, torch.tensor(-torch.inf)))
-        assert torch.equal(nudged.detach(), expected), ulps
+        assert torch.equal(nudged.detach(), expected), ulps  # every weight exactly n ulps away
+    for a, b in ((1, 2), (1, 3), (2, 3)):
+        assert 0.45 < float((ups[a] == ups[b]).float().mean()) < 0.55, (a, b)  # independent signs
 
 
 def test_per_token_log_probs_of_another_shape_are_diverged_naming_the_sample():

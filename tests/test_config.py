@@ -87,7 +87,10 @@ NEW_OPTIONS = {"cluster=local": ("algo=grpo", {}), "cluster=ray": ("algo=grpo", 
                "model=smollm2": ("algo=grpo", SMOLLM2), "task=word_problems": ("algo=grpo", WORD_PROBLEMS),
                "experiment=smollm2_arith_v1": ("algo=grpo", SMOLLM2_ARITH_V1),
                "parallel=tp3": ("parallel=tp2",
-                                {"parallel.name": "tp3", "parallel.tp": 3, "parallel.world_size": 3})}
+                                {"parallel.name": "tp3", "parallel.tp": 3, "parallel.world_size": 3}),
+               **{f"parallel=twin{n}": ("parallel=twin",
+                                         {"parallel.name": f"twin{n}", "parallel.noise_ulp": n})
+                  for n in (2, 3)}}
 # Keys (or key prefixes) now carried only by the option that uses them: -> (key, value) of that option.
 OPTION_ONLY = {
     **{f"train.{k}": ("train._target_", MEGATRON)

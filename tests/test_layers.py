@@ -126,7 +126,7 @@ def test_layout_faults_are_named_against_the_twins_floor(tmp_path, replay):
     proc = relax_cli(
         "-m",
         *replay,
-        "parallel=single,twin,dp2,tp2,fsdp2",
+        "parallel=single,twin,twin2,dp2,tp2,fsdp2",
         *SMALL,
         DUMP,
         cwd=tmp_path,
@@ -136,7 +136,7 @@ def test_layout_faults_are_named_against_the_twins_floor(tmp_path, replay):
     multirun = next((tmp_path / "outputs" / "multiruns").iterdir())
     code, jobs = compare_layers(multirun)
     assert code == 1
-    assert not jobs["parallel=twin"]["departs"]
+    assert not jobs["parallel=twin"]["departs"] and not jobs["parallel=twin2"]["departs"]
     dp2, tp2, fsdp2 = jobs["parallel=dp2"], jobs["parallel=tp2"], jobs["parallel=fsdp2"]
     # one DP rank's gradient scaled: the forward and the weights agree, every gradient is off
     assert first(dp2, "forward") is None and first(dp2, "params") is None
@@ -155,7 +155,12 @@ def test_layout_faults_are_named_against_the_twins_floor(tmp_path, replay):
     assert shard["values"][0] - shard["values"][1] == pytest.approx(1e-3, rel=1e-3)
     assert first(fsdp2, "forward") == "model.layers.0.self_attn"
     twin_floor = jobs["parallel=tp2"]["floors"]["grads"]
-    assert max(twin_floor.values()) > 256 * torch.finfo(torch.float32).eps  # the twin raised some floors
+    assert max(twin_floor.values()) > 256 * torch.finfo(torch.float32).eps  # the twins raised some floors
+    # two twins, two samples of the noise: a tensor's floor is 10 x the larger of their differences
+    twin, twin2 = (jobs[f"parallel={t}"]["diffs"]["grads"] for t in ("twin", "twin2"))
+    fixed = 256 * torch.finfo(torch.float32).eps
+    assert twin_floor == pytest.approx({n: max(fixed, 10 * twin[n], 10 * twin2[n]) for n in twin_floor})
+    assert any(twin[n] < twin2[n] for n in twin_floor) and any(twin[n] > twin2[n] for n in twin_floor)
 
 
 def test_dropout_in_one_layer_is_named_run_against_run(tmp_path, replay, monkeypatch):

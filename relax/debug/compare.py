@@ -15,12 +15,13 @@ judged up to the twin's own departure (at least `--strict-steps`). Past it fp32 
 differences grow chaotically however correct the layout is, so later steps are judged for
 NaN/Inf only. What tells a broken layout from a correct one is how early it departs: one
 departing before the twin's departure step / `--departure-ratio` is a divergence even
-inside the envelope. Without a twin only the first `--strict-steps` steps are judged, by
-the fixed tolerances, and the output says so. NaN or Inf is always a divergence. A job is
-`equivalent`, `DIVERGED` (with the first step that diverged) or `FAILED` (did not
-complete, or has no training steps). The exit code is 1 if any job diverged or failed, so
-a layout sweep can gate CI (2: bad input). A plot of loss and grad_norm per step by layout
-is written next to the runs.
+inside the envelope. Several twins (`parallel=twin,twin2,twin3`) are several samples of the
+noise: the largest difference of any counts, and the earliest departure. Without a twin
+only the first `--strict-steps` steps are judged, by the fixed tolerances, and the output
+says so. NaN or Inf is always a divergence. A job is `equivalent`, `DIVERGED` (with the
+first step that diverged) or `FAILED` (did not complete, or has no training steps). The
+exit code is 1 if any job diverged or failed, so a layout sweep can gate CI (2: bad input).
+A plot of loss and grad_norm per step by layout is written next to the runs.
 """
 
 from __future__ import annotations
@@ -59,11 +60,11 @@ def finite(job: Job) -> bool:
     return all(math.isfinite(x) for x in (*job.loss, *job.grad_norm))
 
 
-def find_twin(jobs: list[Job], base: Job) -> Job | None:
-    """A completed noise twin of the baseline (same backend, initial weights nudged) with as many
-    steps and finite metrics (a NaN twin measures no noise; it is DIVERGED itself)."""
-    return next((j for j in jobs if j.noise_ulp > 0 and j.status == "completed" and j is not base
-                 and j.backend == base.backend and len(j.loss) == len(base.loss) and finite(j)), None)
+def find_twins(jobs: list[Job], base: Job) -> list[Job]:
+    """The completed noise twins of the baseline (same backend, initial weights nudged) with as
+    many steps and finite metrics (a NaN twin measures no noise; it is DIVERGED itself)."""
+    return [j for j in jobs if j.noise_ulp > 0 and j.status == "completed" and j is not base
+            and j.backend == base.backend and len(j.loss) == len(base.loss) and finite(j)]
 
 
 # the per-step metrics, each with its name in the reasons and its fixed tolerance
@@ -76,11 +77,12 @@ def step_diffs(job: Job, base: Job) -> list[dict[str, float]]:
             for loss, b_loss, gn, b_gn in zip(job.loss, base.loss, job.grad_norm, base.grad_norm)]
 
 
-def envelope(twin: Job, base: Job) -> list[tuple[float, float]]:
-    """Per step, the largest |Δ loss| and grad_norm rel Δ the twin reached by then."""
+def envelope(twins: list[Job], base: Job) -> list[tuple[float, float]]:
+    """Per step, the largest |Δ loss| and grad_norm rel Δ any twin reached by then."""
     out, loss_max, gn_max = [], 0.0, 0.0
-    for d in step_diffs(twin, base):
-        loss_max, gn_max = max(loss_max, d["loss"]), max(gn_max, d["grad_norm"])
+    for step in zip(*(step_diffs(twin, base) for twin in twins)):
+        loss_max = max(loss_max, *(d["loss"] for d in step))
+        gn_max = max(gn_max, *(d["grad_norm"] for d in step))
         out.append((loss_max, gn_max))
     return out
 
@@ -111,14 +113,21 @@ class Noise:
     departure (its first step beyond `floor`): past it fp32 rounding differences have grown
     chaotic, so their size says nothing about a layout. The departure counts loss and
     grad_norm only: the twin's step-0 log_probs set their tolerance's scale (on SmolLM2-135M
-    they alone are 1.24e-5 from the baseline's, beyond the fixed 1e-5), they cannot leave it."""
+    they alone are 1.24e-5 from the baseline's, beyond the fixed 1e-5), they cannot leave it.
+    Several twins (twin, twin2, twin3: independent nudges) are several samples of that noise:
+    the largest difference of any of them counts, and the earliest departure."""
     floor: dict[str, float]  # logprob, grad_norm, loss: the step-0 tolerances
     judged_steps: int  # steps 0..judged_steps-1 are judged by size (all: NaN/Inf)
-    twin: Job | None = None
+    twins: list[Job] = field(default_factory=list)
     env: list[tuple[float, float]] = field(default_factory=list)
     twin_departed_at_step: int | None = None
     margin: float = 10.0
     departure_ratio: float = 4.0
+
+    @property
+    def twin(self) -> str | None:
+        """The twins' names, as the messages name the envelope (None without a twin)."""
+        return ", ".join(t.name for t in self.twins) or None
 
     def limit(self, step: int, metric: str) -> float:
         if self.twin is None:
@@ -141,7 +150,8 @@ class Noise:
         if self.twin is None:
             return [f"steps >= {self.judged_steps} not judged: add parallel=twin to the sweep to judge "
                     f"them against the baseline's rounding noise (NaN/Inf checked at every step)"]
-        return [f"steps >= {self.judged_steps} not judged by size: {self.twin.name} departed from the "
+        first = "the first of " * (len(self.twins) > 1)
+        return [f"steps >= {self.judged_steps} not judged by size: {first}{self.twin} departed from the "
                 f"baseline at step {self.twin_departed_at_step}, past which fp32 rounding differences "
                 f"grow chaotically (NaN/Inf checked at every step)"]
 
@@ -164,18 +174,19 @@ def scaled_floor(fixed: float, twin_diff: float | None, margin: float) -> float:
     return fixed if twin_diff is None else max(fixed, margin * twin_diff)
 
 
-def noise_model(base: Job, tol: Tolerances, twin: Job | None = None) -> Noise:
+def noise_model(base: Job, tol: Tolerances, twins: list[Job] = ()) -> Noise:
     fixed = {"logprob": tol.logprob_atol, "grad_norm": tol.grad_norm_rtol, "loss": tol.loss_atol}
     steps = len(base.loss)
-    if twin is None:
+    if not twins:
         return Noise(fixed, min(tol.strict_steps, steps), margin=tol.envelope_margin,
                      departure_ratio=tol.departure_ratio)
-    diffs = step_diffs(twin, base)
-    step0 = {"logprob": max_logprob_diff(twin, base) or 0.0, **(diffs[0] if diffs else {})}
+    diffs = [step_diffs(twin, base) for twin in twins]
+    step0 = {"logprob": max(max_logprob_diff(twin, base) or 0.0 for twin in twins),
+             **({m: max(d[0][m] for d in diffs) for m, _, _ in STEP_METRICS} if steps else {})}
     floor = {k: scaled_floor(v, step0.get(k), tol.envelope_margin) for k, v in fixed.items()}
-    departed = departure(diffs, floor)
+    departed = min((t for t in (departure(d, floor) for d in diffs) if t is not None), default=None)
     judged = min(steps, max(tol.strict_steps, steps if departed is None else departed))
-    return Noise(floor, judged, twin, envelope(twin, base), departed, tol.envelope_margin,
+    return Noise(floor, judged, list(twins), envelope(twins, base), departed, tol.envelope_margin,
                  tol.departure_ratio)
 
 
@@ -204,7 +215,7 @@ def after_the_first_update(step: int) -> str:
 def first_divergence(job: Job, base: Job, noise: Noise) -> tuple[int, str] | None:
     """The first step with a NaN/Inf, a difference beyond the noise model's limit (judged steps
     only), or a departure before `noise.early()`."""
-    where = "tolerance" if noise.twin is None else f"noise envelope: {noise.margin:g} x {noise.twin.name}"
+    where = "tolerance" if noise.twin is None else f"noise envelope: {noise.margin:g} x {noise.twin}"
     early, departed = noise.early(len(base.loss)), False
     for step, d in enumerate(step_diffs(job, base)):
         for name, value in (("train/loss", job.loss[step]), ("train/grad_norm", job.grad_norm[step])):
@@ -221,7 +232,7 @@ def first_divergence(job: Job, base: Job, noise: Noise) -> tuple[int, str] | Non
                 if step < early:
                     return step, (f"step {step}: {label} {d[metric]:.2e} > {noise.floor[metric]:.2e}: "
                                   f"departs from the baseline before step {early:g}, 1/"
-                                  f"{noise.departure_ratio:g} of the step {noise.twin.name} departs at "
+                                  f"{noise.departure_ratio:g} of the step {noise.twin} departs at "
                                   f"(a correct layout departs about when the twin does)"
                                   + after_the_first_update(step))
     return None
@@ -248,9 +259,8 @@ def logprob_mismatches(job: Job, base: Job) -> list[str]:
     return out
 
 
-def judge(job: Job, base: Job, tol: Tolerances, twin: Job | None = None,
-          noise: Noise | None = None) -> None:
-    noise = noise or noise_model(base, tol, twin)
+def judge(job: Job, base: Job, tol: Tolerances, twins: list[Job] = (), noise: Noise | None = None) -> None:
+    noise = noise or noise_model(base, tol, twins)
     twin = noise.twin
     why = unusable(job)
     if why:
@@ -263,7 +273,7 @@ def judge(job: Job, base: Job, tol: Tolerances, twin: Job | None = None,
     job.max_grad_norm_rel_diff = worst(rel(a, b) for a, b in zip(job.grad_norm, base.grad_norm))
     reasons += logprob_mismatches(job, base)
     job.max_logprob_diff = max_logprob_diff(job, base)
-    job.envelope = twin.name if twin is not None else None
+    job.envelope = twin
     job.judged_steps = min(noise.judged_steps, len(job.loss))
     job.tolerances = {f"{k}_{'rtol' if k == 'grad_norm' else 'atol'}": v for k, v in noise.floor.items()}
     job.departed_at_step = departure(step_diffs(job, base), noise.floor)
@@ -271,7 +281,7 @@ def judge(job: Job, base: Job, tol: Tolerances, twin: Job | None = None,
     limit = noise.floor["logprob"]
     if job.max_logprob_diff is not None and over(job.max_logprob_diff, limit):
         job.departed_at_step = job.diverged_at_step = 0
-        scaled = "" if twin is None else f" (max of {tol.logprob_atol:g} and {noise.margin:g} x {twin.name})"
+        scaled = "" if twin is None else f" (max of {tol.logprob_atol:g} and {noise.margin:g} x {twin})"
         reasons.append(f"max |Δ log_prob| {job.max_logprob_diff:.2e} > {limit:.2e}{scaled} (first step)"
                        + maybe_noise(job.max_logprob_diff, limit, noise))
     found = first_divergence(job, base, noise)
@@ -293,7 +303,7 @@ def render(jobs: list[Job], base: Job, noise: Noise, console: Console) -> None:
     else:
         departed = ("does not depart" if noise.twin_departed_at_step is None
                     else f"departs at step {noise.twin_departed_at_step}")
-        title = f"noise twin {noise.twin.name}, {departed}"
+        title = f"noise twin {noise.twin}, {departed}"
     table = Table("job", "backend", "layout", "status", "loss / step", "grad_norm / step",
                   "max |Δ logp|", "grad_norm rel Δ", "step s", "peak MB", "verdict", "departs",
                   "diverged at", title=f"relax compare (baseline: {base.name}; {title})")
@@ -370,14 +380,14 @@ def main(argv: list[str]) -> int:
         return 2
     tol = Tolerances(args.logprob_atol, args.grad_norm_rtol, args.loss_atol, args.strict_steps,
                      args.envelope_margin, args.departure_ratio)
-    noise = noise_model(base, tol, find_twin(jobs, base))
+    noise = noise_model(base, tol, find_twins(jobs, base))
     for job in jobs:
         judge(job, base, tol, noise=noise)
     out = args.plot or (args.paths[0] / "compare.png")
     plot_steps(jobs, out)
     if args.json:
         print(json.dumps({"baseline": base.name, "plot": str(out),
-                          "twin": noise.twin.name if noise.twin else None,
+                          "twin": noise.twin,
                           "twin_departed_at_step": noise.twin_departed_at_step,
                           "judged_steps": noise.judged_steps, "notes": notes(base, noise),
                           "jobs": [{k: (str(v) if isinstance(v, Path) else v)

@@ -59,10 +59,12 @@ class MicroBatch:
 
 def nudge_ulps(params, ulps: int, seed: int) -> None:
     """parallel.noise_ulp: move every weight `ulps` representable values up or down (random
-    signs from `seed`): a twin run whose distance from the original is rounding noise."""
+    signs from `seed` + ulps - 1): a twin run whose distance from the original is rounding noise.
+    Twins of 1, 2 and 3 ulps (parallel=twin, twin2, twin3) move in independent directions, so
+    they are three samples of that noise: the same signs would repeat one twin's, only larger."""
     if not ulps:  # (the random signs alone took seconds a rank on a 135M model)
         return
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed + ulps - 1)
     with torch.no_grad():
         for p in params:
             target = torch.where(torch.rand(p.shape, generator=generator) < 0.5, -torch.inf, torch.inf)
