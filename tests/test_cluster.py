@@ -669,6 +669,11 @@ def test_a_shared_set_is_keyed_by_names_dtypes_and_shapes_and_is_a_copy_of_its_o
     assert torch.equal(weight.detach(), torch.ones(3))  # the sender's own tensor left alone
     assert torch.equal(first.tensors["w"], torch.full((3,), 2.0))
     assert torch.equal(receiver.unpack(again)["w"], torch.full((3,), 2.0)) and receiver.unpack(again) is got
+    # weights already in shared memory (rank 0's, received here) are passed on, not copied
+    passed = torch.ones(2).share_memory_()
+    assert sender.pack({"p": passed}).tensors["p"] is passed
+    passed.add_(1)
+    assert sender.pack({"p": passed}).tensors is None and torch.equal(passed, torch.full((2,), 2.0))
     replaced = {"w": torch.zeros(3)}  # a sender started anew: its first bucket under a known key
     assert receiver.unpack(SharedBucket(0, replaced)) is replaced
     assert receiver.unpack(SharedBucket(0, None)) is replaced

@@ -39,15 +39,19 @@ class SharedWeights:
         self.sets: dict = {}  # sender: (name, dtype, shape)s -> tensors; receiver: key -> tensors
 
     def pack(self, named: dict) -> SharedBucket:
-        """`named` copied into its set's shared-memory tensors (made, and sent along, the first time)."""
+        """`named` copied into its set's shared-memory tensors (made, and sent along, the first
+        time). Tensors already in shared memory (weights a trainer rank's process sent here) are
+        passed on as they are: a real model's weights would otherwise take a second copy in the
+        driver on their way from rank 0 to the engines (+1.1 GB for SmolLM2)."""
         signature = tuple((n, t.dtype, tuple(t.shape)) for n, t in named.items())
         first = signature not in self.sets
         if first:
-            self.sets[signature] = {n: t.detach().to("cpu", copy=True).share_memory_()
-                                    for n, t in named.items()}
+            self.sets[signature] = {n: t if t.is_shared() and not t.requires_grad else
+                                    t.detach().to("cpu", copy=True).share_memory_() for n, t in named.items()}
         else:
             for n, t in named.items():
-                self.sets[signature][n].copy_(t)
+                if self.sets[signature][n] is not t:  # (passed on: rewritten in place by its sender)
+                    self.sets[signature][n].copy_(t)
         key = list(self.sets).index(signature)
         return SharedBucket(key, self.sets[signature] if first else None)
 
