@@ -929,10 +929,10 @@ def test_actors_on_the_drivers_node_are_called_through_a_socket_and_weights_cros
         engine = reach_by_socket(start("rollout engine", "trainer"))  # a reply that cannot be sent
         with pytest.raises(RankError, match=r"rollout engine 0 \(node .*\) failed:\nTraceback(.|\n)*pickle"):
             engine.map("unpicklable", [()])
-        hint = (r"did not open its socket /nonexistent/socket in time \(an actor that sees another /tmp, "
-                r"e.g. in a container\? cluster.same_node_sockets=false keeps Ray's calls\)")
+        hint = (r"did not open its socket relax-nobody in time \(an actor in a network namespace of its "
+                r"own, e.g. a container\? cluster.same_node_sockets=false keeps Ray's calls\)")
         with pytest.raises(RankError, match=hint):
-            _connect(far, 0, "/nonexistent/socket", ray.remote(lambda: time.sleep(60)).remote(), authkey,
+            _connect(far, 0, "\0relax-nobody", ray.remote(lambda: time.sleep(60)).remote(), authkey,
                      deadline=time.monotonic() + 0.5)  # (its serving task still runs: it did not fail)
         os.kill(ranks.hosts.where[0]["pid"], signal.SIGKILL)
         with pytest.raises(RankError, match=r"^trainer rank 0 \(node .*, pid \d+\) died: .+"):

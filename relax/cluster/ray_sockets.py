@@ -8,15 +8,18 @@ once a group's actors are built, and if all of them run on the driver's node, ea
 serves the driver's calls over a Unix socket of its own (`serve`, one long Ray task), and
 weights cross as shared-memory tensors made once and rewritten in place
 (relax/cluster/shared_weights.py). Actors on other nodes keep Ray's calls and object store.
-An actor's death closes its socket; Ray, asked about its serving task, says why.
+An actor's death closes its socket; Ray, asked about its serving task, says why. The sockets'
+addresses are in Linux's abstract namespace: no file is made, so none is left behind by a
+killed job (elsewhere every actor keeps Ray's calls).
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import secrets
 import shutil
-import tempfile
+import sys
 import threading
 import time
 from multiprocessing.connection import Client, Listener, wait
@@ -37,7 +40,7 @@ def serve(host, path: str) -> None:
     resource sharer, which answers processes that hold its key only."""
     authkey = bytes(multiprocessing.current_process().authkey)
     inbox, outbox = SharedWeights(), SharedWeights()  # the engine's weights in; rank 0's out
-    with Listener(path, family="AF_UNIX", authkey=authkey) as listener:  # (closing it removes `path`)
+    with Listener(path, family="AF_UNIX", authkey=authkey) as listener:
         conn = listener.accept()
     with conn:
         while True:
@@ -49,22 +52,33 @@ def serve(host, path: str) -> None:
             reply = host.call(method, args, kwargs, keep_result)
             if reply[0] == "ok" and method in WEIGHTS and on_cpu(reply[1]):
                 reply = "ok", outbox.pack(reply[1])
-            conn.send(reply)
             if method == "shutdown":
+                remove_temp_dir()
+                conn.send(reply)
                 return
+            conn.send(reply)
+
+
+def remove_temp_dir() -> None:
+    """multiprocessing's temporary folder in this process (where the resource sharer that sent
+    rank 0's weights listens), removed before the driver stops the actor: Ray kills it, and its
+    exit handlers, which would remove it, never run."""
+    tempdir = multiprocessing.process.current_process()._config.pop("tempdir", None)
+    if tempdir:
+        shutil.rmtree(tempdir, ignore_errors=True)
 
 
 def reach_by_socket(hosts: RayHosts, timeout_s: float = 60) -> RayHosts:
     """`hosts` as SocketHosts if every actor runs on the driver's node; else as they are (and
     always through Ray Client, `ray://`: its driver is not on the cluster's nodes)."""
-    if ray.util.client.ray.is_connected():
+    if sys.platform != "linux" or ray.util.client.ray.is_connected():
         return hosts
     node = ray.get_runtime_context().get_node_id()
     if not hosts.actors or any(w["node_id"] != node for w in hosts.where):
         return hosts
     authkey = bytes(multiprocessing.current_process().authkey)
-    folder = tempfile.mkdtemp(prefix="relax-sockets-")
-    paths = [os.path.join(folder, str(i)) for i in range(len(hosts))]
+    name = f"\0relax-{os.getpid()}-{secrets.token_hex(8)}"  # (abstract: no file)
+    paths = [f"{name}-{hosts.role.split()[-1]}{i}" for i in range(len(hosts))]
     serving = [actor.serve.remote(path) for actor, path in zip(hosts.actors, paths, strict=True)]
     conns, deadline = [], time.monotonic() + timeout_s
     try:
@@ -74,22 +88,21 @@ def reach_by_socket(hosts: RayHosts, timeout_s: float = 60) -> RayHosts:
         for conn in conns:
             conn.close()
         hosts.kill()
-        shutil.rmtree(folder, ignore_errors=True)
         raise
-    return SocketHosts(hosts, conns, serving, folder)
+    return SocketHosts(hosts, conns, serving)
 
 
 def _connect(hosts: RayHosts, i: int, path: str, serving, authkey: bytes, deadline: float):
     while True:
         try:
             return Client(path, family="AF_UNIX", authkey=authkey)
-        except (FileNotFoundError, ConnectionRefusedError):  # not listening yet
+        except ConnectionRefusedError:  # not listening yet
             if ray.wait([serving], timeout=0.01)[0]:
                 raise RankError(f"{hosts._where(i)} did not serve: {hosts._reply(serving, i)[1]}") from None
             if time.monotonic() > deadline:
-                raise RankError(f"{hosts._where(i)} did not open its socket {path} in time (an actor "
-                                "that sees another /tmp, e.g. in a container? cluster.same_node_sockets="
-                                "false keeps Ray's calls)") from None
+                raise RankError(f"{hosts._where(i)} did not open its socket {path[1:]} in time (an actor "
+                                "in a network namespace of its own, e.g. a container? cluster."
+                                "same_node_sockets=false keeps Ray's calls)") from None
 
 
 class SocketHosts(RayHosts):
@@ -98,9 +111,9 @@ class SocketHosts(RayHosts):
     and the loop's thread both call the engines)."""
     reached_by = "socket"
 
-    def __init__(self, hosts: RayHosts, conns: list, serving: list, folder: str):
+    def __init__(self, hosts: RayHosts, conns: list, serving: list):
         super().__init__(hosts.role, hosts.actors, hosts.bundles)
-        self.where, self.conns, self.serving, self.folder = hosts.where, conns, serving, folder
+        self.where, self.conns, self.serving = hosts.where, conns, serving
         self.inbox, self.shared = SharedWeights(), SharedWeights()  # rank 0's weights; the engines'
         self.lock = threading.Lock()
 
@@ -150,4 +163,3 @@ class SocketHosts(RayHosts):
             conn.close()
         self.conns = []
         super().kill()
-        shutil.rmtree(self.folder, ignore_errors=True)
