@@ -70,7 +70,7 @@ def remove_temp_dir() -> None:
 
 def reach_by_socket(hosts: RayHosts, timeout_s: float = 60) -> RayHosts:
     """`hosts` as SocketHosts if every actor runs on the driver's node; else as they are (and
-    always through Ray Client, `ray://`: its driver is not on the cluster's nodes)."""
+    always off Linux, and through Ray Client, `ray://`: its driver is not on the cluster's nodes)."""
     if sys.platform != "linux" or ray.util.client.ray.is_connected():
         return hosts
     node = ray.get_runtime_context().get_node_id()
