@@ -321,16 +321,17 @@ def compare_runs(paths: list[Path], baseline: str | None, rollout_id: int | None
     others = [d for d in dumps if d is not base]
     for dump in others:
         check(dump, base)
-    twins = [d for d in others if d.manifest.get("noise_ulp")
+    apart = [diffs(d, base) for d in others]  # once per job: each reads both dumps whole
+    twins = [k for k, d in enumerate(others) if d.manifest.get("noise_ulp")
              and d.manifest.get("backend") == base.manifest.get("backend")]
-    per_twin = [diffs(t, base) for t in twins]  # several: a tensor's noise is the largest of theirs
-    twin_diffs = {part: {n: max(d[part][n] for d in per_twin) for n in names}
-                  for part, names in per_twin[0].items()} if per_twin else None
+    # several twins: a tensor's noise is the largest difference any of them has
+    twin_diffs = {part: {n: max(apart[k][part][n] for k in twins) for n in names}
+                  for part, names in apart[twins[0]].items()} if twins else None
     fixed = floor_fixed(base, eps_multiple)
-    deps = [judge_layers(d.name, diffs(d, base), fixed, margin, twin_diffs) for d in others]
+    deps = [judge_layers(d.name, a, fixed, margin, twin_diffs) for d, a in zip(others, apart, strict=True)]
     for dep, dump in zip(deps, others, strict=True):
         dep.locate(dump, base)
-    noise = f"noise twin {', '.join(t.name for t in twins)}" if twins else \
+    noise = f"noise twin {', '.join(others[k].name for k in twins)}" if twins else \
         f"no noise twin: floor {eps_multiple:g} x eps"
     return deps, f"baseline {base.name}, rollout {base.manifest['rollout_id']}; {noise}"
 
