@@ -8,8 +8,10 @@ Nothing here imports torch: `relax --help` and `relax --cfg job` only compose.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -59,6 +61,19 @@ SUBCOMMANDS = {
     "bugreport": "relax.debug.bugreport",
     "convert-gguf": "relax.model.gguf",
 }
+
+
+def refuse_unknown_tool(args: list[str]) -> None:
+    """`relax inspekt RUN`: a first argument that is a bare word (no `=`, not a flag) can only
+    have meant a tool (Hydra would call it an override "missing EQUAL"): exit 2 naming the
+    closest tool."""
+    if not args or not re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]*", args[0]) or args[0] in SUBCOMMANDS:
+        return
+    close = difflib.get_close_matches(args[0], SUBCOMMANDS, n=1)
+    hint = f"did you mean '{close[0]}'?" if close else \
+        f"the tools are {', '.join(SUBCOMMANDS)}, and a run takes key=value overrides"
+    print(f"relax: error: no tool '{args[0]}'; {hint}", file=sys.stderr)
+    sys.exit(2)
 
 
 class UsageError(SystemExit):
@@ -136,6 +151,7 @@ def hydra_app(cfg: DictConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
+    refuse_unknown_tool(args)
     if args and args[0] in SUBCOMMANDS:
         import importlib
 

@@ -12,6 +12,8 @@ import argparse
 import logging
 import shutil
 import sys
+import tempfile
+from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
@@ -27,7 +29,7 @@ def main() -> int:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(1)
-    built = tiny.build(OmegaConf.structured(TinyModelConfig))
+    built = tiny.build(OmegaConf.structured(TinyModelConfig), Path(tempfile.mkdtemp()) / "tiny")
     digest = tiny.sha256(built / "model.safetensors")
     print(f"built {built}: model.safetensors sha256 {digest} (shipped: {tiny.SHIPPED_SHA256})")
     if args.write:

