@@ -17,7 +17,8 @@ _visits: dict[str, int] = {}
 def point(site: str) -> None:
     """The n-th time the process passes `site`: `kill_at:<site>:<n>` kills it with SIGKILL, as
     a power loss there would (the kill-anywhere test resumes from what is left);
-    `pause_at:<site>:<n>` holds it there for 10 minutes, so a test's signals surely land there."""
+    `pause_at:<site>:<n>` holds it there for 10 minutes, so a test's signals surely land there;
+    `fill_disk_at:<site>:<n>` fills the disk of the working directory there (`fill_disk`)."""
     _visits[site] = _visits.get(site, 0) + 1
     if active(f"kill_at:{site}:{_visits[site]}"):
         import signal
@@ -27,6 +28,26 @@ def point(site: str) -> None:
         import time
 
         time.sleep(600)
+    if active(f"fill_disk_at:{site}:{_visits[site]}"):
+        fill_disk(".")
+
+
+def fill_disk(folder: str) -> None:
+    """The filesystem holding `folder` filled to the last byte by one file in it, as another
+    program filling a shared disk would: the next write that needs space fails as on a full
+    disk (ENOSPC). Only a small one (a test's tmpfs): a filesystem over 64 MiB is refused."""
+    import errno
+
+    stat = os.statvfs(folder)
+    if stat.f_blocks * stat.f_frsize > 64 << 20:
+        raise RuntimeError(f"fill_disk: refusing to fill {os.path.abspath(folder)}: over 64 MiB")
+    with open(os.path.join(folder, ".fill_disk"), "ab", buffering=0) as f:
+        try:
+            while True:
+                f.write(bytes(1 << 16))
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
 
 
 def perturb_sync(named: dict) -> dict:

@@ -6,6 +6,7 @@ Used by replay, train dumps and checkpoints alike, so it sits below all of them.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -16,7 +17,9 @@ from pathlib import Path
 
 import torch
 
-from relax.errors import ReplayError
+from relax.errors import DiskFull, ReplayError
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # a full disk, or the user's quota on it
 
 
 def fill(template: str, rollout_id: int | None = None, rank: int | None = None) -> Path:
@@ -42,9 +45,24 @@ def atomic_open(path: Path, mode: str = "wb"):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if is_disk_full(e):
+            raise disk_full(e, path) from None
         raise
+
+
+def is_disk_full(e: BaseException) -> bool:
+    return isinstance(e, OSError) and e.errno in NO_SPACE
+
+
+def disk_full(e: OSError, path: Path) -> DiskFull:
+    """A full disk's OSError as a DiskFull naming the file Relax was writing: the one line a
+    run ends with."""
+    if isinstance(e, DiskFull):
+        return e
+    return DiskFull(e.errno, f"disk full ({errno.errorcode[e.errno]}: {os.strerror(e.errno)}) while "
+                             f"writing {path}")
 
 
 def atomic_save(obj, path: Path) -> None:
@@ -82,11 +100,48 @@ def safe_load(path: Path, mmap: bool = False) -> dict:
     return data
 
 
+def save_figure(fig, path: Path, dpi: int = 90) -> None:
+    """A matplotlib figure as PNG, atomically (a reader never sees half an image)."""
+    with atomic_open(path) as f:
+        fig.savefig(f, format="png", dpi=dpi)
+
+
+def rewrite_small_file(path: Path, text: str) -> None:
+    """atomic_write_text, or on a full disk, `path` rewritten in place within the blocks it
+    already has (status.json's last word): a new file needs space that is not there."""
+    try:
+        atomic_write_text(path, text)
+    except DiskFull:
+        data = text.encode()
+        if not path.is_file() or path.stat().st_blocks * 512 < len(data):
+            raise
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.write(fd, data)
+            os.ftruncate(fd, len(data))
+        except OSError as e:
+            raise disk_full(e, path) from None
+        finally:
+            os.close(fd)
+
+
 def append_jsonl(path: Path, record: dict) -> None:
-    """Append one JSON line in a single write to a file opened for appending: a crash can tear
-    only this last line (which `read_jsonl` drops), never an earlier one."""
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    """Append one JSON line to a file opened for appending. A write that fails (a full disk) is
+    undone, the file cut back to its size before it, so the file never ends in half a line; a
+    kill mid-write can tear only this last line (which `read_jsonl` drops), never an earlier one."""
+    line = memoryview((json.dumps(record) + "\n").encode())
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    size = os.fstat(fd).st_size
+    try:
+        while line:  # a short write (the disk filled mid-line): the rest's write raises the reason
+            line = line[os.write(fd, line):]
+    except OSError as e:
+        os.ftruncate(fd, size)
+        if is_disk_full(e):
+            raise disk_full(e, path) from None
+        raise
+    finally:
+        os.close(fd)
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -31,7 +31,7 @@ from relax.eval import Evaluator, build_evaluator
 from relax.errors import (CheckFailed, ConfigError, DiskFull, Interrupted, NonFiniteError, ReplayError,
                           RolloutError)
 from relax.targets import instantiate, load_target
-from relax.logger import check_backends, plot_run
+from relax.logger import check_backends, lose_log_lines_on_a_full_disk, plot_run
 from relax.model import load_tokenizer, read_hf_config, resolve_model_path
 from relax.files import append_jsonl, atomic_save, fill
 from relax.process import LogGuard, StatusFile, Stop
@@ -365,6 +365,7 @@ def run_job(cfg) -> None:
     run_dir = Path(hydra_cfg.runtime.output_dir)
     torch.set_num_threads(cfg.train.num_threads)
     status = StatusFile(run_dir)
+    lose_log_lines_on_a_full_disk()  # (not logging's traceback for every line)
     try:
         with Stop() as stop, logging_redirect_tqdm():
             status.claim()  # refuses a run dir that a live run is writing, leaving its status alone

@@ -25,7 +25,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from relax.errors import ConfigError, Interrupted
+from relax.errors import ConfigError, DiskFull, Interrupted
 
 log = logging.getLogger("relax")
 STATUS_FILE = "status.json"
@@ -81,11 +81,16 @@ class StatusFile:
         self.write("running")
 
     def write(self, status: str, **extra) -> None:
+        """On a full disk even in place (files.rewrite_small_file); where that fails too, the
+        run goes on (or ends) with one line saying so: its console still says what happened."""
         if self.claimed:
-            from relax.files import atomic_write_text  # (imports torch, which the reaper must not load)
+            from relax.files import rewrite_small_file  # (imports torch, which the reaper must not load)
 
-            atomic_write_text(self.run_dir / STATUS_FILE,
-                              json.dumps({"status": status, **extra, **self.identity}, indent=2))
+            try:
+                rewrite_small_file(self.run_dir / STATUS_FILE,
+                                   json.dumps({"status": status, **extra, **self.identity}, indent=2))
+            except DiskFull as e:
+                log.error("status %s not recorded: %s", status, e)
 
 
 def read_status(run_dir: Path) -> dict | None:

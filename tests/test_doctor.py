@@ -167,7 +167,7 @@ def test_doctor_md_has_a_section_for_each_failing_or_warning_check(tmp_path):
               Check(4, "four", "SKIP", "not recorded")]
     run = RunData(path=tmp_path / "myrun", rollouts=[], steps=[])
     run.path.mkdir()
-    out = write_markdown(run, checks, ["a.png"])
+    out = write_markdown(run, checks, ["a.png"], run.path)
     assert out == run.path / "doctor.md"
     assert out.read_text() == "\n".join([
         "# relax doctor: myrun", "", "| # | check | verdict | summary |", "| --- | --- | --- | --- |",

@@ -21,7 +21,7 @@ only the first `--strict-steps` steps are judged, by the fixed tolerances, and t
 says so. NaN or Inf is always a divergence. A job is `equivalent`, `DIVERGED` (with the
 first step that diverged) or `FAILED` (did not complete, or has no training steps). The
 exit code is 1 if any job diverged or failed, so a layout sweep can gate CI (2: bad input).
-A plot of loss and grad_norm per step by layout is written next to the runs.
+A plot of loss and grad_norm per step by layout goes next to the runs (or into --out DIR).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from rich.console import Console
 from rich.table import Table
 
 from relax.debug.jobs import DIVERGED, EQUIVALENT, FAILED, Job, find_jobs, pick_baseline, unusable
-from relax.debug.plots import plot_steps
+from relax.debug.plots import draw, figure_dir, out_dir, plot_steps
 from relax.debug.verdicts import over, worst
 from relax.errors import ConfigError, ReplayError
 
@@ -350,7 +350,8 @@ def main(argv: list[str]) -> int:
                     help="--layers: the dumped rollout to compare (default: the first)")
     ap.add_argument("--layer-eps-multiple", type=float, default=Tolerances.layer_eps_multiple,
                     help="--layers without a twin: the floor is this many times the dtype's epsilon")
-    ap.add_argument("--plot", type=Path, help="where to write the plot (default: next to the runs)")
+    ap.add_argument("--out", type=out_dir, metavar="DIR", help="where the plot goes (default: beside the "
+                    "first path, when it can be written; else it is skipped with a note)")
     ap.add_argument("--json", action="store_true", help="machine-readable output")
     args = ap.parse_args(argv)
     bad = [f"--{k.replace('_', '-')} {v!r}" for k, v in vars(args).items()
@@ -366,10 +367,11 @@ def main(argv: list[str]) -> int:
         if not p.is_dir():
             print(f"relax compare: error: {p} is not a directory", file=sys.stderr)
             return 2
+    folder, note = figure_dir(args.out, args.paths[0], "compare")
     if args.layers:
         from relax.debug.layers import compare_layers
 
-        return compare_layers(args)
+        return compare_layers(args, folder, note)
     try:
         jobs = find_jobs(args.paths)
         if len(jobs) < 2:
@@ -383,10 +385,9 @@ def main(argv: list[str]) -> int:
     noise = noise_model(base, tol, find_twins(jobs, base))
     for job in jobs:
         judge(job, base, tol, noise=noise)
-    out = args.plot or (args.paths[0] / "compare.png")
-    plot_steps(jobs, out)
+    plot = draw(plot_steps, jobs, folder, "compare.png")
     if args.json:
-        print(json.dumps({"baseline": base.name, "plot": str(out),
+        print(json.dumps({"baseline": base.name, "plot": plot and str(plot), "note": note,
                           "twin": noise.twin,
                           "twin_departed_at_step": noise.twin_departed_at_step,
                           "judged_steps": noise.judged_steps, "notes": notes(base, noise),
@@ -394,5 +395,5 @@ def main(argv: list[str]) -> int:
                                     for k, v in vars(j).items() if k != "log_probs"} for j in jobs]}))
     else:
         render(jobs, base, noise, Console(width=200))
-        print(f"plot: {out}")
+        print(f"plot: {plot}" if plot else note)
     return 0 if all(j.verdict == EQUIVALENT for j in jobs) else 1

@@ -21,7 +21,9 @@ causes and the next command:
    and routing replay's plumbing; names R3 (algo.routing_replay=rollout) where agreement is
    low and the mismatch high
 
-Writes doctor.md with curves next to the run; exit code 1 if a check FAILs. The checks
+Writes doctor.md with curves next to the run (--out DIR: into DIR; a run that cannot be written,
+such as one on a read-only results disk, gets its report on the terminal and a note instead);
+exit code 1 if a check FAILs. The checks
 themselves are in relax/debug/checks.py (the run's `debug.strict_checks` uses them too).
 """
 
@@ -34,27 +36,12 @@ from dataclasses import asdict, fields
 from pathlib import Path
 
 from relax.debug.checks import FAIL, PASS, SKIP, WARN, Check, Thresholds, as_text, diagnose
+from relax.debug.plots import figure_dir, out_dir, pyplot
 from relax.debug.run_data import RunData, load_run
 from relax.errors import ConfigError, ReplayError
-from relax.files import atomic_open, atomic_write_text
+from relax.files import atomic_write_text, save_figure
 from relax.logger import METRICS_FILE
 from relax.process import describe, read_status
-
-
-def save_figure(fig, path: Path, dpi: int = 90) -> None:
-    """A figure as PNG, atomically (a reader never sees half an image)."""
-    with atomic_open(path) as f:
-        fig.savefig(f, format="png", dpi=dpi)
-
-
-def pyplot():
-    """matplotlib's pyplot, drawing to files only (no display here or in CI)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def write_plots(run: RunData, out_dir: Path) -> list[str]:
@@ -91,7 +78,7 @@ def write_plots(run: RunData, out_dir: Path) -> list[str]:
     return written
 
 
-def write_markdown(run: RunData, checks: list[Check], plots: list[str]) -> Path:
+def write_markdown(run: RunData, checks: list[Check], plots: list[str], out_dir: Path) -> Path:
     lines = [f"# relax doctor: {run.path.name}", "", "| # | check | verdict | summary |",
              "| --- | --- | --- | --- |"]
     lines += [f"| {c.id} | {c.name} | **{c.verdict}** | {c.summary} |" for c in checks]
@@ -102,7 +89,7 @@ def write_markdown(run: RunData, checks: list[Check], plots: list[str]) -> Path:
             lines += [f"- next: `{x}`" for x in c.next_steps]
             lines += ["", "```json", json.dumps(c.evidence, indent=2, default=str), "```"]
     lines += [""] + [f"![{p}]({p})" for p in plots]
-    out = run.path / "doctor.md"
+    out = out_dir / "doctor.md"
     atomic_write_text(out, "\n".join(lines) + "\n")
     return out
 
@@ -112,6 +99,9 @@ def main(argv: list[str]) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("path", type=Path, help="a run dir (or a dump dir inside one)")
     ap.add_argument("--json", action="store_true", help="machine-readable output")
+    ap.add_argument("--out", type=out_dir, metavar="DIR",
+                    help="where doctor.md and its plots go (default: the run dir, when it can be written; "
+                         "else they are skipped with a note, the report printed all the same)")
     for f in fields(Thresholds):  # each level's reason: the comments of Thresholds (relax/debug/checks.py)
         ap.add_argument(f"--{f.name.replace('_', '-')}", type=float, default=f.default, metavar="X",
                         help="default: log(vocab_size) of the run's model (5 if unknown)"
@@ -133,13 +123,13 @@ def main(argv: list[str]) -> int:
                f"that stopped before its first rollout ended")
         print(f"relax doctor: error: {why}", file=sys.stderr)
         return 2
+    folder, note = figure_dir(args.out, run.path, "doctor", "doctor.md or plots")
     th = Thresholds(**{f.name: getattr(args, f.name) for f in fields(Thresholds)})
     checks = diagnose(run, th)
-    plots = write_plots(run, run.path)
-    report = write_markdown(run, checks, plots)
+    report = write_markdown(run, checks, write_plots(run, folder), folder) if folder else None
     if args.json:
-        print(json.dumps({"run": str(run.path), "run_status": state, "report": str(report),
-                          "checks": [asdict(c) for c in checks]}, default=str))
+        print(json.dumps({"run": str(run.path), "run_status": state, "report": report and str(report),
+                          "note": note, "checks": [asdict(c) for c in checks]}, default=str))
     else:
         from rich.console import Console
 
@@ -151,5 +141,5 @@ def main(argv: list[str]) -> int:
             console.print(f"[{color[c.verdict]}]{text.splitlines()[0]}[/]", highlight=False)
             for line in text.splitlines()[1:]:
                 console.print(line, highlight=False)
-        console.print(f"report: {report}")
+        console.print(f"report: {report}" if report else note, highlight=False)
     return 1 if any(c.verdict == FAIL for c in checks) else 0

@@ -4,7 +4,9 @@ Shows a per-rollout summary, one sample in full with its per-token log-probs (to
 loss_mask 0, shown as masked), and, where
 train data exists, rollout and train data joined sample by sample: which rank trained it,
 its advantage, and the trainer's log_probs against the engine's rollout_log_probs, with the
-worst samples' per-token log-probs drawn in <dir>/plots/token_logprobs_<rollout>.png.
+worst samples' per-token log-probs drawn in <dir>/plots/token_logprobs_<rollout>.png (--out DIR:
+in DIR; a dir that cannot be written, such as a run on a read-only results disk, gets the
+report and a note instead).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from relax.debug import token_views
+from relax.debug.plots import figure_dir, out_dir
 from relax.debug.run_data import train_rows
 from relax.errors import ConfigError, ReplayError
 from relax.process import describe, read_status
@@ -77,8 +80,9 @@ def join_train(root: Path, rollout_id: int) -> dict[int, dict]:
 
 
 def inspect(root: Path, rollout_id: int | None, sample_index: int, worst: int = 3,
-            threshold: float = 0.1) -> dict:
-    """`worst` > 0: the plot of that many worst samples (tokens with |Δ| over `threshold` marked)."""
+            threshold: float = 0.1, out: Path | None = None) -> dict:
+    """`worst` > 0: the plot of that many worst samples (tokens with |Δ| over `threshold` marked),
+    into `out` (else <root>/plots, where it can be written)."""
     files = find_rollout_files(root)
     if not files:
         raise ReplayError(f"{root}: no rollout data (*.pt, or rollout_data/*.pt) found; a run saves it "
@@ -112,8 +116,9 @@ def inspect(root: Path, rollout_id: int | None, sample_index: int, worst: int = 
         response = sample["tokens"][len(sample["tokens"]) - sample["response_length"]:]
         sample = {**sample, "response_token_texts": tokenizer.convert_ids_to_tokens(response)}
     worst_samples = token_views.worst_samples(train, worst, tokenizer) if worst > 0 else []
-    plot = token_views.plot(worst_samples, threshold, chosen, Path(root) / "plots" /
-                            f"token_logprobs_{chosen}.png") if worst_samples else None
+    folder, note = figure_dir(out, Path(root) / "plots", "inspect") if worst_samples else (None, None)
+    plot = token_views.plot(worst_samples, threshold, chosen, folder / f"token_logprobs_{chosen}.png") \
+        if folder else None
     status = read_status(root) if Path(root).is_dir() else None
     routing = next((safe_load(p).get("routing_agreement_per_layer") for p in find_train_files(root, chosen)),
                    None)
@@ -134,7 +139,7 @@ def inspect(root: Path, rollout_id: int | None, sample_index: int, worst: int = 
                                                  "log_prob", "rollout_log_prob")}
                               | {"over_threshold": token_views.over_threshold(w, threshold)}
                               for w in worst_samples],
-            "threshold": threshold, "token_plot": str(plot) if plot else None,
+            "threshold": threshold, "token_plot": str(plot) if plot else None, "plot_note": note,
         } if train else None,
     }
 
@@ -195,12 +200,14 @@ def render(report: dict, console: Console) -> None:
         worst = max(join["per_sample"], key=lambda r: r["max_abs_diff_vs_rollout"])
         console.print(f"largest |log_probs - rollout_log_probs|: {worst['max_abs_diff_vs_rollout']:.3g} "
                       f"(sample {worst['index']}, dp rank {worst['dp_rank']})")
-        if join["token_plot"]:
+        if join["worst_samples"]:
             console.print(f"worst samples by max |log_probs - rollout_log_probs| (tokens over "
-                          f"{join['threshold']:g} marked): {join['token_plot']}",
+                          f"{join['threshold']:g} marked): {join['token_plot'] or 'no plot'}",
                           highlight=False, soft_wrap=True)
             for w in join["worst_samples"]:
                 console.print(f"  {token_views.describe(w)}", highlight=False, soft_wrap=True)
+            if join["plot_note"]:
+                console.print(join["plot_note"], highlight=False, soft_wrap=True)
         if train:
             console.print(f"sample {s['index']} was trained by dp rank {train['dp_rank']} "
                           f"(rank {train['rank']}) with advantage {train['advantage']:.4f}")
@@ -215,10 +222,13 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--worst", type=int, default=3, metavar="K",
                     help="plot the K samples with the largest max |log_probs - rollout_log_probs| (0: none)")
     ap.add_argument("--threshold", type=float, default=0.1, help="mark tokens whose |Δ| is over this")
+    ap.add_argument("--out", type=out_dir, metavar="DIR",
+                    help="where the worst samples' plot goes (default: <path>/plots, when it can be written; "
+                         "else it is skipped with a note, the report printed all the same)")
     ap.add_argument("--json", action="store_true", help="machine-readable output")
     args = ap.parse_args(argv)
     try:
-        report = inspect(args.path, args.rollout, args.sample, args.worst, args.threshold)
+        report = inspect(args.path, args.rollout, args.sample, args.worst, args.threshold, args.out)
     except (ReplayError, ConfigError) as e:
         print(f"relax inspect: error: {e}", file=sys.stderr)
         return 2

@@ -342,7 +342,7 @@ def check(a: Dump, b: Dump) -> None:
         raise ValueError("layer dumps that cannot be compared: " + "; ".join(why))
 
 
-def compare_layers(args) -> int:
+def compare_layers(args, folder: Path | None, note: str | None) -> int:
     """`--layers`: the first module, gradient and weight where each job departs from the baseline."""
     import json
     import sys
@@ -355,17 +355,16 @@ def compare_layers(args) -> int:
     except (ConfigError, ReplayError, ValueError) as e:
         print(f"relax compare: error: {e}", file=sys.stderr)
         return 2
-    out = args.plot or (args.paths[0] / "compare_layers.png")
-    from relax.debug.plots import plot_layers
+    from relax.debug.plots import draw, plot_layers
 
-    plot_layers(departures, out)
+    plot = draw(plot_layers, departures, folder, "compare_layers.png")
     if args.json:
-        print(json.dumps({"compared": what, "plot": str(out), "jobs": [
+        print(json.dumps({"compared": what, "plot": plot and str(plot), "note": note, "jobs": [
             {"job": d.job, "departs": d.departs, "first": d.first, "spreads": d.spreads, "diffs": d.diffs,
              "floors": d.floors} for d in departures]}))
     else:
         print(f"relax compare --layers ({what})")
         for d in departures:
             print(d.line())
-        print(f"plot: {out}")
+        print(f"plot: {plot}" if plot else note)
     return 1 if any(d.departs for d in departures) else 0

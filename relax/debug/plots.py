@@ -1,22 +1,75 @@
-"""The figures `relax compare` draws next to the runs: loss and grad_norm per step by job
-(`plot_steps`), and with `--layers` each job's relative difference per module and per
-gradient against its floor (`plot_layers`)."""
+"""Where the tools' figures go (`figure_dir`: `--out`, else next to the run when it can be
+written, else nowhere, with a note), and the figures `relax compare` draws: loss and grad_norm
+per step by job (`plot_steps`), and with `--layers` each job's relative difference per module
+and per gradient against its floor (`plot_layers`)."""
 
 from __future__ import annotations
 
+import argparse
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from relax.debug.jobs import EQUIVALENT, Job
+from relax.files import save_figure
 
 if TYPE_CHECKING:
     from relax.debug.layers import Departure
 
 
+def pyplot():
+    """matplotlib's pyplot, drawing to files only (no display here or in CI)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def out_dir(path: str) -> Path:
+    """--out DIR (argparse's type): made if missing, refused at once where a file cannot be
+    written in it."""
+    folder = Path(path)
+    why = cannot_write(folder)
+    if why:
+        raise argparse.ArgumentTypeError(f"{folder}: cannot write there ({why})")
+    return folder
+
+
+def cannot_write(folder: Path) -> str | None:
+    """Why a file cannot be made in `folder` (made if missing), or None. A file made, not
+    os.access: permission bits do not bind root, a read-only mount does."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            return None
+    except OSError as e:
+        return e.strerror
+
+
+def figure_dir(out: Path | None, beside: Path, tool: str,
+               what: str = "plots") -> tuple[Path | None, str | None]:
+    """(the folder a tool's figures go into, None), or (None, the note to print instead): `out`
+    (the user's --out), else `beside` (next to the run) where a file can be made. A run that
+    cannot be written (a read-only results disk) gets its report all the same."""
+    why = None if out else cannot_write(beside)
+    if why:
+        return None, (f"note: no {what}: {beside} cannot be written ({why}); "
+                      f"relax {tool} ... --out DIR writes them there")
+    return out or beside, None
+
+
+def draw(plot, data, folder: Path | None, name: str) -> Path | None:
+    """`plot(data, folder / name)`, where there is a folder (`figure_dir`); the file, or None."""
+    if folder is None:
+        return None
+    plot(data, folder / name)
+    return folder / name
+
+
 def plot_steps(jobs: list[Job], out: Path) -> None:
     """train/loss and train/grad_norm per step, one line per job (dashed: not equivalent)."""
-    from relax.debug.doctor import pyplot, save_figure
-
     plt = pyplot()
     fig, (ax_loss, ax_gn) = plt.subplots(1, 2, figsize=(11, 4.5))
     for job in jobs:
@@ -36,8 +89,6 @@ def plot_steps(jobs: list[Job], out: Path) -> None:
 def plot_layers(departures: list[Departure], out: Path) -> None:
     """Relative difference per module (forward order) and per gradient (backward order), one
     line per job, each job's floor shaded."""
-    from relax.debug.doctor import pyplot, save_figure
-
     plt = pyplot()
     parts = [p for p in ("forward", "grads") if any(d.diffs.get(p) for d in departures)]
     fig, axes = plt.subplots(1, len(parts), figsize=(7 * len(parts), 4.8), squeeze=False)

@@ -70,7 +70,8 @@ def describe(sample: dict) -> str:
 
 def plot(samples: list[dict], threshold: float, rollout_id: int, path: Path) -> Path:
     """The PNG at `path`, written atomically: a panel per sample of `worst_samples`."""
-    from relax.debug.doctor import pyplot, save_figure
+    from relax.debug.plots import pyplot
+    from relax.files import save_figure
 
     plt = pyplot()
     longest = max(len(s["log_probs"]) for s in samples)

@@ -11,11 +11,13 @@ logger.backends=[tensorboard,wandb].
 from __future__ import annotations
 
 import importlib.util
-import json
+import logging
+import sys
+from functools import partial
 from pathlib import Path
 
 from relax.errors import ConfigError, ReplayError
-from relax.files import read_jsonl
+from relax.files import append_jsonl, is_disk_full, read_jsonl, save_figure
 
 METRICS_FILE = "metrics.jsonl"
 ROLLOUT_KEYS = ("rollout/raw_reward",)  # in every rollout record: what readers rely on
@@ -71,21 +73,37 @@ class MetricsLogger:
         check_backends(backends)
         run_dir = Path(run_dir)
         self.path = run_dir / METRICS_FILE
-        self.file = self.path.open("a")
+        self.path.touch()
         self.sinks = [TensorBoard(run_dir, resume_from) if name == "tensorboard" else
                       Wandb(run_dir, run_config, wandb_project, wandb_entity) for name in backends]
 
     def log(self, record: dict, x_key: str) -> None:
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+        append_jsonl(self.path, record)  # (a full disk: DiskFull, the file as it was, no half line)
         scalars = {k: v for k, v in record.items() if "/" in k and isinstance(v, (int, float))}
         for sink in self.sinks:
             sink.log(scalars, record[x_key])
 
     def close(self) -> None:
-        self.file.close()
         for sink in self.sinks:
             sink.close()
+
+
+def lose_log_lines_on_a_full_disk() -> None:
+    """The root logger's files (relax.log) on a full disk: their lines are lost, with one note on
+    stderr, instead of logging's traceback for every line. The run itself ends with DiskFull at
+    its next write of data (metrics, samples, a checkpoint)."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handleError = partial(_lose_line, handler)
+
+
+def _lose_line(handler: logging.FileHandler, record: logging.LogRecord) -> None:
+    if not is_disk_full(sys.exc_info()[1]):
+        logging.FileHandler.handleError(handler, record)
+    elif not getattr(handler, "disk_full", False):
+        handler.disk_full = True
+        print(f"relax: {handler.baseFilename}: disk full, log lines from here on are not in it",
+              file=sys.stderr)
 
 
 def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
@@ -126,6 +144,6 @@ def plot_run(run_dir: Path) -> Path | None:
     ax.set_title(f"{Path(run_dir).name}: reward and KL per rollout")
     fig.tight_layout()
     out = Path(run_dir) / "reward.png"
-    fig.savefig(out, dpi=100)
+    save_figure(fig, out, dpi=100)
     plt.close(fig)
     return out
