@@ -142,6 +142,34 @@ def check_launcher(overrides: list[str]) -> None:
             targets.require_extra(f"hydra/launcher={value}", "hydra_plugins.hydra_ray_launcher", "ray")
 
 
+def with_run_overrides(overrides: list[str]) -> list[str]:
+    """`resume=<run or checkpoint>` (or `true`) composes the run's own config: its saved
+    overrides go first, the new ones on top (relax/checkpoint/experiment.py). A resume whose
+    checkpoint cannot be found is left as it is, for the job to refuse."""
+    values = [o.partition("=")[2].strip("'\"") for o in overrides if o.partition("=")[0] == "resume"]
+    if not values or values[-1].lower() in ("false", "null", "none", ""):
+        return overrides
+    import logging
+
+    from omegaconf import OmegaConf
+
+    from relax.checkpoint import experiment_of, find_checkpoint, resumed_run
+    from relax.checkpoint.experiment import resume_argv
+
+    run_dir = next((o.partition("=")[2] for o in overrides if o.startswith("hydra.run.dir=")),
+                   OmegaConf.to_container(OmegaConf.load(CONF_DIR / "config.yaml"))["hydra"]["run"]["dir"])
+    resume = True if values[-1].lower() == "true" else values[-1]
+    logging.getLogger("relax.checkpoint").disabled = True  # the job says it again, into relax.log
+    try:
+        checkpoint = find_checkpoint(resume, Path(run_dir).parent)
+        experiment = experiment_of(checkpoint, resumed_run(resume, checkpoint))
+    except ConfigError:
+        return overrides
+    finally:
+        logging.getLogger("relax.checkpoint").disabled = False
+    return resume_argv(overrides, experiment)
+
+
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def hydra_app(cfg: DictConfig) -> None:
     from relax.loop import run_job  # imports torch: only when a job really runs
@@ -160,6 +188,7 @@ def main(argv: list[str] | None = None) -> None:
     config.register()
     sys.argv = [sys.argv[0], *translate_args(args)]
     try:
+        sys.argv = [sys.argv[0], *with_run_overrides(sys.argv[1:])]
         check_launcher(sys.argv[1:])
     except ConfigError as e:  # a Relax refusal: exit 2 (docs/reliability.md)
         print(f"relax: error: {e}", file=sys.stderr)

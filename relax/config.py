@@ -275,6 +275,7 @@ class RayClusterGroup(ClusterConfig):  # cluster=ray
 class RelaxConfig:
     seed: int = 1234  # seeds model init, prompt sampling and generation
     resume: Any = False  # true: continue from the newest checkpoint; or a run/checkpoint path
+    resume_allow_changes: list[str] = field(default_factory=list)  # keys/groups a resume may change knowingly
     model: ModelConfig = field(default_factory=ModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -20,8 +20,9 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from relax import faults
 from relax.checkpoint import (
-    adapter_only, check_config, check_layout, check_run_dir, find_checkpoint, read_state, reference_model,
-    restore_history, resumed_run, save_checkpoint, scan)
+    adapter_only, check_config, check_layout, check_run_dir, experiment_of, find_checkpoint, read_state,
+    reference_model, restore_history, resumed_run, save_checkpoint, scan)
+from relax.checkpoint.experiment import check_same_experiment
 from relax.cluster import check_cluster, open_cluster
 from relax.debug import checks
 from relax.debug.health import SAMPLES_FILE, response_health, sample_record
@@ -95,6 +96,7 @@ class Run:
     manifest: dict              # what replay data records about this run
     task: Task | None
     evaluator: Evaluator | None  # the eval section (relax/eval/)
+    overrides: list[str]        # the command line the config was composed from (checkpoints keep it)
 
 
 def prepare(cfg, run_dir: Path) -> Run:
@@ -104,6 +106,8 @@ def prepare(cfg, run_dir: Path) -> Run:
     checkpoint = find_checkpoint(cfg.resume, run_dir.parent)
     source = resumed_run(cfg.resume, checkpoint)
     check_run_dir(run_dir, source)
+    if cfg.resume:
+        check_same_experiment(cfg, experiment_of(checkpoint, source))
     saved = read_state(checkpoint) if checkpoint else None
     start = saved["rollout_id"] + 1 if saved else 0
     ref_model = reference_model(checkpoint, saved) if saved else None
@@ -145,8 +149,9 @@ def prepare(cfg, run_dir: Path) -> Run:
                         "left to run", checkpoint, cfg.rollout.num_rollout)
     # the engine's weights: the checkpoint's, or for a LoRA adapter alone the base, synced in build()
     actor_path = checkpoint / "hf" if checkpoint and not adapter_only(checkpoint) else model_path
+    overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
     return Run(cfg, run_dir, plan, start, checkpoint, model_path, actor_path, tokenizer, manifest, task,
-               evaluator)
+               evaluator, overrides)
 
 
 def build(run: Run, cluster):
@@ -300,7 +305,7 @@ def checkpoint_on_schedule(run: Run, trainer, rollout_id: int, stopping: bool) -
     interval = cfg.checkpoint.save_interval
     if interval and ((rollout_id + 1) % interval == 0 or rollout_id == run.plan.rollout_ids[-1] or stopping):
         save_checkpoint(trainer, run.tokenizer, run.dir, rollout_id, run.model_path,
-                        cfg.checkpoint.keep_last, checkpoint_layout(cfg))
+                        cfg.checkpoint.keep_last, checkpoint_layout(cfg), (cfg, run.overrides))
 
 
 def rl_loop(cfg, run_dir: Path, stop: Stop | None = None) -> None:

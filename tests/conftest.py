@@ -185,15 +185,17 @@ def cli_context():
 
 @pytest.fixture(scope="session")
 def fork_cli():
+    """start_cli, for tests that take it as a fixture."""
+    return start_cli
+
+
+def start_cli(cwd: Path, *args: str, fault: str = ""):
     """Start the real CLI (`relax.cli.main`: Hydra, status.json, signal handlers) in a child of the
-    fork server (`cli_context`) and return at once. Returns start(cwd, *args, fault="") -> the
-    process; its output goes to cwd/out.log."""
-    def start(cwd: Path, *args: str, fault: str = ""):
-        log, environ = str(cwd / "out.log"), {**os.environ, "RELAX_FAULT": fault}
-        proc = cli_context().Process(target=_cli_in_fork, args=(str(cwd), list(args), environ, log, log))
-        proc.start()
-        return proc
-    return start
+    fork server (`cli_context`) and return the process at once; its output goes to cwd/out.log."""
+    log, environ = str(cwd / "out.log"), {**os.environ, "RELAX_FAULT": fault}
+    proc = cli_context().Process(target=_cli_in_fork, args=(str(cwd), list(args), environ, log, log))
+    proc.start()
+    return proc
 
 
 @pytest.fixture(scope="session")

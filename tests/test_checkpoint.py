@@ -28,7 +28,7 @@ def trainer(tiny_path):
 
 def save(trainer, tiny_path, run_dir: Path, rollout_id: int, keep_last=2) -> Path:
     return ckpt.save_checkpoint(trainer, load_tokenizer(tiny_path), run_dir, rollout_id, tiny_path,
-                                keep_last, {"train.backend": "torch"})
+                                keep_last, {"train.backend": "torch"}, (make_cfg(), []))
 
 
 def names(run_dir: Path) -> list[str]:

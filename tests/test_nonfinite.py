@@ -111,7 +111,7 @@ def test_a_checkpoint_is_never_written_from_nonfinite_weights(tmp_path, tiny_pat
     with torch.no_grad():
         trainer.model.model.layers[1].mlp.up_proj.weight[0, 0] = float("inf")
     with pytest.raises(NonFiniteError, match="model.layers.1.mlp.up_proj.weight is not finite"):
-        save_checkpoint(trainer, tokenizer, tmp_path, 0, tiny_path, 2, {})
+        save_checkpoint(trainer, tokenizer, tmp_path, 0, tiny_path, 2, {}, (make_cfg(), []))
     assert list((tmp_path / "checkpoints").iterdir()) == []
 
 

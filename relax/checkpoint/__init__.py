@@ -6,6 +6,8 @@
     adapter/             LoRA: the adapters in peft's format (relax/train/lora.py)
     trainer_state.pt     optimizer and RNG state (plain tensors; loaded weights_only);
                          train=megatron: trainer_state_rank<R>.pt, one per rank
+    config.yaml          the run's config and the overrides it was composed from: a resume
+    overrides.yaml       composes the same experiment (relax/checkpoint/experiment.py)
     history/             the run's metrics.jsonl, samples.jsonl and first_step_log_probs.pt as at
                          this rollout: a resumed run starts from them, so its metrics hold
                          every rollout exactly once, whenever the first run died
@@ -29,6 +31,7 @@ import shutil
 from pathlib import Path
 
 from relax import faults
+from relax.checkpoint.experiment import save_experiment, saved_in
 from relax.errors import ConfigError, DiskFull, NonFiniteError
 from relax.files import atomic_open, atomic_write_text
 from relax.model import check_model_dir
@@ -116,7 +119,8 @@ def check_finite_weights(folder: Path) -> None:
 
 
 def save_checkpoint(trainer, tokenizer, run_dir: Path, rollout_id: int, ref_model_path: Path,
-                    keep_last: int | None, layout: dict) -> Path:
+                    keep_last: int | None, layout: dict, experiment: tuple) -> Path:
+    """`experiment`: the run's (config, overrides), which a resume composes again."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     for leftover in [*root.glob(".*.tmp"), *root.glob(".*.old")]:  # from a crash mid-save
@@ -133,6 +137,7 @@ def save_checkpoint(trainer, tokenizer, run_dir: Path, rollout_id: int, ref_mode
             raise OSError(errno.ENOSPC, "No space left on device", str(tmp / "hf"))
         if (tmp / "hf").is_dir():  # (a LoRA adapter alone: the reference model has the tokenizer)
             tokenizer.save_pretrained(tmp / "hf")
+        save_experiment(tmp, *experiment)
         (tmp / "history").mkdir()
         for name in HISTORY:
             if (Path(run_dir) / name).is_file():
@@ -193,6 +198,12 @@ def find_checkpoint(resume, runs_root: Path) -> Path | None:
         raise ConfigError(f"resume={resume!r}: neither a checkpoint ({STATE_FILE}) nor a run "
                           f"dir with complete checkpoints/")
     return latest
+
+
+def experiment_of(checkpoint: Path | None, source: Path | None) -> Path | None:
+    """Where the experiment a resume continues is saved: its checkpoint's config, else its run's
+    (`source`; checkpoints saved before Relax kept one); None if neither has one."""
+    return (checkpoint and saved_in(checkpoint)) or (source and saved_in(source)) or None
 
 
 def resumed_run(resume, checkpoint: Path | None) -> Path | None:
