@@ -151,3 +151,12 @@ def test_saved_in_takes_a_runs_newest_restart(tmp_path):
         (tmp_path / sub / "config.yaml").write_text("seed: 1\n")
     assert saved_in(tmp_path) == tmp_path / ".hydra/restart_10"
     assert saved_in(tmp_path / "nothing") is None
+
+
+def test_resume_true_composes_the_newest_checkpoints_experiment(stopped, tmp_path):
+    shutil.copytree(stopped / "outputs/run", tmp_path / "outputs/runs/old")
+    done = relax_cli("resume=true", "seed=9", "hydra.run.dir=outputs/runs/new", cwd=tmp_path)
+    assert done.returncode == 2 and "seed=9 (the run: 7)" in done.stdout + done.stderr
+    done = relax_cli("resume=true", "hydra.run.dir=outputs/runs/new2", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert OmegaConf.load(tmp_path / "outputs/runs/new2/.hydra/config.yaml").rollout.rollout_batch_size == 2
