@@ -18,7 +18,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from relax import config, targets
+from relax import config, process, targets
 from relax.errors import ConfigError
 
 
@@ -204,6 +204,11 @@ def main(argv: list[str] | None = None) -> None:
             os.environ.pop("RELAX_ARGV")
         else:
             os.environ["RELAX_ARGV"] = before
+        failed = process.take_failed_jobs()
+    if failed:  # a sweep's jobs that ended with a user error, each said why in one line
+        print(f"relax: error: {len(failed)} job(s) of the sweep ended with an error (above): "
+              f"{', '.join(failed)}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

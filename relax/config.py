@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -327,23 +326,9 @@ def sweep_subdir(task_overrides: Any) -> str:
     return name.replace("/", "_")
 
 
-def output_subdir(output_dir: str) -> str:
-    """hydra.output_subdir: `.hydra`, or `.hydra/restart_<n>` for the n-th later job in the same
-    run dir (a resume into the crashed run's own dir), so the config a run was started with,
-    which `relax compare` and `relax doctor` read, is never overwritten."""
-    base = Path(output_dir) / ".hydra"
-    if not (base / "config.yaml").exists():
-        return ".hydra"
-    n = 1
-    while (base / f"restart_{n}").exists():
-        n += 1
-    return f".hydra/restart_{n}"
-
-
 def register() -> None:
     OmegaConf.register_new_resolver("mul", lambda *xs: math.prod(xs), replace=True)
     OmegaConf.register_new_resolver("relax_sweep_subdir", sweep_subdir, replace=True)
-    OmegaConf.register_new_resolver("relax_output_subdir", output_subdir, replace=True)
     store = ConfigStore.instance()
     store.store(name="relax_schema", node=RelaxConfig)
     for name, node in OPTION_SCHEMAS.items():

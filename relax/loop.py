@@ -13,7 +13,6 @@ from pathlib import Path
 
 import torch
 from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
@@ -26,7 +25,7 @@ from relax.checkpoint.experiment import check_same_experiment
 from relax.cluster import check_cluster, open_cluster
 from relax.debug import checks
 from relax.debug.health import SAMPLES_FILE, response_health, sample_record
-from relax.debug.plan import Plan, check_dump_dir, check_dump_samples, resolve
+from relax.debug.plan import Plan, check_dump_samples, check_dumps, resolve
 from relax.debug.weights import WeightCheck
 from relax.eval import Evaluator, build_evaluator
 from relax.errors import (CheckFailed, ConfigError, DiskFull, Interrupted, NonFiniteError, ReplayError,
@@ -35,7 +34,7 @@ from relax.targets import instantiate, load_target
 from relax.logger import check_backends, lose_log_lines_on_a_full_disk, plot_run
 from relax.model import load_tokenizer, read_hf_config, resolve_model_path
 from relax.files import append_jsonl, atomic_save, fill
-from relax.process import LogGuard, StatusFile, Stop
+from relax.process import Job, LogGuard, Stop
 from relax.replay import build_manifest, check_replay_files, keep_groups, load_rollout, save_rollout
 from relax.rollout.prefetch import Rollouts
 from relax.sample import Sample
@@ -99,9 +98,10 @@ class Run:
     overrides: list[str]        # the command line the config was composed from (checkpoints keep it)
 
 
-def prepare(cfg, run_dir: Path) -> Run:
+def prepare(cfg, run_dir: Path, accept=lambda: None) -> Run:
     """Validate and resolve (plan, model, tokenizer, data) before anything expensive is built;
-    nothing in the run dir changes until all of it passed."""
+    nothing in the run dir changes until all of it passed and `accept()` (run_job: the job takes
+    the run dir) returned."""
     check_config(cfg.checkpoint)
     checkpoint = find_checkpoint(cfg.resume, run_dir.parent)
     source = resumed_run(cfg.resume, checkpoint)
@@ -111,7 +111,7 @@ def prepare(cfg, run_dir: Path) -> Run:
     saved = read_state(checkpoint) if checkpoint else None
     start = saved["rollout_id"] + 1 if saved else 0
     ref_model = reference_model(checkpoint, saved) if saved else None
-    plan = resolve(cfg, start, read_hf_config(ref_model) if saved else None)
+    plan = resolve(cfg, start, read_hf_config(ref_model) if saved else None, run_dir)
     if saved and adapter_only(checkpoint) and not plan.builds_train:
         raise ConfigError(f"resume: {checkpoint} holds a LoRA adapter without the merged model, which only "
                           f"a trainer merges, and debug.rollout_only builds none: resume with the trainer, "
@@ -120,7 +120,7 @@ def prepare(cfg, run_dir: Path) -> Run:
         cfg.debug.profile_dir, cfg.debug.profile_rollouts = plan.profile_dir, plan.profile_rollouts
     if saved and plan.builds_train:
         check_layout(checkpoint, saved, checkpoint_layout(cfg))
-    check_dump_dir(plan.dump_dir, source)
+    check_dumps(plan, source)
     task = build_task(cfg) if plan.builds_rollout else None
     load_target(cfg, "logger")  # a logger._target_ that does not import stops the run here
     check_backends(cfg.logger.backends)
@@ -139,6 +139,7 @@ def prepare(cfg, run_dir: Path) -> Run:
                 check_dump_samples(cfg.debug, n, f"the replay file {plan.replay_files[rollout_id]}")
     evaluator = build_evaluator(cfg, task, tokenizer, plan)
     check_cluster(cfg)  # with the other checks: a refused cluster leaves the dump dir as it was
+    accept()
     if plan.dump_dir:  # with the rollout/train data, enough to reproduce the run
         tokenizer.save_pretrained(plan.dump_dir / "tokenizer")
         (plan.dump_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
@@ -308,10 +309,11 @@ def checkpoint_on_schedule(run: Run, trainer, rollout_id: int, stopping: bool) -
                         cfg.checkpoint.keep_last, checkpoint_layout(cfg), (cfg, run.overrides))
 
 
-def rl_loop(cfg, run_dir: Path, stop: Stop | None = None) -> None:
-    """`stop`: the SIGINT/SIGTERM handler run_job installs (checked between rollouts)."""
+def rl_loop(cfg, run_dir: Path, stop: Stop | None = None, accept=lambda: None) -> None:
+    """`stop`: the SIGINT/SIGTERM handler run_job installs (checked between rollouts); `accept`:
+    called once the start-up checks passed (prepare)."""
     stop, log_setup = stop or Stop(), LogGuard()
-    run = prepare(cfg, run_dir)
+    run = prepare(cfg, run_dir, accept)
     cluster = open_cluster(cfg, run_dir)
     engine = trainer = metrics = rollouts = None
     try:
@@ -364,31 +366,27 @@ def resume_hint(run_dir: Path) -> str:
 
 
 def run_job(cfg) -> None:
-    """One Hydra job: run the loop, record its status (pid and host with it); user errors
-    (exit 2) and SIGINT/SIGTERM stops (exit 128 + signal) end with a message, not a traceback."""
-    hydra_cfg = HydraConfig.get()
-    run_dir = Path(hydra_cfg.runtime.output_dir)
+    """One Hydra job: run the loop, record its status (pid and host with it), writing into its
+    run dir only once accepted (relax.process.Job); user errors (exit 2; in a sweep, one line
+    each) and SIGINT/SIGTERM stops (exit 128 + signal) end with a message, not a traceback."""
+    job = Job(cfg)
     torch.set_num_threads(cfg.train.num_threads)
-    status = StatusFile(run_dir)
     lose_log_lines_on_a_full_disk()  # (not logging's traceback for every line)
     try:
         with Stop() as stop, logging_redirect_tqdm():
-            status.claim()  # refuses a run dir that a live run is writing, leaving its status alone
-            rl_loop(cfg, run_dir, stop)
+            job.status.check()  # refuses a run dir that a live run is writing
+            rl_loop(cfg, job.run_dir, stop, job.accept)
     except (Interrupted, KeyboardInterrupt) as e:
         signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
         what = str(e) if isinstance(e, Interrupted) else "aborted: the rollout in progress is lost"
-        message = f"{what}; {resume_hint(run_dir)}"
-        status.write("interrupted", error=message)
+        message = f"{what}; {resume_hint(job.run_dir)}"
+        job.end("interrupted", error=message)
         log.warning("%s", message)
         sys.exit(128 + signum)
     except (ConfigError, ReplayError, CheckFailed, DiskFull, NonFiniteError, RolloutError) as e:
-        status.write("failed", error=str(e))
-        if hydra_cfg.mode == RunMode.MULTIRUN:
-            raise  # Hydra records the failed job and the sweep goes on
-        log.error("%s", e)
-        sys.exit(2)
+        job.user_error(e)
     except BaseException as e:
-        status.write("failed", error=f"{type(e).__name__}: {e}")
+        job.end("failed", error=f"{type(e).__name__}: {e}")
         raise
-    status.write("completed")
+    else:
+        job.end("completed")

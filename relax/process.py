@@ -12,6 +12,10 @@ Stop         SIGINT (Ctrl-C) and SIGTERM ask the loop to stop after the current 
 Log          A library that configures logging for itself (SGLang's engine calls
              `logging.basicConfig(force=True)` and sets the root level to its own) would take
              away the handlers Hydra set up: `LogGuard` puts them back.
+Job          A job writes into its run dir (status.json, its config in .hydra/, relax.log) only
+             once its start-up checks accepted it: a job refused for any reason leaves a dir it
+             did not create exactly as it was (a finished run, a sweep's old jobs, the run a
+             resume was refused for); in a dir it created it records the refusal.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -70,11 +75,16 @@ class StatusFile:
         self.identity = {"pid": os.getpid(), "host": HOST, "pid_start": start_time(os.getpid()),
                          "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
-    def claim(self) -> None:
+    def check(self) -> dict | None:
+        """The dir's status, unless a live run writes the dir (a ConfigError); writes nothing."""
         previous = read_status(self.run_dir)
         if live_elsewhere(previous):
             raise ConfigError(f"{self.run_dir} is being written by a live run ({describe(previous)}): "
                               f"stop it first (kill -INT {previous['pid']}), or run in another directory")
+        return previous
+
+    def claim(self) -> None:
+        previous = self.check()
         if previous and previous["status"] == "running":
             log.warning("%s: the previous run in this directory %s", self.run_dir, describe(previous))
         self.claimed = True
@@ -232,3 +242,115 @@ class LogGuard:
             ours = logger in self.enabled or name.split(".")[0] == "relax"
             if isinstance(logger, logging.Logger) and ours:
                 logger.disabled = False
+
+
+def output_subdir(run_dir: Path) -> Path:
+    """Where a job keeps its config: `.hydra`, or `.hydra/restart_<n>` for the n-th later job in
+    the same run dir (a resume into the run's own dir), so the config a run was started with,
+    which `relax compare` and `relax doctor` read, is never overwritten."""
+    base = Path(run_dir) / ".hydra"
+    if not (base / "config.yaml").exists():
+        return base
+    n = 1
+    while (base / f"restart_{n}").exists():
+        n += 1
+    return base / f"restart_{n}"
+
+
+class HeldFile(logging.Filter):
+    """A log file handler's records, held in memory until `release` writes them (and lets the
+    rest through), or `drop` lets none through. The handler opens its file at its first record
+    (conf/config.yaml: delay), so a held file is never created."""
+
+    def __init__(self, handler: logging.FileHandler):
+        super().__init__()
+        self.handler, self.records = handler, []
+        handler.addFilter(self)
+
+    def filter(self, record) -> bool:
+        if self.records is not None:
+            self.records.append(record)
+        return False
+
+    def release(self) -> None:
+        self.handler.removeFilter(self)
+        for record in self.records:
+            self.handler.handle(record)
+        self.records = []
+
+    def drop(self) -> None:
+        self.records = None
+
+
+class Job:
+    """One Hydra job's writes into its run dir: status.json, its config (.hydra/) and its log
+    files, all held back until `accept()`, after the start-up checks passed. Hydra itself
+    writes nothing there (conf/config.yaml: output_subdir null), so an empty dir at the start
+    is one Hydra created for this job."""
+
+    def __init__(self, cfg):
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+        from omegaconf import OmegaConf
+
+        hydra = HydraConfig.get()
+        self.run_dir, self.accepted = Path(hydra.runtime.output_dir), False
+        self.sweep, self.launcher = hydra.mode == RunMode.MULTIRUN, hydra.launcher._target_
+        self.configs = {"config.yaml": OmegaConf.to_yaml(cfg),  # the files Hydra would save
+                        "hydra.yaml": OmegaConf.to_yaml(HydraConfig.instance().cfg),
+                        "overrides.yaml": OmegaConf.to_yaml(hydra.overrides.task)}
+        self.created = not any(self.run_dir.iterdir())
+        self.status = StatusFile(self.run_dir)
+        self.logs = [HeldFile(h) for h in logging.getLogger().handlers
+                     if isinstance(h, logging.FileHandler) and Path(h.baseFilename).parent == self.run_dir]
+
+    def accept(self) -> None:
+        """The run dir is this job's from here (a live run that took it meanwhile refuses it)."""
+        self.status.claim()
+        self._keep()
+
+    def _keep(self) -> None:
+        from relax.files import atomic_write_text  # (imports torch, which the reaper must not load)
+
+        folder = output_subdir(self.run_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, text in self.configs.items():
+            atomic_write_text(folder / name, text)
+        for held in self.logs:
+            held.release()
+        self.accepted = True
+
+    def end(self, status: str, **extra) -> None:
+        """The job's last status. A job that ends before it was accepted (refused) records it
+        only in a dir it created: another run's dir is left exactly as it was."""
+        if not self.accepted:
+            if not self.created:
+                for held in self.logs:
+                    held.drop()
+                return
+            self.status.claimed = True
+            self._keep()
+        self.status.write(status, **extra)
+
+    def user_error(self, error: Exception) -> None:
+        """Ends the job with a user error's one line and exit 2. In a sweep whose jobs run in
+        this process (Hydra's basic launcher) the sweep goes on, and relax.cli exits 2 at its
+        end; a launcher that ran the job elsewhere gets it raised, to record."""
+        self.end("failed", error=str(error))
+        if self.sweep and self.launcher != BASIC_LAUNCHER:
+            raise error
+        log.error("%s", f"job {self.run_dir.name}: {error}" if self.sweep else error)
+        if not self.sweep:
+            sys.exit(2)
+        _failed_jobs.append(self.run_dir.name)
+
+
+BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
+_failed_jobs: list[str] = []  # this process's sweep jobs that ended with a user error
+
+
+def take_failed_jobs() -> list[str]:
+    """The sweep jobs noted since the last call (relax.cli: the sweep's exit code)."""
+    failed = list(_failed_jobs)
+    _failed_jobs.clear()
+    return failed

@@ -16,6 +16,7 @@ import contextlib
 import importlib
 import io
 import json
+import logging
 import re
 import signal
 import sys
@@ -51,11 +52,23 @@ def args_of(overrides: dict) -> list[str]:
     return [f"{k}={v}" for k, v in merged.items()]
 
 
+class ErrorLines(logging.Handler):
+    """The error lines a job logs: a refused job's one line (its status.json records it only in a
+    run dir the job created)."""
+
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.lines: list[str] = []
+
+    def emit(self, record) -> None:
+        self.lines.append(record.getMessage())
+
+
 def run_case(case: Case, tmp: Path, env: Env) -> tuple[str, str, int | None]:
     """(outcome, message, exit code): clear (a user error at start-up, or a tool's clear
     refusal), late (a user error after the engine or trainer was built), traceback, silent, or
     lost. A run goes through `run_job`, what the CLI runs, so its exit code is the CLI's; the
-    message is then the error its status.json records."""
+    message is then the error line it logs."""
     from relax.loop import run_job
 
     overrides = case.make(tmp, env) if callable(case.make) else dict(case.make)
@@ -81,10 +94,13 @@ def run_case(case: Case, tmp: Path, env: Env) -> tuple[str, str, int | None]:
             def full(self, path):
                 raise OSError(28, "No space left on device", str(Path(path) / "hf"))
             stack.enter_context(mock.patch("relax.train.torch_trainer.TorchTrainer.save_checkpoint", full))
+        errors = ErrorLines()
+        logging.getLogger("relax").addHandler(errors)
+        stack.callback(logging.getLogger("relax").removeHandler, errors)
         try:
             run_job(cfg)
-        except SystemExit as e:  # a user error: the message is in status.json
-            message = json.loads((run_dir / "status.json").read_text()).get("error", "")
+        except SystemExit as e:  # a user error: its one line
+            message = errors.lines[-1] if errors.lines else ""
             late = (run_dir / "built.json").exists() and case.kind == "run"
             return ("late" if late else "clear"), message, e.code
         except TimeoutError:  # main()'s alarm: the run hangs

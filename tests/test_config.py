@@ -305,15 +305,3 @@ def test_a_sweep_job_is_named_by_the_overrides_that_vary(monkeypatch):
     assert sweep_subdir(task[:2]) == "debug=train_only,debug.load_rollout_data='_x_{rollout_id}.pt'"
     assert sweep_subdir([]) == "default"
 
-
-def test_each_later_job_in_a_run_dir_keeps_its_config_in_its_own_restart_dir(tmp_path):
-    """hydra.output_subdir: .hydra for the first job, then .hydra/restart_1, restart_2, ...: a resume
-    into the same dir never overwrites the config a run was started with."""
-    from relax.config import output_subdir
-
-    assert output_subdir(str(tmp_path)) == ".hydra"
-    (tmp_path / ".hydra").mkdir()
-    (tmp_path / ".hydra" / "config.yaml").write_text("{}")
-    assert output_subdir(str(tmp_path)) == ".hydra/restart_1"
-    (tmp_path / ".hydra" / "restart_1").mkdir()
-    assert output_subdir(str(tmp_path)) == ".hydra/restart_2"

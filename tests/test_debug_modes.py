@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from relax.debug.plan import check_dump_dir, resolve
+from relax.debug.plan import Plan, check_dumps, resolve
 from relax.errors import ConfigError, ReplayError
 from relax.files import atomic_save, safe_load
 from relax.replay import discover_rollout_ids, load_rollout, save_rollout, subsample_groups
@@ -225,20 +225,24 @@ def test_dump_and_profile_rollouts_and_samples_resolve_or_are_refused(tmp_path, 
             resolve(make_cfg(*small, "rollout.num_rollout=2", override))
 
 
-def test_a_dump_dir_holding_another_runs_files_is_refused_unless_resumed_from_it(tmp_path):
-    """Any part of a dump (layers/ too) marks it taken; only the run that wrote it (its built.json
-    names it) continues into it."""
-    dump, run = tmp_path / "dump", tmp_path / "run"
+def test_a_dump_holding_another_runs_files_is_refused_unless_resumed_from_it(tmp_path):
+    """Any part of a dump (layers/ too), or any file of a layer dump, marks it taken; only the run
+    that wrote it (its built.json names it) continues into it."""
+    dump, layers, run = tmp_path / "dump", tmp_path / "layers", tmp_path / "run"
     (dump / "layers").mkdir(parents=True)
+    layers.mkdir()
+    (layers / "0_train.pt").write_bytes(b"")
     run.mkdir()
-    check_dump_dir(tmp_path / "new", None)
-    with pytest.raises(ConfigError, match=r"already holds a dump \(layers\)"):
-        check_dump_dir(dump, None)
-    (run / "built.json").write_text(json.dumps({"dump_dir": str(tmp_path / "other")}))
-    with pytest.raises(ConfigError, match="already holds a dump"):
-        check_dump_dir(dump, run)  # a resumed run whose dump was another
-    (run / "built.json").write_text(json.dumps({"dump_dir": str(dump)}))
-    check_dump_dir(dump, run)
+    check_dumps(Plan(True, True, [0], dump_dir=tmp_path / "new", dump_layers=str(tmp_path / "layers2")), None)
+    for plan, key, found in ((Plan(True, True, [0], dump_dir=dump), "dump_dir", "layers"),
+                             (Plan(True, True, [0], dump_layers=str(layers)), "dump_layers", "0_train.pt")):
+        with pytest.raises(ConfigError, match=rf"already holds a dump \({found}\)"):
+            check_dumps(plan, None)
+        (run / "built.json").write_text(json.dumps({key: str(tmp_path / "other")}))
+        with pytest.raises(ConfigError, match="already holds a dump"):
+            check_dumps(plan, run)  # a resumed run whose dump was another
+        (run / "built.json").write_text(json.dumps({key: str(getattr(plan, key))}))
+        check_dumps(plan, run)
 
 
 # -- replay data ------------------------------------------------------------------------------

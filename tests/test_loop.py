@@ -254,7 +254,8 @@ def test_run_job_records_the_status_and_exits_with_its_code(tmp_path, monkeypatc
     cfg = make_cfg("train.num_threads=3", run_dir=tmp_path)
     seen = []
 
-    def fake_loop(cfg, run_dir, stop):
+    def fake_loop(cfg, run_dir, stop, accept):
+        accept()
         seen.append((run_dir, torch.get_num_threads(), status_of(run_dir)["status"]))
         if raised is not None:
             raise raised
@@ -278,19 +279,31 @@ def test_run_job_records_the_status_and_exits_with_its_code(tmp_path, monkeypatc
     assert written["status"] == status and written.get("error") == error
 
 
-def test_a_sweep_job_raises_a_user_error_for_hydra_to_record(tmp_path, monkeypatch):
-    """In a sweep (-m) a user error is raised, not an exit: Hydra records the job and goes on."""
+def test_a_sweep_job_with_a_user_error_says_it_in_one_line_and_the_sweep_goes_on(tmp_path, monkeypatch,
+                                                                                  caplog):
+    """In a sweep (-m) run by Hydra's basic launcher (in this process) a user error is one line,
+    noted for relax.cli's exit code at the sweep's end; a launcher that runs the job in another
+    process gets it raised, to record."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    cfg = make_cfg("hydra.mode=MULTIRUN", run_dir=tmp_path)
-    assert HydraConfig.get().mode == RunMode.MULTIRUN
-    def refused(cfg, run_dir, stop):
+    from relax.process import take_failed_jobs
+
+    def refused(cfg, run_dir, stop, accept):
         raise ConfigError("bad")
     monkeypatch.setattr(loop, "rl_loop", refused)
+    job = tmp_path / "seed=2"
+    job.mkdir()
+    cfg = make_cfg("hydra.mode=MULTIRUN", run_dir=job)
+    assert HydraConfig.get().mode == RunMode.MULTIRUN
+    loop.run_job(cfg)
+    assert take_failed_jobs() == ["seed=2"] and take_failed_jobs() == []
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == ["job seed=2: bad"]
+    assert (status_of(job)["status"], status_of(job)["error"]) == ("failed", "bad")  # a dir it created
+    cfg = make_cfg("hydra.mode=MULTIRUN", "hydra/launcher=ray", run_dir=tmp_path / "ray")
+    (tmp_path / "ray").mkdir()
     with pytest.raises(ConfigError, match="bad"):
         loop.run_job(cfg)
-    assert (status_of(tmp_path)["status"], status_of(tmp_path)["error"]) == ("failed", "bad")
 
 
 class StartLogger(MetricsLogger):

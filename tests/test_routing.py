@@ -382,7 +382,10 @@ def test_check_9_by_hand():
     from relax.debug.verdicts import Thresholds
 
     def check(agreement, diffs=(0.005, 0.5), **extra):
-        rollouts = [{"rollout_id": i, "train/routing_agreement": a, **extra} for i, a in enumerate(agreement)]
+        """`extra`: metric -> one value for every rollout, or a list of one per rollout."""
+        rollouts = [{"rollout_id": i, "train/routing_agreement": a,
+                     **{k: v[i] if isinstance(v, list) else v for k, v in extra.items()}}
+                    for i, a in enumerate(agreement)]
         steps = [{"rollout_id": 0, "step": n, "train/train_rollout_logprob_abs_diff": d}
                  for n, d in enumerate(diffs)]
         return check_routing(RunData(Path("."), rollouts, steps), Thresholds())
@@ -397,6 +400,21 @@ def test_check_9_by_hand():
     assert "mismatch of 0.05" in worst.summary and "algo.routing_replay=rollout" in worst.next_steps[0]
     lost = check([0.97], **{"train/routing_replayed": 0.995})
     assert lost.verdict == "FAIL" and lost.summary.startswith("routing replay ran 99.50% of the replayed")
+    # NaN never passes, wherever it stands (min() and max() keep a NaN only when it comes first)
+    nan = float("nan")
+    for pair in ([1.0, nan], [nan, 1.0]):
+        replayed = check([0.97, 0.97], **{"train/routing_replayed": pair})
+        assert replayed.verdict == "FAIL" and replayed.summary.startswith("routing replay ran nan%"), replayed
+        agreement = check([0.97 if a == 1.0 else a for a in pair])
+        assert agreement.verdict == "WARN" and agreement.summary.startswith("the worst layer agrees on nan")
+        layer = check([0.97, 0.97], **{"train/routing_agreement_min_layer": pair})
+        assert layer.verdict == "WARN" and layer.summary.startswith("the worst layer agrees on nan")
+    rollouts = [{"rollout_id": i, "train/routing_agreement": 0.97, "train/routing_agreement_min_layer": 0.85}
+                for i in (0, 1)]
+    steps = [{"rollout_id": i, "step": 0, "train/train_rollout_logprob_abs_diff": d}
+             for i, d in ((0, 0.005), (1, nan))]
+    mismatch = check_routing(RunData(Path("."), rollouts, steps), Thresholds())  # each rollout's first step
+    assert "algo.routing_replay=rollout" in mismatch.next_steps[0], mismatch.next_steps
 
 
 def test_inspect_shows_routing_agreement_per_layer(tmp_path, replay, bf16_rollout):

@@ -1,8 +1,11 @@
 """What a run builds and saves: the one place that interprets the `debug.*` keys (conf/debug/).
 
-`resolve(cfg)` validates and derives, before anything expensive starts:
+`resolve(cfg, ..., run_dir)` validates and derives, before anything expensive starts:
   load_rollout_data => train_only;  dump_details => both save templates (+ tokenizer, config);
   conflicting keys, or a trainer layout the model cannot be split into => ConfigError naming them.
+What a run writes (save_rollout_data, save_train_data, dump_details, dump_layers, profile_dir)
+given as a relative path lands in its own run dir, so each job of a sweep gets its own; what it
+reads (load_rollout_data) is relative to the launch directory, as on the command line.
 """
 
 from __future__ import annotations
@@ -56,9 +59,10 @@ class Plan:
         }
 
 
-def _abs_template(template: str | None) -> str | None:
-    # Relative paths are relative to the launch directory (Hydra does not chdir).
-    return None if template is None else os.path.abspath(os.path.expanduser(template))
+def _abs_template(template: str | None, base: Path = Path()) -> str | None:
+    """`template` as an absolute path; a relative one relative to `base` (by default the launch
+    directory: Hydra does not chdir)."""
+    return None if template is None else os.path.abspath(Path(base) / os.path.expanduser(template))
 
 
 def check_writable(key: str, template: str | None) -> None:
@@ -79,18 +83,24 @@ def check_writable(key: str, template: str | None) -> None:
 DUMP_PARTS = ("config.yaml", "tokenizer", "rollout_data", "train_data", "layers")  # what a dump writes
 
 
-def check_dump_dir(dump_dir: Path | None, resumed_run: Path | None) -> None:
-    """A dump holds one run's files: a second run never writes into it (a resumed run continues
-    the dump of the run it resumes)."""
-    found = [part for part in DUMP_PARTS if dump_dir and (dump_dir / part).exists()]
-    if not found:
-        return
+def check_dumps(plan: Plan, resumed_run: Path | None) -> None:
+    """A dump (debug.dump_details) or a layer dump (debug.dump_layers) holds one run's files: a
+    second run never writes into it (a resumed run continues the dumps of the run it resumes)."""
     built = Path(resumed_run or "") / "built.json"
-    if resumed_run and built.is_file() and json.loads(built.read_text()).get("dump_dir") == str(dump_dir):
-        return
-    raise ConfigError(f"debug.dump_details={str(dump_dir)!r} already holds a dump ({', '.join(found)}): "
-                      f"this run's files would mix with another run's. Dump into a new directory, or "
-                      f"delete that one first")
+    resumed = json.loads(built.read_text()) if resumed_run and built.is_file() else {}
+    if plan.dump_dir:
+        _check_dump("debug.dump_details", plan.dump_dir, resumed.get("dump_dir"),
+                    [part for part in DUMP_PARTS if (plan.dump_dir / part).exists()])
+    if plan.dump_layers:
+        _check_dump("debug.dump_layers", plan.dump_layers, resumed.get("dump_layers"),
+                    sorted(p.name for p in Path(plan.dump_layers).glob("*.pt")))
+
+
+def _check_dump(key: str, folder, resumed_folder: str | None, found: list[str]) -> None:
+    if found and str(folder) != resumed_folder:
+        raise ConfigError(f"{key}={str(folder)!r} already holds a dump ({', '.join(found[:3])}"
+                          f"{', ...' if len(found) > 3 else ''}): this run's files would mix with another "
+                          f"run's. Dump into a new directory, or delete that one first")
 
 
 def check_replay_ids(template: str, ids: list[int], start_rollout_id: int) -> None:
@@ -160,9 +170,10 @@ def check_profile(cfg, rollout_ids: list[int], builds_train: bool) -> list[int]:
     return among_rollouts("debug.profile_rollouts", wanted, rollout_ids)
 
 
-def resolve(cfg, start_rollout_id: int = 0, hf_config: dict | None = None) -> Plan:
+def resolve(cfg, start_rollout_id: int = 0, hf_config: dict | None = None, run_dir: Path = Path()) -> Plan:
     """The run's plan, or a ConfigError. `hf_config`: the config.json of the model the trainer
-    will load (a resumed run's); by default the one `cfg.model` names."""
+    will load (a resumed run's); by default the one `cfg.model` names. `run_dir`: where relative
+    output paths go (by default the launch directory)."""
     d, r = cfg.debug, cfg.rollout
     from relax.rollout import check_rollout
 
@@ -186,10 +197,10 @@ def resolve(cfg, start_rollout_id: int = 0, hf_config: dict | None = None) -> Pl
                           f"multiple of rollout.rollout_num_gpus_per_engine="
                           f"{r.rollout_num_gpus_per_engine}")
 
-    dump_dir = Path(_abs_template(d.dump_details)) if d.dump_details else None
-    save_rollout = _abs_template(d.save_rollout_data) or (
+    dump_dir = Path(_abs_template(d.dump_details, run_dir)) if d.dump_details else None
+    save_rollout = _abs_template(d.save_rollout_data, run_dir) or (
         str(dump_dir / "rollout_data" / "{rollout_id}.pt") if dump_dir else None)
-    save_train = _abs_template(d.save_train_data) or (
+    save_train = _abs_template(d.save_train_data, run_dir) or (
         str(dump_dir / "train_data" / "{rollout_id}_{rank}.pt") if dump_dir and not d.rollout_only
         else None)
     if d.rollout_only and d.save_train_data:
@@ -223,9 +234,9 @@ def resolve(cfg, start_rollout_id: int = 0, hf_config: dict | None = None) -> Pl
     if save_train and builds_train and "{rank}" not in save_train and cfg.parallel.dp > 1:
         raise ConfigError(f"debug.save_train_data={save_train!r} has no {{rank}} but "
                           f"{cfg.parallel.dp} data-parallel ranks would overwrite each other")
-    dump_layers = _abs_template(d.dump_layers) or (str(dump_dir / "layers") if dump_dir else None)
+    dump_layers = _abs_template(d.dump_layers, run_dir) or (str(dump_dir / "layers") if dump_dir else None)
     layer_rollouts = check_dump_layers(cfg, dump_layers, rollout_ids, builds_train) if dump_layers else []
-    profile_dir = _abs_template(d.profile_dir)
+    profile_dir = _abs_template(d.profile_dir, run_dir)
     profile_rollouts = check_profile(cfg, rollout_ids, builds_train) if profile_dir else []
     if load and save_rollout and load == save_rollout:
         raise ConfigError(f"debug.save_rollout_data and debug.load_rollout_data both point at "

@@ -5,7 +5,7 @@ plumbing of routing replay."""
 from __future__ import annotations
 
 from relax.debug.run_data import RunData
-from relax.debug.verdicts import FAIL, PASS, SKIP, WARN, Check, Thresholds, below, over
+from relax.debug.verdicts import FAIL, PASS, SKIP, WARN, Check, Thresholds, below, least, over, worst
 
 
 def check_routing(run: RunData, th: Thresholds) -> Check:
@@ -15,19 +15,21 @@ def check_routing(run: RunData, th: Thresholds) -> Check:
         return Check(9, name, SKIP, "no train/routing_agreement (a dense model, or an engine that "
                                     "does not record routing)")
     agreement = [r["train/routing_agreement"] for r in read]
-    worst_layer = min(r.get("train/routing_agreement_min_layer", a) for r, a in zip(read, agreement))
+    # (a rollout's mean counts too: it is never below its worst layer, and a NaN in either fails)
+    worst_layer = least(v for r, a in zip(read, agreement)
+                        for v in (a, r.get("train/routing_agreement_min_layer", a)))
     replayed = [r["train/routing_replayed"] for r in read if "train/routing_replayed" in r]
     diffs = [s["train/train_rollout_logprob_abs_diff"] for s in run.steps
              if "train/train_rollout_logprob_abs_diff" in s and s.get("step", 0) == 0]
-    mismatch = max(diffs, default=0.0)
+    mismatch = worst(diffs)
     third = max(1, len(agreement) // 3)
     first, last = sum(agreement[:third]) / third, sum(agreement[-third:]) / third
     evidence = {"mean_agreement": sum(agreement) / len(agreement), "min_layer_agreement": worst_layer,
                 "first_third": first, "last_third": last, "max_train_rollout_abs_diff": mismatch,
-                "replayed_min": min(replayed, default=None)}
-    if replayed and below(min(replayed), 1.0):
-        return Check(9, name, FAIL, f"routing replay ran {min(replayed):.2%} of the replayed (token, "
-                     f"layer) pairs on the recorded experts", evidence,
+                "replayed_min": least(replayed)}
+    if replayed and below(evidence["replayed_min"], 1.0):
+        return Check(9, name, FAIL, f"routing replay ran {evidence['replayed_min']:.2%} of the replayed "
+                     f"(token, layer) pairs on the recorded experts", evidence,
                      causes=["recorded experts lost between the engine and the trainer's ranks (token "
                              "order, sequence/context parallel split, pipeline stage)",
                              "a router path that bypasses replay (fused top-k, sinkhorn, capacity dropping)"],

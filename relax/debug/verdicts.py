@@ -113,6 +113,17 @@ def below(value: float, limit: float) -> bool:
 
 
 def worst(values: Iterable[float], default: float = 0.0) -> float:
-    """The largest value, NaN if any is NaN: max() keeps a NaN only when it comes first."""
+    """The largest value, NaN if any is NaN."""
+    return nan_first(max, values, default)
+
+
+def least(values: Iterable[float], default: float | None = None) -> float | None:
+    """The smallest value, NaN if any is NaN."""
+    return nan_first(min, values, default)
+
+
+def nan_first(pick, values: Iterable[float], default):
+    """pick(values) (min or max), NaN if any is NaN: min() and max() keep a NaN only when it
+    comes first."""
     values = list(values)
-    return math.nan if any(math.isnan(v) for v in values) else max(values, default=default)
+    return math.nan if any(math.isnan(v) for v in values) else pick(values, default=default)
