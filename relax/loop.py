@@ -14,7 +14,6 @@ from pathlib import Path
 import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
-from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from relax import faults
@@ -32,6 +31,8 @@ from relax.errors import (CheckFailed, ConfigError, DiskFull, Interrupted, NonFi
                           RolloutError)
 from relax.targets import instantiate, load_target
 from relax.logger import check_backends, lose_log_lines_on_a_full_disk, plot_run
+from relax.logger.progress import Progress
+from relax.logger.summary import log_summary
 from relax.model import load_tokenizer, read_hf_config, resolve_model_path
 from relax.files import append_jsonl, atomic_save, fill
 from relax.process import Job, LogGuard, Stop
@@ -159,7 +160,8 @@ def build(run: Run, cluster):
     """The engines and/or trainer the plan asks for, where the cluster puts them (and the
     engine-weights check)."""
     cfg, plan, weight_check = run.cfg, run.plan, None
-    built = {**plan.built(cfg), "cluster": cfg.cluster._target_, "model_path": str(run.model_path)}
+    built = {**plan.built(cfg), "cluster": cfg.cluster._target_, "model_path": str(run.model_path),
+             "model_fingerprint": run.manifest["model_fingerprint"]}  # (relax compare: the same model?)
     log.info("Building %s", ", ".join(f"{k}={v}" for k, v in built.items() if v is not None))
     write_json(run.dir / "built.json", built)
     engine, trainer = cluster.build(
@@ -315,7 +317,7 @@ def rl_loop(cfg, run_dir: Path, stop: Stop | None = None, accept=lambda: None) -
     stop, log_setup = stop or Stop(), LogGuard()
     run = prepare(cfg, run_dir, accept)
     cluster = open_cluster(cfg, run_dir)
-    engine = trainer = metrics = rollouts = None
+    engine = trainer = metrics = rollouts = progress = None
     try:
         engine, trainer, weight_check = build(run, cluster)
         metrics = instantiate(cfg, "logger", run_dir=run_dir, resume_from=run.start,
@@ -324,8 +326,8 @@ def rl_loop(cfg, run_dir: Path, stop: Stop | None = None, accept=lambda: None) -
         stop.install()  # ... and Relax's signal handlers
         stop.check("before the first rollout")  # (a signal while building)
         rollouts = Rollouts(partial(make_rollout, run, engine), run.plan.rollout_ids, cfg.train["async"])
-        bar = tqdm(run.plan.rollout_ids, desc="rollouts", unit="rollout")
-        for rollout_id in bar:
+        progress = Progress(len(run.plan.rollout_ids))
+        for rollout_id in run.plan.rollout_ids:
             samples, record = rollout(run, rollouts, rollout_id)
             if trainer:
                 t0 = time.perf_counter()
@@ -347,15 +349,15 @@ def rl_loop(cfg, run_dir: Path, stop: Stop | None = None, accept=lambda: None) -
             stopping = stop.requested  # one look: a signal after it stops after the next rollout
             if trainer:
                 checkpoint_on_schedule(run, trainer, rollout_id, stopping)
-            bar.set_postfix(reward=f"{record['rollout/raw_reward']:.3f}")
+            progress.update(rollout_id, record["rollout/raw_reward"])
             if stopping:
                 stop.check(f"after rollout {rollout_id}")
     finally:
-        for part, close in ((rollouts, "close"), (metrics, "close"), (trainer, "shutdown"),
-                            (engine, "shutdown"), (cluster, "close")):
+        for part, close in ((progress, "close"), (rollouts, "close"), (metrics, "close"),
+                            (trainer, "shutdown"), (engine, "shutdown"), (cluster, "close")):
             if part:
                 getattr(part, close)()
-    plot_run(run_dir)
+    log_summary(run_dir, run.plan.mode, run.plan.dump_dir, run.plan.save_rollout_data, plot_run(run_dir))
 
 
 def resume_hint(run_dir: Path) -> str:

@@ -36,7 +36,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from relax.debug.jobs import DIVERGED, EQUIVALENT, FAILED, Job, find_jobs, pick_baseline, unusable
+from relax.debug.jobs import DIVERGED, EQUIVALENT, FAILED, Job, find_jobs, pick_baseline, same_model, unusable
 from relax.debug.plots import draw, figure_dir, out_dir, plot_steps
 from relax.debug.verdicts import over, worst
 from relax.errors import ConfigError, ReplayError
@@ -353,6 +353,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--out", type=out_dir, metavar="DIR", help="where the plot goes (default: beside the "
                     "first path, when it can be written; else it is skipped with a note)")
     ap.add_argument("--json", action="store_true", help="machine-readable output")
+    ap.add_argument("--allow-different-models", action="store_true", help="judge runs of other models too")
     args = ap.parse_args(argv)
     bad = [f"--{k.replace('_', '-')} {v!r}" for k, v in vars(args).items()
            if k in ("logprob_atol", "grad_norm_rtol", "loss_atol", "envelope_margin", "departure_ratio",
@@ -376,7 +377,7 @@ def main(argv: list[str]) -> int:
         jobs = find_jobs(args.paths)
         if len(jobs) < 2:
             raise ConfigError(f"need at least two runs, found {len(jobs)}")
-        base = pick_baseline(jobs, args.baseline)
+        base = same_model(jobs, pick_baseline(jobs, args.baseline), args.allow_different_models)
     except (ConfigError, ReplayError) as e:
         print(f"relax compare: error: {e}", file=sys.stderr)
         return 2
@@ -388,8 +389,7 @@ def main(argv: list[str]) -> int:
     plot = draw(plot_steps, jobs, folder, "compare.png")
     if args.json:
         print(json.dumps({"baseline": base.name, "plot": plot and str(plot), "note": note,
-                          "twin": noise.twin,
-                          "twin_departed_at_step": noise.twin_departed_at_step,
+                          "twin": noise.twin, "twin_departed_at_step": noise.twin_departed_at_step,
                           "judged_steps": noise.judged_steps, "notes": notes(base, noise),
                           "jobs": [{k: (str(v) if isinstance(v, Path) else v)
                                     for k, v in vars(j).items() if k != "log_probs"} for j in jobs]}))

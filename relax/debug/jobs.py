@@ -3,12 +3,13 @@ first-step log-probs and perf, and which of them can be the baseline."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from relax.debug.run_data import read_config
 from relax.errors import ConfigError, ReplayError
-from relax.files import safe_load
+from relax.files import read_json, safe_load
 from relax.logger import read_metrics
 from relax.process import describe, read_status
 
@@ -40,6 +41,8 @@ class Job:
     judged_steps: int = 0  # steps 0..judged_steps-1 judged by size; every step for NaN/Inf
     tolerances: dict[str, float] = field(default_factory=dict)  # step 0's, after the twin's scaling
     notes: list[str] = field(default_factory=list)  # what was not judged, and why
+    model: str | None = None  # the model it trained (built.json: its path), None before it built one
+    model_fingerprint: str | None = None  # its architecture (relax.model.model_fingerprint)
 
 
 def load_job(path: Path) -> Job:
@@ -49,6 +52,9 @@ def load_job(path: Path) -> Job:
         cfg = read_config(config)
         job.backend, job.layout = cfg["train._target_"], cfg["parallel.name"]
         job.noise_ulp = cfg["parallel.noise_ulp"]
+    if (path / "built.json").is_file():
+        built = read_json(path / "built.json")
+        job.model, job.model_fingerprint = built.get("model_path"), built.get("model_fingerprint")
     status = read_status(path)
     if status:
         job.status = status["status"]
@@ -123,3 +129,26 @@ def pick_baseline(jobs: list[Job], name: str | None) -> Job:
         raise ConfigError("no job can be the baseline (a completed run with training steps): "
                           + "; ".join(f"{j.name}: {unusable(j)}" for j in jobs))
     return next((j for j in fit if j.layout == "single"), fit[0])
+
+
+def same_model(jobs: list[Job], base: Job, allow: bool) -> Job:
+    """`base`, once every job is known to have trained the baseline's model: between different
+    models every step differs, and the verdicts would say nothing about a layout. A ConfigError
+    naming the models, or with `allow` (--allow-different-models) a note on stderr, printed
+    before any verdict."""
+    def model(j: Job) -> str:
+        return f"{j.model} (architecture {j.model_fingerprint or '?'})"
+
+    def other(j: Job) -> bool:  # (runs before built.json had fingerprints: by path only)
+        fingerprints = {j.model_fingerprint, base.model_fingerprint}
+        return None not in (j.model, base.model) and (j.model != base.model or len(fingerprints - {None}) > 1)
+    others = [j for j in jobs if other(j)]
+    if not others:
+        return base
+    what = (f"different models: the baseline {base.name} trained {model(base)}, "
+            + "; ".join(f"{j.name} {model(j)}" for j in others)
+            + ": their per-step differences are not a layout's, the verdicts compare different models")
+    if not allow:
+        raise ConfigError(f"{what} (--allow-different-models judges them anyway)")
+    print(f"relax compare: note: {what}", file=sys.stderr)
+    return base

@@ -120,8 +120,21 @@ def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
     return [r for r in records if "step" not in r], [r for r in records if "step" in r]
 
 
+REFERENCE_RUNS = "where the reference ran (the first step, algo.use_kl_loss, train.ref_log_probs_interval)"
+
+
+def reward_plot_title(run_name: str, rollouts: list[dict]) -> str:
+    """What reward.png shows: KL only exists for rollouts that ran the reference pass."""
+    with_kl = sum("rollout/kl" in r for r in rollouts)
+    if not with_kl:
+        return f"{run_name}: mean raw reward per rollout\nno KL: it is measured {REFERENCE_RUNS}"
+    where = "every rollout" if with_kl == len(rollouts) else \
+        f"{with_kl} of {len(rollouts)} rollouts, only {REFERENCE_RUNS}"
+    return f"{run_name}: mean raw reward (blue) and KL(actor || reference) (red) per rollout\nKL at {where}"
+
+
 def plot_run(run_dir: Path) -> Path | None:
-    """reward.png: mean raw reward and KL to the reference, per rollout."""
+    """reward.png: mean raw reward per rollout, and KL to the reference where it was measured."""
     rollouts, _ = read_metrics(run_dir)
     if not rollouts:
         return None
@@ -132,16 +145,18 @@ def plot_run(run_dir: Path) -> Path | None:
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     x = [r["rollout_id"] for r in rollouts]
-    ax.plot(x, [r["rollout/raw_reward"] for r in rollouts], color="tab:blue", label="raw reward")
+    lines = ax.plot(x, [r["rollout/raw_reward"] for r in rollouts], color="tab:blue", label="raw reward")
     ax.set_xlabel("rollout_id")
     ax.set_ylabel("mean raw reward", color="tab:blue")
     with_kl = [r for r in rollouts if "rollout/kl" in r]  # rollouts that ran the reference pass
     if with_kl:
         ax2 = ax.twinx()
-        ax2.plot([r["rollout_id"] for r in with_kl], [r["rollout/kl"] for r in with_kl], color="tab:red",
-                 marker="." if len(with_kl) < len(rollouts) else None, label="KL(actor || ref)", alpha=0.7)
+        lines += ax2.plot([r["rollout_id"] for r in with_kl], [r["rollout/kl"] for r in with_kl],
+                          color="tab:red", marker="." if len(with_kl) < len(rollouts) else None,
+                          label="KL(actor || ref), where measured", alpha=0.7)
         ax2.set_ylabel("rollout/kl", color="tab:red")
-    ax.set_title(f"{Path(run_dir).name}: reward and KL per rollout")
+    ax.legend(handles=lines, loc="best", fontsize="small")
+    ax.set_title(reward_plot_title(Path(run_dir).name, rollouts), fontsize="medium")
     fig.tight_layout()
     out = Path(run_dir) / "reward.png"
     save_figure(fig, out, dpi=100)

@@ -134,7 +134,7 @@ def check_replay_files(files: dict[int, Path], manifest: dict, allow_mismatch: b
     rollout) and holds the rollout its name says. Returns the number of samples each gives."""
     counts = {}
     for rollout_id, path in tqdm(files.items(), desc="checking replay files", unit="file",
-                                 disable=len(files) < 20):
+                                 disable=len(files) < 20 or None):
         saved_id, samples = load_rollout(path, manifest, allow_mismatch, subsample, seed)
         if saved_id != rollout_id:
             raise ReplayError(f"{path}: holds rollout {saved_id}, but its name says rollout {rollout_id}")

@@ -328,7 +328,7 @@ class TorchEngine:
         response_lens = torch.zeros(B, dtype=torch.long)
         finished = torch.zeros(B, dtype=torch.bool)
         next_pos = positions[:, -1:] + 1
-        for t in tqdm(range(N), desc="generate", leave=False, delay=2):
+        for t in tqdm(range(N), desc="generate", leave=False, delay=2, disable=None):
             token, logp = self._sample(logits, sp, uniforms[:, t])
             out_tokens[:, t] = token.masked_fill(finished, self.pad_token_id)
             out_logp[:, t] = logp.masked_fill(finished, 0.0)

@@ -164,7 +164,7 @@ class TorchTrainer(DistributedWeightSync):
             scale = self._loss_scale(self.layout.dp_size / num_tokens)
             sums, mb_losses = torch.zeros(len(common.STEP_KEYS)), []
             self.optimizer.zero_grad(set_to_none=True)
-            for mb in tqdm(step_mbs, desc="train", leave=False, delay=2, disable=self.layout.rank > 0):
+            for mb in tqdm(step_mbs, "train", leave=False, delay=2, disable=self.layout.rank > 0 or None):
                 # (DDP decides in forward whether backward all-reduces)
                 with self._grad_sync(), phase("step:forward_backward"):
                     replay = routing.replay_for(mb, replaying, "train")
