@@ -331,8 +331,12 @@ def test_a_run_logs_its_weight_sync_time_and_a_resume_at_the_last_rollout_runs_n
     assert again == (rollouts, steps) and StartLogger.starts == [0, 2]
     assert f"resume: {tmp_path / 'run' / 'checkpoints' / 'rollout_000001'} is at the run's last rollout " \
            "(rollout.num_rollout=2): nothing left to run" in caplog.text
-    with pytest.raises(ConfigError, match=r"saved with train.lora=None \(this run: \{'rank': 4"):
+    with pytest.raises(ConfigError, match=r"train.lora.rank=4 \(the run: 0\) would make another experiment"):
         loop.prepare(make_cfg(*common, f"resume={tmp_path / 'run'}", "train.lora.rank=4"), tmp_path / "lora")
+    # allowed knowingly, the trainer state still cannot take it
+    with pytest.raises(ConfigError, match=r"saved with train.lora=None \(this run: \{'rank': 4"):
+        loop.prepare(make_cfg(*common, f"resume={tmp_path / 'run'}", "train.lora.rank=4",
+                              "resume_allow_changes=[train.lora]"), tmp_path / "lora")
 
 
 def test_a_layer_dump_gives_the_engine_the_chosen_samples_and_their_model_tokens_log_probs(tmp_path,

@@ -178,8 +178,10 @@ def test_a_resumed_lora_run_ends_with_the_adapter_of_an_uninterrupted_one(tmp_pa
     state = safe_load(last[1] / "trainer_state.pt")["optimizer"]["state"]
     assert state and all(".lora_" in name for name in state)  # Adam's moments: the adapters' only
 
-    with pytest.raises(ConfigError, match="train.lora="):  # its state is the adapters': not a full run's
+    with pytest.raises(ConfigError, match=r"train.lora.rank=0 \(the run: 8\) would make another experiment"):
         run_loop(tmp_path / "full_ft", *common[1:], f"resume={middle}")
+    with pytest.raises(ConfigError, match="train.lora="):  # its state is the adapters': not a full run's
+        run_loop(tmp_path / "full_ft", *common[1:], f"resume={middle}", "resume_allow_changes=[train.lora]")
 
 
 def test_lora_layouts_match_single_and_dump_gradients_under_peft_names(tmp_path, replay_dir):  # noqa: F811
