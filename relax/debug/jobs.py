@@ -139,9 +139,10 @@ def same_model(jobs: list[Job], base: Job, allow: bool) -> Job:
     def model(j: Job) -> str:
         return f"{j.model} (architecture {j.model_fingerprint or '?'})"
 
-    def other(j: Job) -> bool:  # (runs before built.json had fingerprints: by path only)
-        fingerprints = {j.model_fingerprint, base.model_fingerprint}
-        return None not in (j.model, base.model) and (j.model != base.model or len(fingerprints - {None}) > 1)
+    def other(j: Job) -> bool:  # by the model folder's name (runs of other machines have other
+        fingerprints = {j.model_fingerprint, base.model_fingerprint}  # caches) and architecture
+        return None not in (j.model, base.model) and (
+            Path(j.model).name != Path(base.model).name or len(fingerprints - {None}) > 1)
     others = [j for j in jobs if other(j)]
     if not others:
         return base
