@@ -214,13 +214,15 @@ def test_compare_of_runs_of_one_model_has_no_such_note(dumped, replayed):
     assert code == 0 and "different models" not in out and "relax compare (baseline" in out
 
 
-def test_a_model_is_its_path_and_its_architecture():
-    """Runs from before built.json named the architecture go by path; the same architecture at
-    another path may be other weights (or a copy: --allow-different-models)."""
+def test_a_model_is_its_folder_name_and_its_architecture():
+    """Runs from before built.json named the architecture go by folder name; the same folder in
+    another machine's cache is the same model; another folder may be other weights (or a copy:
+    --allow-different-models)."""
     def job(name, model, fingerprint):
         return Job(Path(name), name, model=model, model_fingerprint=fingerprint)
     base = job("a", "/m/one", "f1")
-    assert same_model([base, job("old", "/m/one", None), job("unbuilt", None, None)], base, False) is base
+    assert same_model([base, job("old", "/m/one", None), job("unbuilt", None, None),
+                       job("elsewhere", "/home/ci/.cache/m/one", "f1")], base, False) is base
     for other in (job("b", "/m/two", "f1"), job("c", "/m/one", "f2")):
         with pytest.raises(ConfigError, match=f"different models: the baseline a trained /m/one "
                                               f"\\(architecture f1\\), {other.name} {other.model}"):
