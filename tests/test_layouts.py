@@ -217,3 +217,27 @@ def test_ranks_die_with_a_killed_driver(tmp_path, tiny_path):
     while time.time() < deadline and any(alive(p) for p in pids):
         time.sleep(0.2)
     assert not any(alive(p) for p in pids)
+
+
+# The tiny recipe with heads, KV heads and MLP width that divide by 3 (48 / 6 heads: an even
+# head width), random weights; rewards by length, so that every group has a gradient.
+HEADS_OF_3 = ["model.tiny.hidden_size=48", "model.tiny.num_heads=6", "model.tiny.num_kv_heads=3",
+              "model.tiny.intermediate_size=96", "model.tiny.warmup_max_steps=0",
+              "task.reward_fn=relax.task.rewards.response_length"]
+
+
+@pytest.mark.slow
+def test_tp3_trains_as_single_does_on_a_model_whose_heads_divide_by_3(tmp_path):
+    """parallel=tp3 with train=torch (three ranks, q/k/v split by whole heads, the MLP by
+    width): one rollout, two steps, first-step log-probs and both steps' loss and grad_norm
+    within the fixed tolerances of single's."""
+    proc = relax_cli("-m", "parallel=single,tp3", *HEADS_OF_3, *TRAIN, "rollout.num_rollout=1",
+                     "rollout.rollout_batch_size=4", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    code, report = compare(only_run_dir(tmp_path, "multiruns"))
+    assert code == 0, report
+    single, tp3 = (next(j for j in report["jobs"] if j["layout"] == name) for name in ("single", "tp3"))
+    assert len(single["grad_norm"]) == 2 and min(single["grad_norm"]) > 1e-3, single
+    assert tp3["verdict"] == "equivalent" and tp3["status"] == "completed", tp3["reasons"]
+    assert tp3["max_logprob_diff"] <= 1e-5 and tp3["max_grad_norm_rel_diff"] <= 1e-4, tp3
+    assert len(tp3["grad_norm"]) == 2 and tp3["max_grad_norm_rel_diff"] > 0  # three ranks' rounding, not a copy
