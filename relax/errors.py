@@ -38,4 +38,4 @@ class RolloutError(RuntimeError):
 
 # raised in another process (a trainer rank, an engine's process, a Ray actor), these reach the
 # driver as themselves, not as a traceback: the run ends with their message (exit 2)
-USER_ERRORS = (ConfigError, ReplayError, CheckFailed, NonFiniteError, RolloutError)
+USER_ERRORS = (ConfigError, ReplayError, CheckFailed, NonFiniteError, RolloutError, DiskFull)

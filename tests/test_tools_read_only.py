@@ -65,8 +65,8 @@ def small_tmpfs(folder: Path, size: str = "8m"):
         pytest.skip("mount -t tmpfs is not allowed here: no real full disk to test with")
     try:
         yield folder
-    finally:
-        subprocess.run(["umount", str(folder)], check=True)
+    finally:  # (lazily: a killed rank process may hold its working directory a moment longer)
+        subprocess.run(["umount", "--lazy", str(folder)], check=True)
 
 
 def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
@@ -165,6 +165,40 @@ def test_a_disk_that_fills_mid_run_fails_the_run_with_the_reason_in_one_line(tmp
         records = [json.loads(line) for line in text.splitlines()]  # each line whole
         assert text.endswith("\n") and [r["rollout_id"] for r in records if "step" not in r][:1] == [0]
         assert not (run / "reward.png").exists()
+
+
+@pytest.mark.slow  # (~30 s on a busy 2-core machine: two rank processes)
+def test_a_disk_that_fills_under_a_trainer_rank_fails_the_run_with_the_reason(tmp_path, tiny_path):
+    """parallel=dp2: the ranks write their train data, and rank 1's DiskFull reaches the driver
+    as itself (relax.errors.USER_ERRORS), not as a RankError with the rank's traceback."""
+    with small_tmpfs(tmp_path / "disk") as disk:
+        proc = relax_cli("rollout.num_rollout=5", "rollout.rollout_batch_size=4",
+                         "checkpoint.save_interval=null", "parallel=dp2",
+                         "debug.save_train_data=${hydra:runtime.output_dir}/train_data/{rollout_id}_{rank}.pt",
+                         f"hydra.run.dir={disk}/run", cwd=disk,
+                         env={"RELAX_FAULT": "fill_disk_at:metrics_written:1"})
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 2 and "Traceback" not in out, out[-3000:]
+        error = status_of(disk / "run")["error"]
+        assert re.fullmatch(r"\[Errno 28\] disk full \(ENOSPC: No space left on device\) while writing "
+                            rf"{disk}/run/train_data/1_[01]\.pt", error), error
+        assert [line.split(" - ", 1)[1] for line in out.splitlines() if "[ERROR]" in line] == [error]
+
+
+def test_a_full_disk_in_a_rank_process_reaches_the_driver_as_itself():
+    """The pipe from a trainer rank (relax.cluster.ranks.receive): its DiskFull is raised in the
+    driver as itself (the run's one line), not wrapped in a RankError with the rank's traceback."""
+    import errno
+    from multiprocessing import Pipe
+
+    from relax.cluster.ranks import receive
+    from relax.errors import DiskFull
+
+    ours, rank = Pipe()
+    rank.send(("error", DiskFull(errno.ENOSPC, "disk full (ENOSPC: ...) while writing x/train_data/0_1.pt")))
+    with pytest.raises(DiskFull, match=r"^\[Errno 28\] disk full .* while writing x/train_data/0_1\.pt\n"
+                                       r"in trainer rank 1$"):
+        receive(ours, None, "trainer rank 1", "rank1.log", kill=lambda: None)
 
 
 def append_past_a_file_size_limit(path: Path, write) -> OSError | None:

@@ -210,6 +210,8 @@ def _rank_main(conn, driver, environ, rank, world_size, port, factory, args, kwa
                 break
     except EOFError:  # the driver went away
         pass
+    except USER_ERRORS as e:  # (a full disk under its train data, a non-finite loss) as itself
+        conn.send(("error", e))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
     finally:
