@@ -29,7 +29,10 @@ RUN = ["rollout.num_rollout=2", "rollout.rollout_batch_size=4", "checkpoint.save
 
 
 def mount(*args: str) -> bool:
-    return subprocess.run(["mount", *args], capture_output=True).returncode == 0
+    try:
+        return subprocess.run(["mount", *args], capture_output=True).returncode == 0
+    except FileNotFoundError:  # no mount command
+        return False
 
 
 @contextmanager
@@ -37,25 +40,27 @@ def read_only(folder: Path):
     """`folder` read-only for real: a read-only bind mount where mount is allowed (root ignores
     permission bits), else chmod a-w for a user who is not root; skipped where a write still
     succeeds."""
-    mounted = mount("--bind", str(folder), str(folder)) and mount("-o", "remount,bind,ro", str(folder))
-    if not mounted:
+    bound = mount("--bind", str(folder), str(folder))
+    if not (bound and mount("-o", "remount,bind,ro", str(folder))):
         subprocess.run(["chmod", "-R", "a-w", str(folder)], check=True)
     try:
-        if writable(folder):
+        if not why_not_writable(folder):
             pytest.skip("cannot make a read-only folder here (root without mount)")
         yield
     finally:
-        if mounted:
+        if bound:
             subprocess.run(["umount", str(folder)], check=True)
         subprocess.run(["chmod", "-R", "u+w", str(folder)], check=True)
 
 
-def writable(folder: Path) -> bool:
+def why_not_writable(folder: Path) -> str | None:
+    """What this machine says to a file made in `folder` (Read-only file system, or Permission
+    denied where the fallback is chmod), or None where it is made."""
     try:
         (folder / "probe").write_text("x")
-    except OSError:
-        return False
-    return True
+    except OSError as e:
+        return e.strerror
+    return None
 
 
 @contextmanager
@@ -110,7 +115,7 @@ def test_a_tool_on_a_read_only_run_prints_its_report_and_a_note_on_its_plots(too
     assert re.search(TOOLS[tool][2], proc.stdout), proc.stdout[-3000:]
     beside = runs / "a" / "plots" if tool == "inspect" else runs / "a"
     what = "doctor.md or plots" if tool == "doctor" else "plots"
-    note = (f"note: no {what}: {beside} cannot be written (Read-only file system); "
+    note = (f"note: no {what}: {beside} cannot be written ({why_not_writable(runs / 'a')}); "
             f"relax {tool.split('_')[0]} ... --out DIR writes them there")
     assert note in proc.stdout.splitlines(), proc.stdout[-3000:]
     assert snapshot(runs) == before
@@ -142,7 +147,7 @@ def test_an_out_that_cannot_be_written_is_refused_at_once(runs, tmp_path):
         assert proc.returncode == 2, proc.stderr[-3000:]
         assert proc.stderr.splitlines()[-1] == (f"relax {tool.split('_')[0]}: error: argument --out: "
                                                 f"{runs / 'a' / 'figures'}: cannot write there "
-                                                f"(Read-only file system)")
+                                                f"({why_not_writable(runs / 'a')})")
         assert proc.stdout == ""
 
 
