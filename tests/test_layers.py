@@ -375,3 +375,18 @@ def test_the_recording_side_by_hand(tmp_path):
     assert torch.equal(saved["log_probs"][0], log_probs[0])
     engine = safe_load(layer_dump.save_dump(tmp_path / "layers", 4, "engine", {}, [1], forward, log_probs))
     assert engine["grads"] == {} and engine["params"] == {}
+
+
+
+def test_rollout_id_picks_the_dumped_rollout_to_compare(tmp_path, tiny_path):
+    """`--rollout-id N` (what compare's own hint recommends) reads rollout N's dumps: at rollout
+    0 the reference is the actor, one forward twice; at rollout 1 the actor has taken a step the
+    reference has not, and its engine has been synced to it. A rollout without a dump is named."""
+    run = dumped(tmp_path / "run", "rollout.num_rollout=2", "debug.dump_layers_rollouts=[0,1]")
+    code, at_0 = compare_layers(run)  # (default: the first dumped rollout)
+    assert code == 0 and max(at_0["ref"]["diffs"]["forward"].values()) == 0.0, at_0["ref"]
+    code, at_1 = compare_layers(run, args=("--rollout-id", "1"))
+    assert code == 1 and first(at_1["ref"], "forward") == "model.embed_tokens", at_1["ref"]["first"]
+    assert not at_1["engine"]["departs"] and at_1["engine"]["diffs"]["forward"]["model.norm"] == 0.0
+    proc = relax_cli("compare", "--layers", str(run), "--rollout-id", "7", cwd=tmp_path)
+    assert proc.returncode == 2 and "no train layer dump of rollout 7 in" in proc.stderr, proc.stderr
