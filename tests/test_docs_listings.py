@@ -85,11 +85,13 @@ def test_the_list_readers_read_bad_lists():
         "doctor", "compare"}
     assert help_tools("Usage: relax [key=value]\n  relax inspect | convert-gguf ... (tools; x)\n") == {
         "inspect", "convert-gguf"}
-    table = ("| group | options | code |\n| --- | --- | --- |\n| `parallel` | `single`, `tp2` (x; `train.lr=1`) | "
-             "`relax/` |\n| `model` | `hf` (`model.path=/d`), `rollout.generate_fn` | — |\n\nmore `text`\n")
+    table = ("| group | options | code |\n| --- | --- | --- |\n"
+             "| `parallel` | `single`, `tp2` (x; `train.lr=1`) | `relax/` |\n"
+             "| `model` | `hf` (`model.path=/d`), `rollout.generate_fn` | — |\n\nmore `text`\n")
     assert group_table(table) == {"parallel": {"single", "tp2"}, "model": {"hf"}}
-    assert help_groups("== Configuration groups ==\nCompose (group=option)\n\nalgo: grpo\ntrain: megatron, "
-                       "torch\n\n\n== Config ==\nseed: 1\n") == {"algo": {"grpo"}, "train": {"megatron", "torch"}}
+    groups = "== Configuration groups ==\nCompose (group=option)\n\nalgo: grpo\ntrain: megatron, torch\n\n\n"
+    assert help_groups(groups + "== Config ==\nseed: 1\n") == {"algo": {"grpo"},
+                                                                  "train": {"megatron", "torch"}}
     assert {"parallel", "model", "experiment"} <= CONF_OPTIONS.keys() and "twin" in CONF_OPTIONS["parallel"]
     assert unlisted_and_unknown({"a": {"x", "y"}, "c": {"z"}}, {"a": {"x", "w"}, "b": {"v"}, "c": {"z"}}) == {
         "a": {"unlisted": ["w"], "unknown": ["y"]}, "b": {"unlisted": ["v"], "unknown": []}}

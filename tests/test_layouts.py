@@ -240,4 +240,4 @@ def test_tp3_trains_as_single_does_on_a_model_whose_heads_divide_by_3(tmp_path):
     assert len(single["grad_norm"]) == 2 and min(single["grad_norm"]) > 1e-3, single
     assert tp3["verdict"] == "equivalent" and tp3["status"] == "completed", tp3["reasons"]
     assert tp3["max_logprob_diff"] <= 1e-5 and tp3["max_grad_norm_rel_diff"] <= 1e-4, tp3
-    assert len(tp3["grad_norm"]) == 2 and tp3["max_grad_norm_rel_diff"] > 0  # three ranks' rounding, not a copy
+    assert len(tp3["grad_norm"]) == 2 and tp3["max_grad_norm_rel_diff"] > 0  # 3 ranks' rounding: no copy

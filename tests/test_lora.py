@@ -75,6 +75,27 @@ def test_only_the_adapters_train_and_the_first_step_is_the_frozen_base(tiny_path
     assert diff < 1e-4  # the merged model computes what the adapters do (fp32 rounding apart)
 
 
+def test_a_lora_twin_moves_the_base_by_one_ulp_and_its_reference_with_it(tiny_path, tokenizer):
+    """parallel=twin with LoRA: every base weight one ulp from the checkpoint's, up or down, the
+    adapters as they start (B = 0); the reference, the same base with its adapters off, moved with
+    it: the first step's log_probs are its ref_log_probs, KL 0 (without LoRA the reference is a
+    copy loaded unmoved)."""
+    cfg = make_cfg("parallel=twin", "rollout.rollout_batch_size=8", *LORA)
+    trainer = make_trainer(cfg, str(tiny_path), ref_model_path=str(tiny_path),
+                           pad_token_id=tokenizer.pad_token_id)
+    checkpoint, merged = load_file(tiny_path / "model.safetensors"), trainer.named_weights()
+    assert merged.keys() == checkpoint.keys()
+    for name, w in checkpoint.items():
+        up, down = torch.nextafter(w, torch.tensor(torch.inf)), torch.nextafter(w, torch.tensor(-torch.inf))
+        assert torch.equal(merged[name], torch.where(merged[name] > w, up, down)), name
+        assert (merged[name] > w).any() and (merged[name] < w).any(), name  # random directions
+    assert all(not p.any() for n, p in trainer.lora.parameters() if ".lora_B." in n)
+    engine = TorchEngine(cfg, tiny_path, [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    out = trainer.train(0, generate_rollout(engine, build_task(cfg), tokenizer, cfg.rollout, 0, cfg.seed)[0])
+    assert out["rollout"]["rollout/log_probs"] == out["rollout"]["rollout/ref_log_probs"]
+    assert out["rollout"]["rollout/kl"] == 0.0 and out["steps"][0]["train/ppo_kl"] == 0.0
+
+
 def test_adapter_dropout_runs_in_the_actors_forward_and_not_in_the_references(tiny_path):
     """The trainer keeps the model in eval mode (a deterministic forward), which would silently switch
     train.lora.dropout off."""
