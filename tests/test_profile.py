@@ -23,12 +23,12 @@ def phases_of(table: str) -> dict[str, float]:
     return {row[0]: float(row[1]) for row in rows}
 
 
-@pytest.mark.parametrize("layout", ["single", "dp2"])
-def test_the_profiled_rollout_has_a_trace_and_phases_on_every_rank(tmp_path, tiny_path, layout):
+@pytest.mark.parametrize("trainer, ranks", [(["parallel=single"], 1), (["parallel=dp2"], 2),
+                                            (["train=megatron"], 1)], ids=["single", "dp2", "megatron"])
+def test_the_profiled_rollout_has_a_trace_and_phases_on_every_rank(tmp_path, tiny_path, trainer, ranks):
     profile = tmp_path / "profile"
-    run_loop(tmp_path / "run", *SHORT, f"parallel={layout}", f"debug.profile_dir={profile}",
+    run_loop(tmp_path / "run", *SHORT, *trainer, f"debug.profile_dir={profile}",
              "algo.use_kl_loss=true")  # the reference's forward at every step
-    ranks = 2 if layout == "dp2" else 1
     # by default the second rollout only: the first carries one-time work (first-step checks)
     assert sorted(p.name for p in profile.iterdir()) == sorted(
         f"rollout_1_rank{r}.{ext}" for r in range(ranks) for ext in ("json", "txt"))
