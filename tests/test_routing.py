@@ -259,6 +259,17 @@ def test_routing_replay_is_refused_where_it_cannot_work(tmp_path, tiny_path, moe
         prepare(cfg, tmp_path / "run")
 
 
+def test_r3_refuses_a_generate_fns_samples_without_experts_at_the_first_step(tmp_path, moe_path):
+    """A generate_fn that builds its Sample without the engine's routed_experts (here the plain
+    function of tests/test_multi_turn.py) cannot be known before it runs: R3 stops at the
+    first step, naming the samples and the cause, before the trainer takes a step."""
+    with pytest.raises(ConfigError, match=r"algo.routing_replay=rollout: samples \[0, 1, 2, 3, 4, 5, 6, 7\] "
+                                          r"of rollout 0 carry no routed_experts .* a generate_fn"):
+        run_loop(tmp_path, *MOE, *SHORT, "algo.routing_replay=rollout",
+                 "rollout.generate_fn=tests.test_multi_turn.plain_single_turn")
+    assert not any("train/loss" in line for line in (tmp_path / "metrics.jsonl").read_text().splitlines())
+
+
 def test_format_1_replay_files_still_load(tmp_path, bf16_rollout):
     data = torch.load(bf16_rollout, weights_only=True)
     for s in data["samples"]:
