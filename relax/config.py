@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import II, MISSING, OmegaConf
+from omegaconf import II, MISSING, DictConfig, OmegaConf
+
+from relax.errors import ConfigError
 
 
 
@@ -324,6 +326,17 @@ def sweep_subdir(task_overrides: Any) -> str:
     chosen = [o for o in task_overrides if o.split("=", 1)[0].lstrip("+~") in swept]
     name = ",".join(chosen or task_overrides) or "default"
     return name.replace("/", "_")
+
+
+def check_numbers(cfg, prefix: str = "") -> None:
+    """No float key holds NaN: every comparison with it is false, so a range check alone would
+    let it through (the start-up checks of each group, relax.debug.plan.resolve, call this first)."""
+    for key in cfg:
+        value = cfg[key]
+        if isinstance(value, DictConfig):
+            check_numbers(value, f"{prefix}{key}.")
+        elif isinstance(value, float) and math.isnan(value):
+            raise ConfigError(f"{prefix}{key}=nan: expected a number")
 
 
 def register() -> None:

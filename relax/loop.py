@@ -40,7 +40,7 @@ from relax.replay import build_manifest, check_replay_files, keep_groups, load_r
 from relax.rollout.prefetch import Rollouts
 from relax.sample import Sample
 from relax.task import Task, build_task, check_rewards
-from relax.train import check_batch_split, checkpoint_layout
+from relax.train import check_batch_split, check_train_keys, checkpoint_layout
 
 log = logging.getLogger("relax")
 
@@ -372,11 +372,12 @@ def run_job(cfg) -> None:
     run dir only once accepted (relax.process.Job); user errors (exit 2; in a sweep, one line
     each) and SIGINT/SIGTERM stops (exit 128 + signal) end with a message, not a traceback."""
     job = Job(cfg)
-    torch.set_num_threads(cfg.train.num_threads)
     lose_log_lines_on_a_full_disk()  # (not logging's traceback for every line)
     try:
         with Stop() as stop, logging_redirect_tqdm():
             job.status.check()  # refuses a run dir that a live run is writing
+            check_train_keys(cfg.train)  # (train.num_threads, for the start-up too: it may build a model)
+            torch.set_num_threads(cfg.train.num_threads)
             rl_loop(cfg, job.run_dir, stop, job.accept)
     except (Interrupted, KeyboardInterrupt) as e:
         signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT

@@ -75,8 +75,8 @@ def test_word_problems_have_exact_labels_and_a_held_out_share_training_never_dra
 @pytest.mark.parametrize("overrides, message", [
     (["task.operations=[divide]"], "task.operations=\\['divide'\\]"),
     (["task.operations=[]"], "task.operations=\\[\\]"),
-    (["task.min_operand=50", "task.max_operand=10"], "task.min_operand=50 <= task.max_operand=10"),
-    (["task.min_operand=-1"], r"task.min_operand=-1 <= task.max_operand=99 \(>= 0\)"),
+    (["task.min_operand=50", "task.max_operand=10"], "task.min_operand=50 is above task.max_operand=10"),
+    (["task.min_operand=-1"], r"task.min_operand=-1: expected an integer >= 0"),
 ])
 def test_bad_word_problem_keys_are_named(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -155,7 +155,7 @@ def test_the_skipped_backend_is_never_imported(tmp_path, dumped, mode, absent):
     (["debug.rollout_only=true", "debug.save_train_data=/x/{rollout_id}_{rank}.pt"],
      "builds no trainer"),
     (["rollout.rollout_num_gpus=8", "rollout.rollout_num_gpus_per_engine=3"],
-     "must be a positive multiple"),
+     "rollout.rollout_num_gpus=8: expected a multiple of rollout.rollout_num_gpus_per_engine=3"),
     (["parallel.pp=2"], "use train=megatron"),
 ])
 def test_conflicting_debug_keys_fail_at_start_up(overrides, message):

@@ -94,10 +94,10 @@ def test_train_only_skips_eval_with_a_log_line(runs, tmp_path, caplog):
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["eval.interval=0"], r"eval.interval=0 \(>= 1 or null\)"),
-    (["eval.temperature=-1"], r"eval.temperature=-1.0 \(>= 0\)"),
-    (["eval.n_samples_per_prompt=0"], r"eval.n_samples_per_prompt=0 \(>= 1\)"),
-    (["eval.num_prompts=0"], r"eval.num_prompts=0 \(>= 1\)"),
+    (["eval.interval=0"], r"eval.interval=0: expected a positive number of rollouts"),
+    (["eval.temperature=-1"], r"eval.temperature=-1.0: expected a number >= 0"),
+    (["eval.n_samples_per_prompt=0"], r"eval.n_samples_per_prompt=0: expected a positive integer"),
+    (["eval.num_prompts=0"], r"eval.num_prompts=0: expected a positive integer"),
     (["eval.datasets=[]"], r"eval.datasets=\[\]: expected one or more datasets"),
     (["eval.datasets=[arithmetic,arithmetic]"], r"distinct names"),
     (["eval.datasets=[/no/such.jsonl]"], r"eval.datasets entry '/no/such.jsonl': .*no such file"),

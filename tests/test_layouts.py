@@ -105,7 +105,7 @@ def test_a_failing_job_does_not_stop_the_sweep(tmp_path, replay_dir):
 def test_a_tp_that_splits_a_head_is_refused_before_any_rank_starts(tmp_path):
     proc = relax_cli("parallel=tp2", "model.tiny.num_kv_heads=1", cwd=tmp_path)
     assert proc.returncode == 2
-    message = "parallel=tp2: tp=2 must divide the model's num_key_value_heads=1 (config.json)"
+    message = "parallel=tp2: parallel.tp=2 must divide the model's num_key_value_heads=1 (config.json)"
     assert message in proc.stdout + proc.stderr
     run = only_run_dir(tmp_path)
     assert not list(run.glob("rank*.log")) and not (run / "built.json").exists()  # nothing was built

@@ -130,13 +130,13 @@ def test_rollout_log_probs_are_the_old_policy(tiny_path, tokenizer):
 
 def test_refusals():
     from relax.algo import check_algo
-    from relax.train import check_trainer
+    from relax.train import check_train_keys
 
     cfg = make_cfg("algo.use_rollout_log_probs=true", "algo.tis=token")
     with pytest.raises(ConfigError, match="algo.use_rollout_log_probs=true with algo.tis=token"):
         check_algo(cfg.algo, cfg.rollout)
     with pytest.raises(ConfigError, match="train.ref_log_probs_interval=0: expected a positive"):
-        check_trainer(make_cfg("train.ref_log_probs_interval=0"), {})
+        check_train_keys(make_cfg("train.ref_log_probs_interval=0").train)
 
 
 def test_a_run_without_the_reference_still_passes_the_doctor(tmp_path):

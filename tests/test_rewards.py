@@ -120,7 +120,8 @@ def test_a_raising_or_non_numeric_reward_is_named():
     ({"reward_fn": "tests.test_rewards.nope"}, "task.reward_fn='tests.test_rewards.nope' does not import"),
     ({"reward_fn": "x", "group_reward_fn": "tests.test_rewards.ranks", "reward_url": "http://h"}, "both set"),
     ({"reward_fn": "x", "reward_url": "http://h", "reward_batch_size": 0}, "reward_batch_size=0"),
-    ({"reward_fn": "x", "reward_url": "http://h", "reward_timeout_s": 0}, r"reward_timeout_s=0 \(> 0\)"),
+    ({"reward_fn": "x", "reward_url": "http://h", "reward_timeout_s": 0},
+     r"reward_timeout_s=0: expected a number of seconds > 0"),
 ])
 def test_bad_reward_settings_are_refused(kwargs, message):
     with pytest.raises(ConfigError, match=message):

@@ -58,9 +58,13 @@ def check_algo(algo, rollout) -> None:
                           f"(verl's clip_ratio_c; default 3.0), or null to disable it")
     if algo.tis_cap <= 0:
         raise ConfigError(f"algo.tis_cap={algo.tis_cap}: the truncation cap must be > 0")
-    if not 0 <= algo.mis_low < 1 < algo.mis_high:
-        raise ConfigError(f"algo.mis_low={algo.mis_low}, algo.mis_high={algo.mis_high}: masked IS "
-                          f"keeps ratios in [mis_low, mis_high], which must hold 1")
+    for key in ("eps_clip", "eps_clip_high", "kl_loss_coef"):
+        if algo[key] is not None and algo[key] < 0:
+            raise ConfigError(f"algo.{key}={algo[key]}: expected a number >= 0")
+    if not 0 <= algo.mis_low < 1:  # masked IS keeps ratios in [mis_low, mis_high], around 1
+        raise ConfigError(f"algo.mis_low={algo.mis_low}: expected a ratio in [0, 1)")
+    if not algo.mis_high > 1:
+        raise ConfigError(f"algo.mis_high={algo.mis_high}: expected a ratio > 1")
     if algo.use_rollout_log_probs and algo.tis is not None:
         raise ConfigError(f"algo.use_rollout_log_probs=true with algo.tis={algo.tis}: the PPO ratio is then "
                           f"pi_new / pi_rollout, already the importance ratio that TIS would apply a second "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import re
 import socket
 import time
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from relax.errors import ConfigError
 
 log = logging.getLogger(__name__)
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+ADDRESS = re.compile(r"auto|local|(ray://)?\S+:\d+")  # what ray.init(address=) joins
 WAIT_LOG_S = 30  # how often a placement that is still waiting says what it misses
 
 
@@ -56,14 +58,22 @@ def check_cluster(cfg) -> None:
     if c.placement_strategy not in STRATEGIES:
         raise ConfigError(f"cluster.placement_strategy={c.placement_strategy!r}: expected one of "
                           f"{', '.join(STRATEGIES)}")
+    if c.address is not None and not ADDRESS.fullmatch(c.address):
+        raise ConfigError(f"cluster.address={c.address!r}: expected auto, host:port or ray://host:port "
+                          f"(null: a private Ray instance)")
     if not c.placement_timeout_s > 0:
         raise ConfigError(f"cluster.placement_timeout_s={c.placement_timeout_s}: expected > 0")
     for key in ("num_cpus_per_rank", "num_gpus_per_rank", "num_cpus_per_engine", "num_gpus_per_engine"):
         if c[key] < 0:
             raise ConfigError(f"cluster.{key}={c[key]}: expected >= 0")
     for side in ("rank", "engine"):
+        for name, amount in c[f"resources_per_{side}"].items():
+            if amount < 0:
+                raise ConfigError(f"cluster.resources_per_{side}.{name}={amount}: expected >= 0")
         if not _shape(c[f"num_cpus_per_{side}"], c[f"num_gpus_per_{side}"], c[f"resources_per_{side}"]):
-            raise ConfigError(f"cluster: a {side}'s bundle reserves nothing; set cluster.num_cpus_per_{side}")
+            cpus = c[f"num_cpus_per_{side}"]
+            raise ConfigError(f"cluster.num_cpus_per_{side}={cpus}: each {side}'s bundle would reserve "
+                              f"nothing (no CPU, GPU or custom resource); expected > 0")
     tp = cfg.rollout.rollout_num_gpus_per_engine
     if c.num_gpus_per_engine and c.num_gpus_per_engine != tp:
         raise ConfigError(f"cluster.num_gpus_per_engine={c.num_gpus_per_engine} but each engine runs on "

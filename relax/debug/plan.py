@@ -139,6 +139,9 @@ def check_dump_layers(cfg, dump_layers: str, rollout_ids: list[int], builds_trai
         raise ConfigError(f"debug.dump_layers: train._target_={cfg.train._target_} records no layer dump "
                           f"(train=torch and train=megatron do)")
     wanted = rollout_ids[:1] if d.dump_layers_rollouts is None else list(d.dump_layers_rollouts)
+    if not wanted:
+        raise ConfigError(f"debug.dump_layers_rollouts={wanted}: expected one or more of this run's rollout "
+                          f"ids, or null (its first)")
     return among_rollouts("debug.dump_layers_rollouts", wanted, rollout_ids)
 
 
@@ -175,9 +178,18 @@ def resolve(cfg, start_rollout_id: int = 0, hf_config: dict | None = None, run_d
     will load (a resumed run's); by default the one `cfg.model` names. `run_dir`: where relative
     output paths go (by default the launch directory)."""
     d, r = cfg.debug, cfg.rollout
+    from relax.config import check_numbers
     from relax.rollout import check_rollout
+    from relax.train import check_parallel_keys, check_train_keys
 
+    check_numbers(cfg)
     check_rollout(r)
+    check_train_keys(cfg.train)  # (train.num_threads: every process's threads, a trainer's or not)
+    check_parallel_keys(cfg.parallel)
+    fraction = d.load_rollout_data_subsample
+    if fraction is not None and not 0 < fraction <= 1:
+        raise ConfigError(f"debug.load_rollout_data_subsample={fraction}: expected a fraction of the "
+                          f"GRPO groups in (0, 1]")
     load = _abs_template(d.load_rollout_data)
     train_only = d.train_only or load is not None
     if d.rollout_only and train_only:
@@ -191,11 +203,6 @@ def resolve(cfg, start_rollout_id: int = 0, hf_config: dict | None = None, run_d
         from relax.rollout.prefetch import check_async
 
         check_async(cfg, builds_rollout=not train_only, builds_train=not d.rollout_only)
-    if r.rollout_num_gpus < 1 or r.rollout_num_gpus_per_engine < 1 or \
-            r.rollout_num_gpus % r.rollout_num_gpus_per_engine:
-        raise ConfigError(f"rollout.rollout_num_gpus={r.rollout_num_gpus} must be a positive "
-                          f"multiple of rollout.rollout_num_gpus_per_engine="
-                          f"{r.rollout_num_gpus_per_engine}")
 
     dump_dir = Path(_abs_template(d.dump_details, run_dir)) if d.dump_details else None
     save_rollout = _abs_template(d.save_rollout_data, run_dir) or (
@@ -217,10 +224,6 @@ def resolve(cfg, start_rollout_id: int = 0, hf_config: dict | None = None, run_d
                               f"for rollout ids {start_rollout_id}..{r.num_rollout - 1}")
         rollout_ids = list(replay_files)
         check_replay_ids(d.load_rollout_data, rollout_ids, start_rollout_id)
-        fraction = d.load_rollout_data_subsample
-        if fraction is not None and not 0 < fraction <= 1:
-            raise ConfigError(f"debug.load_rollout_data_subsample={fraction}: expected a fraction of the "
-                              f"GRPO groups in (0, 1]")
     else:
         replay_files = {}
         rollout_ids = list(range(start_rollout_id, r.num_rollout))

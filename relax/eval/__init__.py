@@ -57,16 +57,25 @@ def questions(entry: str, cfg, task) -> list[tuple]:
                           f"file of {{\"prompt\", \"label\"}} rows)") from None
 
 
+MAX_PROMPTS = 10**5
+
+
 class Evaluator:
     """The run's evaluation: `due(rollout_id)`, then `evaluate(engine, rollout_id)` -> metrics."""
 
     def __init__(self, cfg, task, tokenizer, last_rollout_id: int):
         e = cfg.eval
-        if e.interval is not None and e.interval < 1 or e.num_prompts < 1 or e.n_samples_per_prompt < 1 \
-                or e.temperature < 0:
-            raise ConfigError(f"eval.interval={e.interval} (>= 1 or null), eval.num_prompts={e.num_prompts} "
-                              f"(>= 1), eval.n_samples_per_prompt={e.n_samples_per_prompt} (>= 1), "
-                              f"eval.temperature={e.temperature} (>= 0)")
+        if e.interval is not None and e.interval < 1:
+            raise ConfigError(f"eval.interval={e.interval}: expected a positive number of rollouts, or null "
+                              f"(no evaluation)")
+        for key in ("num_prompts", "n_samples_per_prompt"):
+            if e[key] < 1:
+                raise ConfigError(f"eval.{key}={e[key]}: expected a positive integer")
+        if e.num_prompts > MAX_PROMPTS:
+            raise ConfigError(f"eval.num_prompts={e.num_prompts}: expected at most {MAX_PROMPTS} (each "
+                              f"dataset's prompts are made and encoded at start-up)")
+        if e.temperature < 0:
+            raise ConfigError(f"eval.temperature={e.temperature}: expected a number >= 0 (0: greedy)")
         names = [dataset_name(d) for d in e.datasets]
         if len(set(names)) < len(names) or not names:
             raise ConfigError(f"eval.datasets={list(e.datasets)}: expected one or more datasets with "

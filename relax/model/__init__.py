@@ -37,7 +37,8 @@ def resolve_model_path(model_cfg) -> Path:
             return check_model_dir(ensure_packaged_model(model_cfg))
         if model_cfg.name != "tiny":
             raise ConfigError(
-                f"model.path is not set for model={model_cfg.name}: pass model.path=/path/to/hf_dir")
+                f"model.path is not set for model={model_cfg.name}: pass model.path=/path/to/hf_dir "
+                f"(model.name={model_cfg.name!r}: only model.name=tiny is built without one)")
         from relax.model.tiny import ensure_tiny_model
 
         return check_model_dir(ensure_tiny_model(model_cfg))
@@ -164,14 +165,15 @@ def save_hf_dir(path: Path, config, weights: dict) -> None:
               metadata={"format": "pt"})
 
 
-def torch_dtype(name: str):
+def torch_dtype(name: str, key: str = "model.dtype"):
+    """The torch dtype `name` (the value of config key `key`) names."""
     import torch
 
     try:
         return {"float32": torch.float32, "bfloat16": torch.bfloat16,
                 "float16": torch.float16}[name]
     except KeyError:
-        raise ConfigError(f"model.dtype={name!r}: expected float32, bfloat16 or float16") from None
+        raise ConfigError(f"{key}={name!r}: expected float32, bfloat16 or float16") from None
 
 
 def load_causal_lm(path: Path, dtype: str):

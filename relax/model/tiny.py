@@ -137,6 +137,50 @@ def warm_up(model, tokenizer, cfg) -> float:
     return accuracy
 
 
+MAX_PARAMETERS = 10**9  # the tiny model is built and warmed up on this machine's CPU, at start-up
+
+
+def check_recipe(tiny) -> None:
+    """model.tiny.* values that build no model (refused before the recipe is built, or its
+    config.json made)."""
+    key = "model.tiny."
+    for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+                 "warmup_batch_size"):
+        if tiny[name] < 1:
+            raise ConfigError(f"{key}{name}={tiny[name]}: expected a positive integer")
+    for name in ("shared_expert_intermediate_size", "warmup_max_steps", "warmup_lr"):
+        if tiny[name] < 0:
+            raise ConfigError(f"{key}{name}={tiny[name]}: expected a number >= 0")
+    if tiny.hidden_size % tiny.num_heads or tiny.hidden_size // tiny.num_heads % 2:
+        raise ConfigError(f"{key}num_heads={tiny.num_heads}: expected heads of an even width (RoPE rotates "
+                          f"pairs): a divisor of model.tiny.hidden_size={tiny.hidden_size} that leaves an "
+                          f"even quotient")
+    if tiny.num_heads % tiny.num_kv_heads:
+        raise ConfigError(f"{key}num_kv_heads={tiny.num_kv_heads}: expected a divisor of "
+                          f"model.tiny.num_heads={tiny.num_heads} (each key/value head serves a group of "
+                          f"heads)")
+    if tiny.num_experts == 1 or tiny.num_experts < 0:
+        raise ConfigError(f"{key}num_experts={tiny.num_experts}: expected 0 (a dense model) or at least 2 "
+                          f"(each token is routed to 2 experts)")
+    if tiny.num_experts and tiny.intermediate_size < 2:
+        raise ConfigError(f"{key}intermediate_size={tiny.intermediate_size}: expected at least 2 with "
+                          f"experts (each expert is half as wide)")
+    if tiny.shared_expert_intermediate_size and not tiny.num_experts:
+        raise ConfigError(f"{key}shared_expert_intermediate_size={tiny.shared_expert_intermediate_size}: "
+                          f"a dense model (model.tiny.num_experts=0) has no shared expert; set it to 0")
+    if not 0 <= tiny.warmup_target_accuracy <= 1:
+        raise ConfigError(f"{key}warmup_target_accuracy={tiny.warmup_target_accuracy}: expected an "
+                          f"accuracy in [0, 1]")
+    sizes = ("hidden_size", "num_layers", "intermediate_size", "num_experts")
+    h, layers = tiny.hidden_size, tiny.num_layers
+    parameters = layers * (4 * h * h + 3 * h * tiny.intermediate_size * max(tiny.num_experts, 1))
+    if parameters > MAX_PARAMETERS:
+        named = ", ".join(f"{key}{k}={tiny[k]}" for k in sizes)
+        raise ConfigError(f"{named} make a model of {parameters:.1e} parameters: expected at most "
+                          f"{MAX_PARAMETERS:.0e} (the tiny model is built and warmed up on this machine's "
+                          f"CPU at start-up; model=hf loads a larger one)")
+
+
 def tiny_model_dir(model_cfg) -> Path:
     recipe = json.dumps({"format": FORMAT, **dict(model_cfg.tiny)}, sort_keys=True)
     digest = hashlib.sha256(recipe.encode()).hexdigest()[:10]
@@ -145,6 +189,7 @@ def tiny_model_dir(model_cfg) -> Path:
 
 def tiny_config(model_cfg) -> dict:
     """The tiny model's config.json: from the cache, or from the recipe before it is built."""
+    check_recipe(model_cfg.tiny)
     cached = tiny_model_dir(model_cfg) / "config.json"
     if cached.is_file():
         return json.loads(cached.read_text())
@@ -158,6 +203,7 @@ def shipped_recipe() -> dict:
 def ensure_tiny_model(model_cfg) -> Path:
     """Return the cached tiny model directory: the shipped weights for the default recipe
     (verified), else built on first use (atomically)."""
+    check_recipe(model_cfg.tiny)
     target = tiny_model_dir(model_cfg)
     remove_stale(target.parent)  # what killed builds left, even when this one is cached
     if dict(model_cfg.tiny) == shipped_recipe():
@@ -193,6 +239,9 @@ def build(cfg, out: Path) -> Path:
     torch.manual_seed(cfg.seed)
     model = AutoModelForCausalLM.from_config(build_config(cfg, tokenizer))
     accuracy = warm_up(model, tokenizer, cfg)
+    if not all(p.isfinite().all() for p in model.parameters()):
+        raise ConfigError(f"model.tiny.warmup_lr={cfg.warmup_lr}: the warm-up diverged (non-finite weights); "
+                          f"expected a smaller learning rate")
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     (out / "relax_tiny.json").write_text(json.dumps(

@@ -57,12 +57,22 @@ def torch_cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+MAX_ROLLOUTS = 10**7  # a run's rollout ids, listed at start-up (1e7 rollouts of 1 s each: 4 months)
+
+
 def check_rollout(r) -> None:
     """rollout.* values no run can use, refused whether or not an engine is built (a replay
     still takes num_rollout, and its trainer the temperature)."""
-    for key in ("num_rollout", "rollout_batch_size", "n_samples_per_prompt", "max_new_tokens"):
+    for key in ("num_rollout", "rollout_batch_size", "n_samples_per_prompt", "max_new_tokens",
+                "rollout_num_gpus", "rollout_num_gpus_per_engine", "weight_update_bucket_mb"):
         if r[key] < 1:  # (max_new_tokens: an empty response has nothing to train on)
             raise ConfigError(f"rollout.{key}={r[key]}: expected a positive integer")
+    if r.num_rollout > MAX_ROLLOUTS:
+        raise ConfigError(f"rollout.num_rollout={r.num_rollout}: expected at most {MAX_ROLLOUTS:.0e} (the "
+                          f"run lists its rollout ids at start-up)")
+    if r.rollout_num_gpus % r.rollout_num_gpus_per_engine:
+        raise ConfigError(f"rollout.rollout_num_gpus={r.rollout_num_gpus}: expected a multiple of "
+                          f"rollout.rollout_num_gpus_per_engine={r.rollout_num_gpus_per_engine}")
     if not math.isfinite(r.temperature) or r.temperature < 0:
         raise ConfigError(f"rollout.temperature={r.temperature}: expected a number >= 0 (0: greedy)")
     if not 0 < r.top_p <= 1:
@@ -93,6 +103,9 @@ def check_engine(cfg) -> None:
                           f"rollout.colocate=false")
     if r.num_engines is not None and r.num_engines < 1:
         raise ConfigError(f"rollout.num_engines={r.num_engines}: expected at least 1 (or null)")
+    from relax.model import torch_dtype
+
+    torch_dtype(engine_dtype(cfg), "rollout.dtype" if r.dtype else "model.dtype")
     if hasattr(engine, "check_config"):
         engine.check_config(cfg)
     from relax.rollout.generate import check_functions

@@ -57,10 +57,12 @@ def check_functions(rollout_cfg) -> None:
     load_function(r.generate_fn, "rollout.generate_fn", GENERATE_FN)
     if r.dynamic_sampling_filter:
         load_function(r.dynamic_sampling_filter, "rollout.dynamic_sampling_filter", FILTER_FN)
-    if (r.over_sampling_batch_size if r.over_sampling_batch_size is not None else 1) < 1 \
-            or r.max_generation_rounds < 1:
-        raise ConfigError(f"rollout.over_sampling_batch_size={r.over_sampling_batch_size} and "
-                          f"rollout.max_generation_rounds={r.max_generation_rounds}: expected >= 1")
+    if r.over_sampling_batch_size is not None and r.over_sampling_batch_size < 1:
+        raise ConfigError(f"rollout.over_sampling_batch_size={r.over_sampling_batch_size}: expected a "
+                          f"positive number of prompts, or null (rollout.rollout_batch_size)")
+    if r.max_generation_rounds < 1:
+        raise ConfigError(f"rollout.max_generation_rounds={r.max_generation_rounds}: expected a positive "
+                          f"integer")
 
 
 def check_sample(sample, prompt, source: str) -> None:

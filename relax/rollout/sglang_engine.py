@@ -130,6 +130,12 @@ class SGLangEngine:
 
     @staticmethod
     def check_config(cfg) -> None:
+        r = cfg.rollout
+        if r.mem_fraction_static is not None and not 0 < r.mem_fraction_static < 1:
+            raise ConfigError(f"rollout.mem_fraction_static={r.mem_fraction_static}: expected a fraction of "
+                              f"the memory in (0, 1), or null")
+        if r.max_total_tokens < 1:
+            raise ConfigError(f"rollout.max_total_tokens={r.max_total_tokens}: expected a positive integer")
         if cfg.debug.check_weight_update_equal and cfg.rollout.rollout_num_gpus_per_engine > 1:
             raise ConfigError("debug.check_weight_update_equal reads the engine's tensors back "
                               "unsharded: run it with rollout.rollout_num_gpus_per_engine=1")

@@ -88,6 +88,11 @@ class Task:
                  format_reward: float = 0.0, **reward_keys):
         self.seed, self.apply_chat_template = seed, apply_chat_template
         self.rewards = Rewards(reward_fn, **reward_keys)  # task.reward_fn, group_reward_fn, reward_url...
+        try:
+            re.compile(answer_format or "")
+        except re.error as e:
+            raise ConfigError(f"task.answer_format={answer_format!r}: not a regular expression "
+                              f"({e})") from None
         if format_reward and not answer_format:
             raise ConfigError(f"task.format_reward={format_reward} needs task.answer_format (the regex a "
                               f"well-formed response matches)")
@@ -180,11 +185,21 @@ class Task:
         return self.to_prompts(self.questions(rng, batch_size), tokenizer, f"rollout {rollout_id}")
 
 
+def check_operands(min_operand: int, max_operand: int) -> None:
+    """The operand range of the generated tasks: [task.min_operand, task.max_operand], not negative."""
+    if min_operand < 0:
+        raise ConfigError(f"task.min_operand={min_operand}: expected an integer >= 0")
+    if max_operand < min_operand:
+        raise ConfigError(f"task.min_operand={min_operand} is above task.max_operand={max_operand}: expected "
+                          f"min_operand <= max_operand")
+
+
 class ArithmeticTask(Task):
     """task=arithmetic: "a+b=" with operands in [min_operand, max_operand]."""
 
     def __init__(self, min_operand: int, max_operand: int, **common):
         super().__init__(**common)
+        check_operands(min_operand, max_operand)
         self.min_operand, self.max_operand = min_operand, max_operand
 
     def questions(self, rng, n):
@@ -197,10 +212,10 @@ class WordProblemsTask(Task):
     def __init__(self, operations: list[str], min_operand: int, max_operand: int, instruction: str, **common):
         super().__init__(**common)
         unknown = sorted(set(operations) - set(word_problems.TEMPLATES))
-        if unknown or not operations or not 0 <= min_operand <= max_operand:
-            raise ConfigError(f"task.operations={list(operations)} (each of "
-                              f"{sorted(word_problems.TEMPLATES)}), "
-                              f"task.min_operand={min_operand} <= task.max_operand={max_operand} (>= 0)")
+        if unknown or not operations:
+            raise ConfigError(f"task.operations={list(operations)}: expected one or more of "
+                              f"{', '.join(sorted(word_problems.TEMPLATES))}")
+        check_operands(min_operand, max_operand)
         self.problem = dict(operations=list(operations), min_operand=min_operand, max_operand=max_operand,
                             instruction=instruction)
 

@@ -70,9 +70,15 @@ class Rewards:
         if group_reward_fn and reward_url:
             raise ConfigError(f"task.group_reward_fn={group_reward_fn!r} and task.reward_url={reward_url!r} "
                               f"are both set: a rollout is scored by one of them")
-        if reward_batch_size < 1 or reward_retries < 0 or reward_timeout_s <= 0:
-            raise ConfigError(f"task.reward_batch_size={reward_batch_size} (>= 1), task.reward_retries="
-                              f"{reward_retries} (>= 0), task.reward_timeout_s={reward_timeout_s} (> 0)")
+        if reward_batch_size < 1:
+            raise ConfigError(f"task.reward_batch_size={reward_batch_size}: expected a positive number "
+                              f"of samples")
+        if reward_retries < 0:
+            raise ConfigError(f"task.reward_retries={reward_retries}: expected a number of retries >= 0")
+        if not reward_timeout_s > 0:
+            raise ConfigError(f"task.reward_timeout_s={reward_timeout_s}: expected a number of seconds > 0")
+        if reward_url and not reward_url.startswith(("http://", "https://")):
+            raise ConfigError(f"task.reward_url={reward_url!r}: expected an http:// or https:// URL")
         self.url, self.batch_size = reward_url, reward_batch_size
         self.timeout_s, self.retries = reward_timeout_s, reward_retries
         if group_reward_fn:

@@ -44,13 +44,45 @@ def make_trainer(cfg, *args, **kwargs):
 
 
 def check_train_keys(t) -> None:
-    """train.* values no trainer can use."""
+    """train.* values no trainer can use (checked whether or not a trainer is built: the driver
+    and every engine process run train.num_threads threads too)."""
     for key in ("micro_batch_size", "num_steps_per_rollout", "num_threads"):
         if t[key] < 1:
             raise ConfigError(f"train.{key}={t[key]}: expected a positive integer")
-    for key in ("lr", "weight_decay", "clip_grad"):
+    if t.num_threads >= 2**31:
+        raise ConfigError(f"train.num_threads={t.num_threads}: expected fewer than 2**31 (a C int: "
+                          f"torch.set_num_threads)")
+    for key in ("lr", "weight_decay", "clip_grad", "adam_eps"):
         if not math.isfinite(t[key]) or t[key] < 0:
             raise ConfigError(f"train.{key}={t[key]}: expected a finite number >= 0")
+    for key in ("adam_beta1", "adam_beta2"):
+        if not 0 <= t[key] < 1:
+            raise ConfigError(f"train.{key}={t[key]}: expected a number in [0, 1)")
+    if t.on_nonfinite not in ("error", "skip"):
+        raise ConfigError(f"train.on_nonfinite={t.on_nonfinite!r}: expected error or skip")
+    if t.ref_log_probs_interval is not None and t.ref_log_probs_interval < 1:
+        raise ConfigError(f"train.ref_log_probs_interval={t.ref_log_probs_interval}: expected a positive "
+                          f"number of rollouts, or null (the reference runs at the first step only)")
+
+
+PARALLEL_SIZES = ("tp", "pp", "vpp", "ep", "etp", "cp", "dp")
+MAX_NOISE_ULPS = 1000
+
+
+def check_parallel_keys(p) -> None:
+    """parallel.* values no layout can use (conf/parallel/)."""
+    for key in PARALLEL_SIZES:
+        if p[key] < 1:
+            raise ConfigError(f"parallel.{key}={p[key]} (parallel={p.name}): expected a positive integer")
+    for key in ("noise_ulp", "step_noise_ulp"):
+        if not 0 <= p.get(key, 0) <= MAX_NOISE_ULPS:
+            raise ConfigError(f"parallel.{key}={p[key]} (parallel={p.name}): expected a number of ulps in "
+                              f"[0, {MAX_NOISE_ULPS}] (rounding noise is a few; each is a pass over the "
+                              f"weights)")
+    derived = p.tp * p.pp * p.cp * p.dp
+    if p.world_size != derived:
+        raise ConfigError(f"parallel.world_size={p.world_size}: it is derived, tp x pp x cp x dp = "
+                          f"{derived}; leave it unset")
 
 
 def check_batch_split(cfg, num_samples: int, source: str) -> None:
@@ -65,19 +97,15 @@ def check_batch_split(cfg, num_samples: int, source: str) -> None:
 
 
 def check_trainer(cfg, hf_config: dict) -> None:
-    """Start-up refusals: the train keys hold, the trainer class imports, the algo and non-finite
-    settings hold (every trainer trains with relax.algo), and its own checks pass for this model
+    """Start-up refusals (after check_train_keys): the trainer class imports, the model's dtype and
+    the algo settings hold (every trainer trains with relax.algo), and its own checks pass for this model
     (`hf_config`: its config.json, see relax.model.model_config)."""
-    check_train_keys(cfg.train)
     trainer = load_target(cfg, "train")
-    if cfg.train.on_nonfinite not in ("error", "skip"):
-        raise ConfigError(f"train.on_nonfinite={cfg.train.on_nonfinite!r}: expected error or skip")
-    if cfg.train.ref_log_probs_interval is not None and cfg.train.ref_log_probs_interval < 1:
-        raise ConfigError(f"train.ref_log_probs_interval={cfg.train.ref_log_probs_interval}: expected a "
-                          f"positive number of rollouts, or null (the reference runs at the first step only)")
     from relax.algo import check_algo
+    from relax.model import torch_dtype
     from relax.train import lora, routing
 
+    torch_dtype(cfg.model.dtype)
     check_algo(cfg.algo, cfg.rollout)
     lora.check_config(cfg, trainer, hf_config)
     routing.check_config(cfg.algo, hf_config, cfg.train.num_steps_per_rollout)

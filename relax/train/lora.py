@@ -75,10 +75,16 @@ def check_config(cfg, trainer, hf_config: dict) -> None:
         raise ConfigError(f"train.lora.rank={lora.rank}: LoRA trains with train=torch only, and "
                           f"train._target_={cfg.train._target_} has no LoRA (Megatron-core has none of "
                           f"its own); use train=torch, or train.lora.rank=0")
+    width = hf_config.get("hidden_size", lora.rank)
+    if lora.rank > width:  # B @ A's rank is at most the layer's width
+        raise ConfigError(f"train.lora.rank={lora.rank}: expected at most the model's hidden_size={width}")
     if lora.alpha is not None and not (math.isfinite(lora.alpha) and lora.alpha > 0):
         raise ConfigError(f"train.lora.alpha={lora.alpha}: expected a number > 0, or null (2 x rank)")
     if not 0 <= lora.dropout < 1:
         raise ConfigError(f"train.lora.dropout={lora.dropout}: expected a probability in [0, 1)")
+    if lora.target_modules is not None and not lora.target_modules:
+        raise ConfigError("train.lora.target_modules=[]: expected one or more module names, or null (the "
+                          "attention and MLP projections)")
     require_extra(f"train.lora.rank={lora.rank}", "peft")
     check_targets(lora, hf_config)
 

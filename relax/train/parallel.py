@@ -44,15 +44,15 @@ def check_divides(p, size: str, hf: dict, keys: tuple[str, ...]) -> None:
     uneven = {k: hf[k] for k in keys if hf.get(k) and hf[k] % n}
     if uneven:
         counts = ", ".join(f"{k}={v}" for k, v in uneven.items())
-        raise ConfigError(f"parallel={p.name}: {size}={n} must divide the model's {counts} "
+        raise ConfigError(f"parallel={p.name}: parallel.{size}={n} must divide the model's {counts} "
                           f"(config.json); choose a {size} that divides them")
 
 
 def check_torch_layout(p, hf: dict) -> None:
-    unsupported = {k: getattr(p, k) for k in ("pp", "cp", "ep", "vpp") if getattr(p, k) > 1}
+    unsupported = [k for k in ("pp", "cp", "ep", "etp", "vpp") if p[k] > 1]
     if unsupported:
-        what = ", ".join(f"{k}={v}" for k, v in unsupported.items())
-        raise ConfigError(f"parallel={p.name}: {what} is not supported by train=torch "
+        key = unsupported[0]
+        raise ConfigError(f"parallel={p.name}: parallel.{key}={p[key]} is not supported by train=torch "
                           f"(tp, dp and fsdp are); use train=megatron for pipeline, context "
                           f"and expert parallelism")
     if p.sequence_parallel:
