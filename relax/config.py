@@ -148,6 +148,7 @@ class ParallelConfig:
     sequence_parallel: bool = False  # shard activations along the sequence in TP regions
     fsdp: bool = False  # shard parameters/grads/optimizer over dp (FSDP2)
     noise_ulp: int = 0  # >0: each initial actor weight nudged by that many ulps (parallel=twin)
+    step_noise_ulp: int = 0  # >0: and each step's weights by that many more (parallel=twin)
     world_size: int = II("mul:${.tp},${.pp},${.cp},${.dp}")  # ranks: derived, not set
 
 

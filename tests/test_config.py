@@ -59,7 +59,9 @@ ADDED = {"logger._target_": "relax.logger.MetricsLogger",
          # issue 23 (speed): a group's prompt once in train=torch's forward
          "train.shared_prompt": True,
          # issue 24 (MoE routing): routing replay, off
-         "algo.routing_replay": None}
+         "algo.routing_replay": None,
+         # issue 46 (noise model): step noise, off (a twin's: below, in expected_now)
+         "parallel.step_noise_ulp": 0}
 RAY = {"cluster._target_": "relax.cluster.ray_cluster.RayCluster", "cluster.address": None,
        "cluster.num_cpus_per_rank": 1.0, "cluster.num_gpus_per_rank": 0.0, "cluster.num_cpus_per_engine": 1.0,
        "cluster.num_gpus_per_engine": 0.0, "cluster.resources_per_rank": {},
@@ -89,7 +91,8 @@ NEW_OPTIONS = {"cluster=local": ("algo=grpo", {}), "cluster=ray": ("algo=grpo", 
                "parallel=tp3": ("parallel=tp2",
                                 {"parallel.name": "tp3", "parallel.tp": 3, "parallel.world_size": 3}),
                **{f"parallel=twin{n}": ("parallel=twin",
-                                         {"parallel.name": f"twin{n}", "parallel.noise_ulp": n})
+                                         {"parallel.name": f"twin{n}", "parallel.noise_ulp": n,
+                                          "parallel.step_noise_ulp": n})
                   for n in (2, 3)}}
 # Keys (or key prefixes) now carried only by the option that uses them: -> (key, value) of that option.
 OPTION_ONLY = {
@@ -122,6 +125,8 @@ def expected_now(before: dict) -> dict:
         out[new_key] = classes[value] if classes else value
     for key, value in ADDED.items():
         out.setdefault(key, value)  # a recorded value (parallel=twin's noise_ulp) wins
+    if out["parallel.noise_ulp"]:  # issue 46: a noise twin nudges its weights after every step too
+        out["parallel.step_noise_ulp"] = out["parallel.noise_ulp"]
     if out["train._target_"] == MEGATRON:
         out["train.shared_prompt"] = False  # Megatron's RoPE ignores position ids (relax/train/packing.py)
     for key in list(out):

@@ -7,8 +7,9 @@ sample missing, extra or with another token count is a divergence), and per-step
 grad_norm. A job "departs" at the first step whose difference leaves the step-0 tolerances.
 
 With a noise twin of the baseline in the compared jobs (`parallel=twin`: the baseline with
-each initial weight moved by one ulp) the twin's distance from the baseline is the measured
-rounding noise, and one noise model judges everything: the step-0 tolerances are
+each weight moved by one ulp at the start and after every optimizer step, rounding noise at
+every step as another reduction order adds it) the twin's distance from the baseline is the
+measured rounding noise, and one noise model judges everything: the step-0 tolerances are
 max(fixed, `--envelope-margin` x the twin's step-0 difference); a step diverges when it is
 further from the baseline than max(that, margin x the twin's largest difference by then),
 judged up to the twin's own departure (at least `--strict-steps`). Past it fp32 rounding
@@ -61,9 +62,9 @@ def finite(job: Job) -> bool:
 
 
 def find_twins(jobs: list[Job], base: Job) -> list[Job]:
-    """The completed noise twins of the baseline (same backend, initial weights nudged) with as
-    many steps and finite metrics (a NaN twin measures no noise; it is DIVERGED itself)."""
-    return [j for j in jobs if j.noise_ulp > 0 and j.status == "completed" and j is not base
+    """The completed noise twins of the baseline (same backend, weights nudged) with as many
+    steps and finite metrics (a NaN twin measures no noise; it is DIVERGED itself)."""
+    return [j for j in jobs if j.nudged and j.status == "completed" and j is not base
             and j.backend == base.backend and len(j.loss) == len(base.loss) and finite(j)]
 
 
@@ -106,12 +107,12 @@ class Noise:
     """What every job's difference from the baseline is judged against: one noise model.
 
     Without a twin: the fixed tolerances, on the first `strict_steps` steps only. With a twin
-    (the baseline with every initial weight moved by one ulp) the twin's own distance from the
-    baseline is the measured rounding noise: the step-0 tolerances are max(fixed, margin x the
-    twin's step-0 difference) (`floor`), a step's limit is max(floor, margin x the twin's
-    running-max difference by then), and steps are judged by size only up to the twin's
-    departure (its first step beyond `floor`): past it fp32 rounding differences have grown
-    chaotic, so their size says nothing about a layout. The departure counts loss and
+    (the baseline with every weight moved by one ulp at the start and after every step) the
+    twin's own distance from the baseline is the measured rounding noise: the step-0
+    tolerances are max(fixed, margin x the twin's step-0 difference) (`floor`), a step's
+    limit is max(floor, margin x the twin's running-max difference by then), and steps are
+    judged by size only up to the twin's departure (its first step beyond `floor`): past it
+    fp32 rounding differences have grown chaotic, so their size says nothing about a layout. The departure counts loss and
     grad_norm only: the twin's step-0 log_probs set their tolerance's scale (on SmolLM2-135M
     they alone are 1.24e-5 from the baseline's, beyond the fixed 1e-5), they cannot leave it.
     Several twins (twin, twin2, twin3: independent nudges) are several samples of that noise:

@@ -23,6 +23,7 @@ class Job:
     backend: str = "?"
     layout: str = "?"
     noise_ulp: int = 0
+    step_noise_ulp: int = 0
     status: str = "missing"
     error: str | None = None
     loss: list[float] = field(default_factory=list)
@@ -44,6 +45,11 @@ class Job:
     model: str | None = None  # the model it trained (built.json: its path), None before it built one
     model_fingerprint: str | None = None  # its architecture (relax.model.model_fingerprint)
 
+    @property
+    def nudged(self) -> bool:
+        """A noise twin (parallel=twin*): weights nudged at the start, after every step, or both."""
+        return self.noise_ulp > 0 or self.step_noise_ulp > 0
+
 
 def load_job(path: Path) -> Job:
     job = Job(path=path, name=path.name)
@@ -51,7 +57,7 @@ def load_job(path: Path) -> Job:
     if config.is_file():
         cfg = read_config(config)
         job.backend, job.layout = cfg["train._target_"], cfg["parallel.name"]
-        job.noise_ulp = cfg["parallel.noise_ulp"]
+        job.noise_ulp, job.step_noise_ulp = cfg["parallel.noise_ulp"], cfg["parallel.step_noise_ulp"]
     if (path / "built.json").is_file():
         built = read_json(path / "built.json")
         job.model, job.model_fingerprint = built.get("model_path"), built.get("model_fingerprint")

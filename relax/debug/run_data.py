@@ -67,6 +67,7 @@ def read_config(path: Path) -> dict:
         keys = {"train._target_": train.get("_target_", train.get("backend", "?")),  # (backend: older runs)
                 "parallel.name": parallel.get("name", "?"),
                 "parallel.noise_ulp": parallel.get("noise_ulp", 0),
+                "parallel.step_noise_ulp": parallel.get("step_noise_ulp", 0),
                 "train.num_steps_per_rollout": train.get("num_steps_per_rollout"),
                 "algo.use_rollout_log_probs": algo.get("use_rollout_log_probs", False),
                 "train.lr": train.get("lr"), "rollout.top_p": rollout.get("top_p", 1.0),

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from relax import faults
 from relax.algo import (compute_advantages, gspo_loss, kl_estimate, masked_sum, mismatch_kl, mismatch_ratio,
@@ -62,14 +63,28 @@ def nudge_ulps(params, ulps: int, seed: int) -> None:
     signs from `seed` + ulps - 1): a twin run whose distance from the original is rounding noise.
     Twins of 1, 2 and 3 ulps (parallel=twin, twin2, twin3) move in independent directions, so
     they are three samples of that noise: the same signs would repeat one twin's, only larger."""
-    if not ulps:  # (the random signs alone took seconds a rank on a 135M model)
-        return
-    generator = torch.Generator().manual_seed(seed + ulps - 1)
+    if ulps:  # (the random signs alone took seconds a rank on a 135M model)
+        nudge(params, ulps, torch.Generator().manual_seed(seed + ulps - 1))
+
+
+def step_noise(tensors, ulps: int, seed: int, step: int) -> None:
+    """parallel.step_noise_ulp: move every element of `tensors` (a step's weights) `ulps`
+    representable values up or down, in directions drawn from (seed, ulps, step) alone (`step`:
+    the run's optimizer step, so a rerun or a resumed run draws the same): rounding noise added
+    at every step, as a layout's other reduction order adds it, where noise_ulp adds it once."""
+    if ulps:
+        nudge(tensors, ulps, torch.Generator().manual_seed(hash((seed, ulps, step)) & (2**63 - 1)))
+
+
+def nudge(tensors, ulps: int, generator: torch.Generator) -> None:
+    """Each element `ulps` representable values up or down, in random directions from `generator`
+    (a DTensor's: its local shard)."""
     with torch.no_grad():
-        for p in params:
-            target = torch.where(torch.rand(p.shape, generator=generator) < 0.5, -torch.inf, torch.inf)
+        for t in tensors:
+            t = t.to_local() if isinstance(t, DTensor) else t
+            target = torch.where(torch.rand(t.shape, generator=generator) < 0.5, -torch.inf, torch.inf)
             for _ in range(ulps):
-                p.copy_(torch.nextafter(p, target.to(p.dtype)))
+                t.copy_(torch.nextafter(t, target.to(t.dtype)))
 
 
 def advantages_of(samples: list[Sample], algo) -> torch.Tensor:

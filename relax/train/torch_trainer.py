@@ -182,6 +182,9 @@ class TorchTrainer(DistributedWeightSync):
                 finite = math.isfinite(grad_norm) and bool(torch.isfinite(sums[0]))
                 if finite:  # a non-finite step never reaches the weights (nor Adam's moments)
                     self.optimizer.step()
+                    # parallel.step_noise_ulp (a noise twin): every step's result nudged
+                    common.step_noise(self.trainable, self.cfg.parallel.step_noise_ulp, self.cfg.seed,
+                                      rollout_id * t.num_steps_per_rollout + step)
             self.skipped_steps += not finite
             log.step(step, step_mbs, mb_losses, sums, num_tokens, grad_norm, finite,
                      self.optimizer.param_groups[0]["lr"], t0, peak_memory_mb(), self.skipped_steps)

@@ -138,6 +138,9 @@ class MegatronTrainer(DistributedWeightSync):
                 # per-position sums were taken on CP-local chunks: sum over CP ranks too
                 sums = _sum(sum(losses), layout.dp_cp_group) if last else None
                 stepped, grad_norm = self._optimizer_step(sums is None or bool(torch.isfinite(sums[0])))
+                if stepped:  # parallel.step_noise_ulp (a noise twin): every step's result nudged
+                    common.step_noise(self._main_params(), self.cfg.parallel.step_noise_ulp, self.cfg.seed,
+                                      rollout_id * t.num_steps_per_rollout + step)
             peak = peak_memory_mb()  # a collective over every rank
             self.skipped_steps += not stepped
             if last:
@@ -195,6 +198,13 @@ class MegatronTrainer(DistributedWeightSync):
              params=params)
         save("ref", ref_outputs, common.per_sample(mb.ref_log_probs, mb) if last else None)
 
+    def _optimizers(self) -> list:
+        return getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+
+    def _main_params(self) -> list[torch.Tensor]:
+        """The weights the optimizer steps (fp32: views of the model's own)."""
+        return [p for inner in self._optimizers() for p in inner.get_parameters()]
+
     def _optimizer_step(self, loss_finite: bool) -> tuple[bool, float]:
         """Megatron's optimizer.step(), split so that a non-finite loss (known on the last
         stage) or grad norm skips the update on every rank: with fp32 params Megatron has
@@ -207,7 +217,7 @@ class MegatronTrainer(DistributedWeightSync):
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         if bad.item():
             return False, grad_norm
-        for inner in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+        for inner in self._optimizers():
             params = inner.get_parameters()
             if inner.config.clip_grad > 0 and params:
                 clip_grad_by_total_norm_fp32(params, inner.config.clip_grad, grad_norm,
