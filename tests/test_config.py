@@ -61,7 +61,9 @@ ADDED = {"logger._target_": "relax.logger.MetricsLogger",
          # issue 24 (MoE routing): routing replay, off
          "algo.routing_replay": None,
          # issue 46 (noise model): step noise, off (a twin's: below, in expected_now)
-         "parallel.step_noise_ulp": 0}
+         "parallel.step_noise_ulp": 0,
+         # issue 46 (resume is the same experiment): nothing allowed to change
+         "resume_allow_changes": []}
 RAY = {"cluster._target_": "relax.cluster.ray_cluster.RayCluster", "cluster.address": None,
        "cluster.num_cpus_per_rank": 1.0, "cluster.num_gpus_per_rank": 0.0, "cluster.num_cpus_per_engine": 1.0,
        "cluster.num_gpus_per_engine": 0.0, "cluster.resources_per_rank": {},
@@ -309,4 +311,3 @@ def test_a_sweep_job_is_named_by_the_overrides_that_vary(monkeypatch):
     monkeypatch.setenv("RELAX_ARGV", json.dumps(task[:2]))  # no sweep: every override
     assert sweep_subdir(task[:2]) == "debug=train_only,debug.load_rollout_data='_x_{rollout_id}.pt'"
     assert sweep_subdir([]) == "default"
-
