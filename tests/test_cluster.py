@@ -511,6 +511,85 @@ def test_ray_ranks_keep_only_rank_0s_result_and_an_aborted_call_is_not_waited_on
     assert killed == [0, 1]
 
 
+def test_socket_hosts_name_an_actor_that_closed_its_socket_or_did_not_serve(monkeypatch):
+    """SocketHosts with Ray faked: a socket closed without a reply, its `serve` task ended
+    without an error, is reported as that actor closing it, and the group is stopped; a `serve`
+    task that ended with an error before it listened is reported as the actor not serving,
+    with that error."""
+    require("ray", RAY)
+    import multiprocessing
+    from multiprocessing.connection import Pipe
+
+    import ray
+
+    from relax.cluster.ray_cluster import RayHosts
+    from relax.cluster.ray_sockets import SocketHosts, _connect
+    from relax.cluster.ranks import RankError
+
+    served, killed = {}, []
+    monkeypatch.setattr(ray, "wait", lambda refs, num_returns=1, timeout=None: (refs, []))  # serve ended
+    monkeypatch.setattr(ray, "get", lambda ref: served[ref])
+    monkeypatch.setattr(ray, "kill", lambda actor, no_restart: killed.append(actor))
+    group = RayHosts("trainer rank", ["actor0"], [0])
+    group.where = [{"node_ip": "10.0.0.1", "node_id": "abcdef0123", "pid": 100}]
+    driver_end, actor_end = Pipe()
+    actor_end.close()  # (its socket, closed with no reply)
+    served["serve0"] = ("ok", None)
+    hosts = SocketHosts(group, [driver_end], ["serve0"])
+    with pytest.raises(RankError, match=r"^trainer rank 0 \(node 10.0.0.1 \(abcdef01\), pid 100\) closed its "
+                                        r"socket$"):
+        hosts.map("step", [()])
+    assert killed == ["actor0"] and hosts.conns == []
+    with pytest.raises(RankError, match="the trainer ranks were stopped"):
+        hosts.map("step", [()])
+    served["serve1"] = ("error", "Traceback ...\nOSError: [Errno 98] Address already in use", None)
+    authkey = bytes(multiprocessing.current_process().authkey)
+    with pytest.raises(RankError, match=r"^trainer rank 0 \(node .*\) did not serve: Traceback .*\nOSError"):
+        _connect(group, 0, "\0relax-test-nobody-listens", "serve1", authkey, time.monotonic() + 5)
+
+
+def test_an_actor_removes_its_multiprocessing_folder_before_its_shutdown_reply():
+    """ray_sockets.serve as an actor runs it (here in a forked process; the driver's end in this
+    one): calls and their replies cross the socket, and before its reply to `shutdown` the actor
+    removes multiprocessing's temporary folder, which Ray's kill of the actor would leave in /tmp."""
+    require("ray", RAY)
+    import multiprocessing
+    import os
+    from multiprocessing.connection import Client
+    from pathlib import Path
+
+    from relax.cluster.ray_sockets import serve
+
+    class Host:
+        def call(self, method, args, kwargs, keep_result):
+            return "ok", multiprocessing.util.get_temp_dir() if method == "temp_dir" else None
+
+    path = f"\0relax-test-{os.getpid()}-temp-dir"
+
+    def actor():
+        multiprocessing.process.current_process()._config.pop("tempdir", None)  # its own, not ours
+        serve(Host(), path)
+        time.sleep(60)  # until killed, as Ray kills an actor: its exit handlers never run
+    proc = multiprocessing.get_context("fork").Process(target=actor)
+    proc.start()
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            conn = Client(path, family="AF_UNIX", authkey=bytes(multiprocessing.current_process().authkey))
+            break
+        except ConnectionRefusedError:
+            assert time.monotonic() < deadline and proc.is_alive()
+            time.sleep(0.01)
+    with conn:
+        conn.send(("temp_dir", [], {}, True))
+        status, folder = conn.recv()
+        assert status == "ok" and Path(folder).is_dir() and Path(folder).name.startswith("pymp-")
+        conn.send(("shutdown", [], {}, True))
+        assert conn.recv() == ("ok", None) and not Path(folder).exists()
+    proc.kill()
+    proc.join(10)
+
+
 def test_weights_cross_ray_as_one_buffer_with_every_dtype_and_shared_storage():
     """cluster=ray's weight sync (ray_weights.Tensors): what arrives equals what was sent, bit
     for bit, in the order sent; tied tensors (one tensor under two names) and the views an MoE's
@@ -821,6 +900,26 @@ def test_engines_on_one_node_trainer_on_the_other_full_loop(two_nodes, tmp_path)
     for a, b in zip(ours, theirs, strict=True):
         assert a["rollout/raw_reward"] == b["rollout/raw_reward"]
         assert abs(a["rollout/rollout_log_probs"] - b["rollout/rollout_log_probs"]) < 1e-6
+
+
+@pytest.mark.slow  # ~40 s on 2 cores: two runs
+def test_train_async_on_ray_through_sockets_makes_the_rollouts_of_local_async(two_nodes, tmp_path):
+    """train.async=true on cluster=ray, rank and engine on the driver's node (reached by socket):
+    the engine's actor makes rollout k+1 while the rank trains on k, one policy step behind, and
+    the run makes and trains on what cluster=local's async run (the engine in a process of its
+    own) does."""
+    on_drivers_node = ["+cluster.resources_per_rank.trainer=1", "+cluster.resources_per_engine.trainer=1"]
+    ours, our_steps = run_loop(tmp_path / "ray", *on(two_nodes, *on_drivers_node), *TINY, "train.async=true")
+    theirs, their_steps = run_loop(tmp_path / "local", *TINY, "train.async=true")
+    where = placement(tmp_path / "ray")
+    assert [h["reached_by"] for h in (*where["trainer_ranks"], *where["engines"])] == ["socket", "socket"]
+    assert [r["rollout/staleness"] for r in ours] == [r["rollout/staleness"] for r in theirs] == [0, 1]
+    for a, b in zip(ours, theirs, strict=True):  # rollout 1: from the weights synced after step 0
+        assert a["rollout/raw_reward"] == b["rollout/raw_reward"]
+        assert abs(a["rollout/rollout_log_probs"] - b["rollout/rollout_log_probs"]) < 1e-6
+    assert [s["rollout_id"] for s in our_steps] == [0, 1]
+    for a, b in zip(our_steps, their_steps, strict=True):
+        assert abs(a["train/grad_norm"] - b["train/grad_norm"]) <= 1e-4 * b["train/grad_norm"]
 
 
 def test_rank_0_puts_the_weights_into_the_object_store_in_buckets(two_nodes):
