@@ -15,7 +15,8 @@ def ulps_moved(after: torch.Tensor, before: torch.Tensor, n: int) -> torch.Tenso
     """+1 where `after` is `before` moved n representable values up, -1 down, 0 otherwise."""
     up, down = before.clone(), before.clone()
     for _ in range(n):
-        up, down = torch.nextafter(up, torch.tensor(torch.inf)), torch.nextafter(down, torch.tensor(-torch.inf))
+        up = torch.nextafter(up, torch.tensor(torch.inf))
+        down = torch.nextafter(down, torch.tensor(-torch.inf))
     return (after == up).int() - (after == down).int()
 
 
