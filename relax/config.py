@@ -333,6 +333,8 @@ def check_numbers(cfg, prefix: str = "") -> None:
     """No float key holds NaN: every comparison with it is false, so a range check alone would
     let it through (the start-up checks of each group, relax.debug.plan.resolve, call this first)."""
     for key in cfg:
+        if OmegaConf.is_missing(cfg, key):  # (`???`: refused where it is read)
+            continue
         value = cfg[key]
         if isinstance(value, DictConfig):
             check_numbers(value, f"{prefix}{key}.")

@@ -41,7 +41,8 @@ def token_log_probs(logits: torch.Tensor, targets: torch.Tensor, temperature: fl
 
 def _one_of(key: str, value, allowed) -> None:
     if value not in allowed:
-        raise ConfigError(f"algo.{key}={value!r}: expected one of {', '.join(map(str, allowed))}")
+        names = ("null" if a is None else a for a in allowed)  # (as the command line writes None)
+        raise ConfigError(f"algo.{key}={value!r}: expected one of {', '.join(names)}")
 
 
 def check_algo(algo, rollout) -> None:
