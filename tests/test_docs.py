@@ -12,7 +12,8 @@
 (d) every repository path they name (relax/..., tests/..., conf/..., scripts/..., bench/...)
     exists, and every dotted `relax.…` name imports.
 Each check is also run on a bad input of its kind, so that a pattern that stopped matching
-the docs fails here instead of passing on nothing.
+the docs fails here instead of passing on nothing. That the README's and `relax --help`'s lists
+of tools and options are whole: tests/test_docs_listings.py.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from relax.cli import CONF_DIR, HYDRA_FLAGS, SUBCOMMANDS, translate_args
 from relax.config import OPTION_SCHEMAS, RelaxConfig
 
 from .conftest import REPO, make_cfg
+from .extras import RAY, require
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 GROUPS = sorted(f.name for f in dataclasses.fields(RelaxConfig)  # model, rollout, train, ...
@@ -229,7 +231,7 @@ def command_id(x) -> str:
 @pytest.mark.parametrize("doc,args", [c for c in COMMANDS if not is_tool(c[1])], ids=command_id)
 def test_every_relax_command_composes(doc, args):
     if "hydra/launcher=ray" in args:
-        pytest.importorskip("hydra_plugins.hydra_ray_launcher", reason="needs the [ray] extra")
+        require("hydra_plugins.hydra_ray_launcher", RAY)
     for job in jobs(args):
         make_cfg(*job)  # raises on an unknown key or option, a wrong type, a comma list without -m
 
