@@ -9,8 +9,10 @@ its saved rollout is then replayed through each trainer and layout kind and comp
 """
 
 import json
+import math
 
 import pytest
+import torch
 
 from relax.debug.checks import diagnose
 from relax.debug.run_data import load_run
@@ -73,8 +75,11 @@ def test_first_step_numerics_are_exact_and_the_engine_equals_the_checkpoint(dump
     assert first["rollout/kl"] == 0.0
     assert len(steps) == 2 and steps[0]["train/ppo_kl"] == 0.0 and steps[0]["train/pg_clipfrac"] == 0.0
     assert all(s["train/grad_norm"] > 0 for s in steps)  # the weights moved: the sync checks mean something
-    # engine vs trainer, same weights: fp32 forwards of two implementations, 30 layers
-    assert abs(first["rollout/log_probs"] - first["rollout/rollout_log_probs"]) < 1e-3
+    # engine vs trainer, same weights (each rollout's first step): per token, fp32 forwards of two
+    # implementations over 30 layers, decode against prefill, differ by rounding alone: mean |Δ log p|
+    # 1.4e-6 measured (docs/real-model.md); 1e-5 leaves 5x for other CPUs' kernels and is 3000x under
+    # the smallest real mismatch known here (a bf16 engine: 0.030)
+    assert all(0 < s["train/train_rollout_logprob_abs_diff"] < 1e-5 for s in steps), steps
     report = json.loads((run / "weight_check.json").read_text())
     assert report["passed"], report
     # 272 parameters (embedding, 30 x 9, final norm; lm_head is the embedding) + rotary buffers
@@ -92,11 +97,14 @@ def test_first_step_numerics_are_exact_and_the_engine_equals_the_checkpoint(dump
 def test_doctor_passes_a_healthy_real_model_run_and_inspect_reads_its_dump(dumped):
     run, _ = dumped
     checks = {c.id: c for c in diagnose(load_run(run))}
-    assert {i: c.verdict for i, c in checks.items() if c.verdict not in ("PASS", "SKIP")} == {}, \
-        {i: c.summary for i, c in checks.items()}
+    # 8 (batch invariance) was not recorded, 9 (MoE routing) has no experts to check
+    assert {i: c.verdict for i, c in checks.items()} == {**dict.fromkeys(range(1, 8), "PASS"), 8: "SKIP",
+                                                         9: "SKIP"}, {i: c.summary for i, c in checks.items()}
     proc = relax_cli("inspect", str(run), cwd=run)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert "rollout_data" in proc.stdout or "rollout 0" in proc.stdout
+    # its rollout data and every sample's train data, joined
+    joined = "Train data for rollout 0: 8 samples over dp ranks [0]; untrained: none"
+    assert joined in proc.stdout, proc.stdout
 
 
 # One job per trainer and layout kind: Megatron's pp2 against the torch trainer's single is both
@@ -129,13 +137,23 @@ def test_the_real_model_replays_equivalently_through_every_trainer_and_layout_ki
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     assert "noise twin torch-twin" in report["compared"]
-    assert {j["job"] for j in report["jobs"] if not j["departs"]} == {d.name for d in dirs[1:]}
+    jobs = {j["job"]: j for j in report["jobs"]}
+    assert {name: j["departs"] for name, j in jobs.items()} == {d.name: False for d in dirs[1:]}
+    # the lone twin has no other twin to be judged against by size: it measured every tensor (a
+    # finite difference, every weight one ulp off), and the others' floors are 10 x its differences
+    twin, fixed = jobs["torch-twin"], 256 * torch.finfo(torch.float32).eps
+    assert all(0 < v < math.inf for v in twin["diffs"]["params"].values())
+    for part, diffs in twin["diffs"].items():
+        assert diffs and all(math.isfinite(v) for v in diffs.values()), part
+        assert twin["floors"][part] == dict.fromkeys(diffs, math.inf), part
+        assert jobs["torch-fsdp2"]["floors"][part] == {n: max(fixed, 10 * v) for n, v in diffs.items()}, part
 
 
 def test_lora_on_the_real_model_keeps_the_first_step_exact_and_the_engine_merged(tmp_path, smollm2_path):
     """LoRA on SmolLM2 (30 layers, tied embeddings, GQA): the first step's reference is the base
     with the adapters off, bit for bit the actor's; the engine equals base + merged adapters after
-    every sync; only the adapters moved; the checkpoint is the adapter alone."""
+    every sync; the checkpoint is the adapter alone, every B moved off its 0 (that the base stays
+    bit-identical is tests/test_lora.py's, on the tiny model)."""
     from safetensors.torch import load_file
 
     rollouts, steps = run_loop(tmp_path, *REAL, "train.lora.rank=8", "train.lr=2e-4", "rollout.num_rollout=2",
@@ -151,17 +169,20 @@ def test_lora_on_the_real_model_keeps_the_first_step_exact_and_the_engine_merged
     checkpoint = tmp_path / "checkpoints" / "rollout_000001"
     adapter = load_file(checkpoint / "adapter" / "adapter_model.safetensors")
     assert len(adapter) == 30 * 7 * 2 and not (checkpoint / "hf").exists()  # A and B of 7 projections x 30
+    moved = {n: bool(t.abs().sum() > 0) for n, t in adapter.items() if ".lora_B." in n}
+    assert len(moved) == 30 * 7 and all(moved.values()), moved  # each B starts at 0: every adapter trained
 
 
 @pytest.mark.parametrize("reached_by", ["socket", "ray"])
 def test_the_real_model_on_ray_actors_syncs_its_weights_exactly(tmp_path, smollm2_path, reached_by):
     """cluster=ray (a private instance): trainer and engine in Ray actors of their own, SmolLM2's
-    540 MB in buckets of 512 MB (two buckets): through shared memory made once (the actors are
+    540 MB (over one bucket of 512 MiB, under two): through shared memory made once (the actors are
     on the driver's node: relax/cluster/ray_sockets.py), or with cluster.same_node_sockets=false
     through the object store as raw arrays that the engine reads in place
     (relax/cluster/ray_weights.py). Either way the engine equals the trainer's weights at load
     and after every sync, and the first step is exact."""
     require("ray", RAY)
+    assert 512 * 2**20 < (smollm2_path / "model.safetensors").stat().st_size < 1024 * 2**20  # two buckets
     one_thread = [x for x in REAL if not x.startswith("train.num_threads=")]  # 2 actors: a core each
     rollouts, steps = run_loop(tmp_path, *one_thread, "cluster=ray", "rollout.num_rollout=1",
                                f"cluster.same_node_sockets={reached_by == 'socket'}",

@@ -15,15 +15,15 @@ can (the torch engine), and the log-probs it generated them with. Files:
 
 Compare. Per tensor, the relative difference ||a - b|| / ||b|| over the dumped samples, judged
 against a floor: `--layer-eps-multiple` x the baseline dtype's epsilon, raised to
-`--envelope-margin` x the noise twin's difference where the sweep has a twin (the same rule
-as the step tolerances of relax/debug/compare.py: `scaled_floor`). The first module (forward
-order), the first gradient (backward order) and the first weight above their floors are named,
-each with how its difference spreads (`spread`): over how many elements 90 % of it lies,
-against how many hold 90 % of the tensor itself, and where the largest one is. A bug in a layout
-spreads like the tensor (a wrong scale, a missing all-reduce) or over a whole shard; a handful
-of elements is rounding that something amplified, such as Adam's first step, which moves every
-weight by about the learning rate in the sign of its gradient, also where rounding alone
-decides that sign (docs/debugging.md).
+`--envelope-margin` x the noise twins' largest finite difference where the sweep has twins (the
+step tolerances' rule, relax/debug/compare.py's `scaled_floor`; a twin is judged against the
+other twins: `judge_sweep`). The first module (forward order), the first gradient (backward
+order) and the first weight above their floors are named, each with how its difference spreads
+(`spread`): over how many elements 90 % of it lies, against how many hold 90 % of the tensor
+itself, and where the largest one is. A bug in a layout spreads like the tensor (a wrong scale,
+a missing all-reduce) or over a whole shard; a handful of elements is rounding that something
+amplified, such as Adam's first step, which moves every weight by about the learning rate in the
+sign of its gradient, also where rounding alone decides that sign (docs/debugging.md).
 """
 
 from __future__ import annotations
@@ -73,13 +73,13 @@ def load_dump(path: Path) -> Dump:
     return Dump(path, data["manifest"], data["forward"], data[LOG_PROBS], data["grads"], data["params"])
 
 
-def comparable(a: Dump, b: Dump) -> list[str]:
-    """Why two dumps cannot be compared (the manifest check that comes before any number)."""
-    why = []
-    for key in ("model_fingerprint", "samples", "rollout_id"):
-        if a.manifest.get(key) != b.manifest.get(key):
-            why.append(f"{key}: {a.manifest.get(key)} in {a.path} vs {b.manifest.get(key)} in {b.path}")
-    return why
+def check(a: Dump, b: Dump) -> None:
+    """ValueError saying why two dumps cannot be compared (the manifest check before any number)."""
+    why = [f"{key}: {a.manifest.get(key)} in {a.path} vs {b.manifest.get(key)} in {b.path}"
+           for key in ("model_fingerprint", "samples", "rollout_id")
+           if a.manifest.get(key) != b.manifest.get(key)]
+    if why:
+        raise ValueError("layer dumps that cannot be compared: " + "; ".join(why))
 
 
 def rel_diff(a, b) -> float:
@@ -183,23 +183,26 @@ class Departure:
     # part -> (name, rel, floor) of its first tensor above the floor
     first: dict[str, tuple[str, float, float] | None] = field(default_factory=dict)
     spreads: dict[str, dict | None] = field(default_factory=dict)  # part -> spread() of its first
+    note: str = ""  # what was not compared
 
     @property
     def departs(self) -> bool:
         return any(v is not None for v in self.first.values())
 
     def locate(self, a: Dump, b: Dump) -> None:
-        """The spread of each part's first departing tensor, a's against b's."""
+        """The spread of each part's first departing tensor, a's against b's (None: a lacks it)."""
         for part, first in self.first.items():
             if first is not None:
-                self.spreads[part] = spread(tensors(a, part)[first[0]], tensors(b, part)[first[0]])
+                mine, theirs = tensors(a, part), tensors(b, part)
+                self.spreads[part] = spread(mine[first[0]], theirs[first[0]]) if first[0] in mine else None
 
     def line(self) -> str:
         what = {"forward": "forward departs at", "grads": "gradients depart at",
                 "params": "weights depart at"}
         parts = [f"{what[p]} {n} (rel {r:.1e}, floor {f:.1e}{describe(self.spreads.get(p))})"
                  for p, v in self.first.items() if v for n, r, f in [v]]
-        return f"{self.job}: " + ("; ".join(parts) if parts else "departs nowhere")
+        said = "; ".join(parts) if parts else "departs nowhere"
+        return f"{self.job}: {said}" + (self.note and f" ({self.note})")
 
 
 def tensors(dump: Dump, part: str) -> dict:
@@ -217,19 +220,48 @@ def describe(where: dict | None) -> str:
             f"{a:.6g} vs {b:.6g}")
 
 
+def twin_noise(apart: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Per part and tensor, the largest difference any twin (`apart`: each twin's diffs()) has
+    from the baseline: the measured rounding noise. A difference that is not finite (a NaN, a
+    tensor the twin lacks) measures none, as the step comparison drops a twin with NaN metrics."""
+    noise: dict[str, dict[str, float]] = {}
+    for d in apart:
+        for part, values in d.items():
+            measured = noise.setdefault(part, {})
+            for n, v in values.items():
+                if math.isfinite(v):
+                    measured[n] = max(v, measured.get(n, 0.0))
+    return noise
+
+
 def judge_layers(job: str, d: dict[str, dict[str, float]], fixed: float, margin: float,
-                 twin: dict[str, dict[str, float]] | None) -> Departure:
-    """The first tensor of each part whose difference leaves its floor."""
+                 noise: dict[str, dict[str, float]] | None, unmeasured: float | None = None) -> Departure:
+    """The first tensor of each part whose difference leaves its floor: max(fixed, margin x its
+    `noise` (twin_noise())), or `unmeasured` (default: fixed) where no twin measured it. A
+    difference that is not finite departs whatever the floor (a tensor only one side has: inf)."""
     from relax.debug.compare import scaled_floor
     from relax.debug.verdicts import over
 
-    floors = {part: {n: scaled_floor(fixed, (twin or {}).get(part, {}).get(n), margin) for n in values}
-              for part, values in d.items()}
+    noise = noise or {}
+    floors = {part: {n: scaled_floor(fixed, noise[part][n], margin) if n in noise.get(part, {})
+                     else unmeasured or fixed for n in values} for part, values in d.items()}
     dep = Departure(job, d, floors)
     for part, values in d.items():
         dep.first[part] = next(((n, v, floors[part][n]) for n, v in values.items()
-                                if over(v, floors[part][n])), None)
+                                if not math.isfinite(v) or over(v, floors[part][n])), None)
     return dep
+
+
+def judge_sweep(names: list[str], apart: list[dict[str, dict[str, float]]], twins: list[int], fixed: float,
+                margin: float) -> list[Departure]:
+    """Each job's departure (`apart`: its diffs(); `twins`: which jobs are noise twins). A twin is
+    the noise the others are judged against, so it is judged against the other twins' (twins
+    that disagree by more than the margin are named); where no other twin measured a tensor (a
+    lone twin: every tensor) it departs only at a difference that is not finite."""
+    noise = twin_noise([apart[k] for k in twins])
+    return [judge_layers(name, d, fixed, margin, twin_noise([apart[i] for i in twins if i != k]), math.inf)
+            if k in twins else judge_layers(name, d, fixed, margin, noise)
+            for k, (name, d) in enumerate(zip(names, apart, strict=True))]
 
 
 # -- relax compare --layers -------------------------------------------------------------------
@@ -280,6 +312,7 @@ def within_run(run: Path, rollout_id: int | None, eps_multiple: float,
         if not other.forward:  # (rollout=sglang: docs/debugging.md)
             d["forward"] = {LOG_PROBS: d["forward"][LOG_PROBS]}
         deps.append(judge_layers(source, d, fixed, margin, None))
+        deps[-1].note = "" if other.forward else "log-probs only: the engine recorded no module outputs"
         deps[-1].locate(other, base)
     if not deps:
         raise ValueError(f"{run}: a trainer layer dump, but no engine or reference dump to compare it with")
@@ -317,29 +350,21 @@ def compare_runs(paths: list[Path], baseline: str | None, rollout_id: int | None
     else:  # a sweep: its single job; runs A B ...: A
         base_run = next((r for r in runs if layout[r] == "single"), runs[0]) if len(paths) == 1 else runs[0]
     base = load_source(base_run, "train", rollout_id)
-    dumps = [base if r == base_run else load_source(r, "train", base.manifest["rollout_id"]) for r in runs]
-    others = [d for d in dumps if d is not base]
+    others = [load_source(r, "train", base.manifest["rollout_id"]) for r in runs if r != base_run]
     for dump in others:
         check(dump, base)
     apart = [diffs(d, base) for d in others]  # once per job: each reads both dumps whole
     twins = [k for k, d in enumerate(others) if d.manifest.get("noise_ulp")
              and d.manifest.get("backend") == base.manifest.get("backend")]
-    # several twins: a tensor's noise is the largest difference any of them has
-    twin_diffs = {part: {n: max(apart[k][part][n] for k in twins) for n in names}
-                  for part, names in apart[twins[0]].items()} if twins else None
-    fixed = floor_fixed(base, eps_multiple)
-    deps = [judge_layers(d.name, a, fixed, margin, twin_diffs) for d, a in zip(others, apart, strict=True)]
+    deps = judge_sweep([d.name for d in others], apart, twins, floor_fixed(base, eps_multiple), margin)
     for dep, dump in zip(deps, others, strict=True):
         dep.locate(dump, base)
-    noise = f"noise twin {', '.join(others[k].name for k in twins)}" if twins else \
-        f"no noise twin: floor {eps_multiple:g} x eps"
+    names = ", ".join(others[k].name for k in twins)
+    noise = (f"noise twin {names} (itself judged on NaN/Inf and missing tensors only: a second twin, "
+             f"parallel=twin2, judges it by size)" if len(twins) == 1 else
+             f"noise twins {names} (each also judged against the others)" if twins else
+             f"no noise twin: floor {eps_multiple:g} x eps")
     return deps, f"baseline {base.name}, rollout {base.manifest['rollout_id']}; {noise}"
-
-
-def check(a: Dump, b: Dump) -> None:
-    why = comparable(a, b)
-    if why:
-        raise ValueError("layer dumps that cannot be compared: " + "; ".join(why))
 
 
 def compare_layers(args, folder: Path | None, note: str | None) -> int:
@@ -361,7 +386,7 @@ def compare_layers(args, folder: Path | None, note: str | None) -> int:
     if args.json:
         print(json.dumps({"compared": what, "plot": plot and str(plot), "note": note, "jobs": [
             {"job": d.job, "departs": d.departs, "first": d.first, "spreads": d.spreads, "diffs": d.diffs,
-             "floors": d.floors} for d in departures]}))
+             "floors": d.floors, "note": d.note} for d in departures]}))
     else:
         print(f"relax compare --layers ({what})")
         for d in departures:
