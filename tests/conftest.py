@@ -220,7 +220,7 @@ def family_model(tmp_path_factory):
 def two_nodes():
     """A real two-node Ray cluster on this machine: two raylets, 2 CPUs each; node A carries
     the custom resource `trainer`, node B `rollout`. One per test module that asks for it."""
-    pytest.importorskip("ray", reason="needs the [ray] extra")
+    extras.require("ray", extras.RAY)
     from ray.cluster_utils import Cluster
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a test cluster: no login token

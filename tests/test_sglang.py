@@ -24,6 +24,7 @@ from relax.task import build_task  # noqa: E402
 from relax.train import make_trainer  # noqa: E402
 
 from .conftest import FRESH, make_cfg, relax_cli  # noqa: E402
+from .extras import RAY, require  # noqa: E402
 from .families import FAMILIES  # noqa: E402
 from .test_engine import chat_prompts  # noqa: E402
 
@@ -327,7 +328,7 @@ def test_sglang_engine_as_a_ray_actor(tmp_path):
     """cluster=ray (a private instance): the SGLang engine runs in its own Ray actor, weights reach
     it through Ray's object store, the engine-weights check passes after every sync, and no
     SGLang or Ray process is left."""
-    pytest.importorskip("ray", reason="the SGLang environment without ray")
+    require("ray", RAY)  # (scripts/sglang-cpu-requirements.txt installs it)
     already = sglang_processes()
     proc = relax_cli("rollout=sglang", "cluster=ray", "rollout.num_rollout=2", "rollout.rollout_batch_size=4",
                      "checkpoint.save_interval=null", "debug.check_weight_update_equal=true",

@@ -16,6 +16,7 @@ import pytest
 from relax.errors import ConfigError
 
 from .conftest import FRESH, make_cfg, relax_cli, run_loop
+from .extras import RAY, require
 
 TINY = ["rollout.num_rollout=1", "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4",
         "checkpoint.save_interval=null"]
@@ -87,7 +88,7 @@ def test_the_ray_launcher_without_the_ray_extra_names_it(tmp_path):
 
 
 def test_a_refused_cluster_leaves_the_dump_dir_absent_and_the_corrected_rerun_dumps(tmp_path, tiny_path):
-    pytest.importorskip("ray", reason="cluster=ray's own refusals need the [ray] extra")
+    require("ray", RAY)  # cluster=ray's own refusals
     dump = tmp_path / "dump"
     with pytest.raises(ConfigError, match="cluster.placement_strategy='RANDOM'"):
         run_loop(tmp_path / "refused", *TINY, "cluster=ray", "cluster.placement_strategy=RANDOM",
