@@ -24,6 +24,7 @@ from relax.errors import ConfigError
 
 log = logging.getLogger(__name__)
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+MAX_RESOURCE = 1e14  # what Ray takes as one resource's quantity
 ADDRESS = re.compile(r"auto|local|(ray://)?\S+:\d+")  # what ray.init(address=) joins
 WAIT_LOG_S = 30  # how often a placement that is still waiting says what it misses
 
@@ -63,13 +64,15 @@ def check_cluster(cfg) -> None:
                           f"(null: a private Ray instance)")
     if not c.placement_timeout_s > 0:
         raise ConfigError(f"cluster.placement_timeout_s={c.placement_timeout_s}: expected > 0")
-    for key in ("num_cpus_per_rank", "num_gpus_per_rank", "num_cpus_per_engine", "num_gpus_per_engine"):
-        if c[key] < 0:
-            raise ConfigError(f"cluster.{key}={c[key]}: expected >= 0")
+    amounts = {f"cluster.{k}": c[k] for k in ("num_cpus_per_rank", "num_gpus_per_rank", "num_cpus_per_engine",
+                                              "num_gpus_per_engine")}
     for side in ("rank", "engine"):
-        for name, amount in c[f"resources_per_{side}"].items():
-            if amount < 0:
-                raise ConfigError(f"cluster.resources_per_{side}.{name}={amount}: expected >= 0")
+        amounts |= {f"cluster.resources_per_{side}.{k}": v for k, v in c[f"resources_per_{side}"].items()}
+    for key, amount in amounts.items():
+        if not 0 <= amount <= MAX_RESOURCE:
+            raise ConfigError(f"{key}={amount}: expected >= 0 and at most {MAX_RESOURCE:.0e} (Ray's largest "
+                              f"resource quantity)")
+    for side in ("rank", "engine"):
         if not _shape(c[f"num_cpus_per_{side}"], c[f"num_gpus_per_{side}"], c[f"resources_per_{side}"]):
             cpus = c[f"num_cpus_per_{side}"]
             raise ConfigError(f"cluster.num_cpus_per_{side}={cpus}: each {side}'s bundle would reserve "
