@@ -143,7 +143,7 @@ VALID: dict[str, tuple[str, str]] = {
     "task.reward_retries": ("zero huge", "0: no retry; many: retry until it answers"),
     "task.answer_format": ("bogus", "a regular expression ('bogus' is one; one that does not compile is "
                                     "refused)"),
-    "task.format_reward": ("zero negative huge", "a bonus added to the reward: negative is a penalty"),
+    "task.format_reward": ("zero negative", "a bonus added to the reward: negative is a penalty"),
     "task.min_operand": ("zero", "0 is an operand"),
     "task.max_operand": ("huge", "longer numbers: each prompt's length is checked as it is made"),
     "task.instruction": ("bogus", "free text appended to each problem"),

@@ -81,6 +81,9 @@ def load_jsonl(path: str | None) -> list[tuple[str, str, dict, str]]:
     return rows
 
 
+MAX_REWARD = 1e18  # its square still a float32
+
+
 class Task:
     """Prompts for each rollout, and the rewards."""
 
@@ -93,6 +96,9 @@ class Task:
         except re.error as e:
             raise ConfigError(f"task.answer_format={answer_format!r}: not a regular expression "
                               f"({e})") from None
+        if abs(format_reward) > MAX_REWARD:
+            raise ConfigError(f"task.format_reward={format_reward}: expected at most {MAX_REWARD:.0e} in size "
+                              f"(rewards are float32, and a group's std squares them)")
         if format_reward and not answer_format:
             raise ConfigError(f"task.format_reward={format_reward} needs task.answer_format (the regex a "
                               f"well-formed response matches)")
