@@ -51,11 +51,14 @@ def check_config(algo, hf_config: dict, num_steps_per_rollout: int) -> None:
     if mode and not families.num_experts(hf_config):
         raise ConfigError(f"algo.routing_replay={mode}: the model is dense (no MoE layer routes tokens); "
                           f"leave it null")
-    if mode == "train" and (num_steps_per_rollout < 2 or algo.use_rollout_log_probs):
+    if mode == "train" and num_steps_per_rollout < 2:
         raise ConfigError(f"algo.routing_replay=train (R2) replays the old-log-prob pass's routing in later "
-                          f"optimizer steps; with train.num_steps_per_rollout={num_steps_per_rollout} and "
-                          f"algo.use_rollout_log_probs={algo.use_rollout_log_probs} there is no such pass "
-                          f"to replay: use rollout (R3), or num_steps_per_rollout >= 2")
+                          f"optimizer steps; with train.num_steps_per_rollout={num_steps_per_rollout} there "
+                          f"is no such pass to replay: use rollout (R3), or num_steps_per_rollout >= 2")
+    if mode == "train" and algo.use_rollout_log_probs:
+        raise ConfigError("algo.routing_replay=train (R2) replays the old-log-prob pass's routing, which "
+                          "algo.use_rollout_log_probs=True skips (the engine's log-probs are the old "
+                          "policy's): use rollout (R3), or use_rollout_log_probs=false")
 
 
 def engine_experts(samples, length: int) -> torch.Tensor | None:
