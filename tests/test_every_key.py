@@ -2,9 +2,10 @@
 conf/<group>/<option>.yaml pulls in) tried with a wrong type, zero, a negative and a huge value
 (what its type admits; strings and lists with a value no option has), each against the start-up
 checks: `relax.loop.prepare`, what a run goes through before anything is built. Each value is
-either refused there, by a ConfigError or Hydra's merge error naming the key, or valid: VALID
-says why, key by key. A key added to the schema without a line in VALID fails
-test_every_key_is_classified, so no key skips this walk.
+either refused there, by a ConfigError naming the key and the value or Hydra's merge error naming
+the key, with nothing written into the run dir, or valid: VALID says why, key by key. A key added
+to the schema without a place in VALID or ALWAYS_REFUSED fails test_every_key_is_classified, so
+no key skips this walk.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import math
 import re
 import shutil
 import typing
-from pathlib import Path
 from unittest import mock
 
 import pytest
