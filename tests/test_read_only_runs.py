@@ -142,6 +142,23 @@ def test_a_layer_dump_into_an_existing_dump_is_refused_and_changes_nothing(sweep
     assert snapshot(dump) == before
 
 
+@pytest.mark.parametrize("key, template, names", [
+    ("save_rollout_data", "{rollout_id}.pt", "0.pt"), ("save_train_data", "{rollout_id}_{rank}.pt", "0_0.pt")])
+def test_saved_data_over_another_runs_files_is_refused_and_a_resume_rewrites_its_own(tmp_path, key, template, names):
+    saved = f"debug.{key}='{tmp_path}/data/{template}'"
+    first = relax_cli(*SMALL, saved, "checkpoint.save_interval=1", "hydra.run.dir=outputs/first", cwd=tmp_path)
+    assert first.returncode == 0, (first.stdout + first.stderr)[-3000:]
+    before = snapshot(tmp_path / "data")
+    assert list(before) == [names]
+    refused(relax_cli(*SMALL, saved, "hydra.run.dir=outputs/second", cwd=tmp_path),
+            rf"debug.{key}='.*/data/{re.escape(template)}' would overwrite another run's files \({names}\)")
+    assert snapshot(tmp_path / "data") == before
+    resumed = relax_cli(f"resume={tmp_path}/outputs/first", "rollout.num_rollout=2", "hydra.run.dir=outputs/resumed",
+                        cwd=tmp_path)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
+    assert len(snapshot(tmp_path / "data")) == 2
+
+
 def test_relative_output_paths_land_in_the_run_dir_and_inputs_in_the_launch_dir(tmp_path, monkeypatch):
     from relax.debug.plan import resolve
 

@@ -10,6 +10,7 @@ reads (load_rollout_data) is relative to the launch directory, as on the command
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 from dataclasses import dataclass, field
@@ -94,6 +95,15 @@ def check_dumps(plan: Plan, resumed_run: Path | None) -> None:
     if plan.dump_layers:
         _check_dump("debug.dump_layers", plan.dump_layers, resumed.get("dump_layers"),
                     sorted(p.name for p in Path(plan.dump_layers).glob("*.pt")))
+    for key, template in (("save_rollout_data", plan.save_rollout_data), ("save_train_data", plan.save_train_data)):
+        found = [Path(f).name for r in plan.rollout_ids  # a resume rewrites the rollouts after its checkpoint
+                 for f in sorted(glob.glob(glob.escape(template).replace("{rollout_id}", str(r))
+                                           .replace("{rank}", "*")))] \
+            if template and template != resumed.get(key) else []
+        if found:
+            raise ConfigError(f"debug.{key}={template!r} would overwrite another run's files "
+                              f"({', '.join(found[:3])}{', ...' if len(found) > 3 else ''}): save into a new "
+                              f"directory, or delete those files first")
 
 
 def _check_dump(key: str, folder, resumed_folder: str | None, found: list[str]) -> None:
