@@ -26,6 +26,7 @@ from relax import config as schema
 from relax.cli import CONF_DIR
 from relax.errors import ConfigError
 
+from . import extras
 from .conftest import make_cfg
 
 HUGE_INT, HUGE_FLOAT = 10**18, 1e30
@@ -264,6 +265,10 @@ def shown(value) -> str:
 
 @pytest.mark.parametrize("key", list(KEYS))
 def test_each_value_is_refused_naming_the_key_or_valid(key, start_up):
+    if KEYS[key][1] == "cluster=ray":  # (without its extra, cluster=ray is refused for that first)
+        extras.require("ray", extras.RAY)
+    if key.startswith("train.lora."):
+        extras.require("peft", extras.LORA)
     valid = set(VALID[key][0].split()) if key in VALID else set()
     for kind, value in bad_values(KEYS[key][0]).items():
         error = start_up(key, value)
