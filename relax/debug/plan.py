@@ -13,6 +13,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -96,14 +97,21 @@ def check_dumps(plan: Plan, resumed_run: Path | None) -> None:
         _check_dump("debug.dump_layers", plan.dump_layers, resumed.get("dump_layers"),
                     sorted(p.name for p in Path(plan.dump_layers).glob("*.pt")))
     for key, template in (("save_rollout_data", plan.save_rollout_data), ("save_train_data", plan.save_train_data)):
-        found = [Path(f).name for r in plan.rollout_ids  # a resume rewrites the rollouts after its checkpoint
-                 for f in sorted(glob.glob(glob.escape(template).replace("{rollout_id}", str(r))
-                                           .replace("{rank}", "*")))] \
-            if template and template != resumed.get(key) else []
-        if found:
+        found = _saved_files(template, plan.rollout_ids) if template and template != resumed.get(key) else []
+        if found:  # (a resume rewrites the rollouts after its checkpoint: its own files)
             raise ConfigError(f"debug.{key}={template!r} would overwrite another run's files "
                               f"({', '.join(found[:3])}{', ...' if len(found) > 3 else ''}): save into a new "
                               f"directory, or delete those files first")
+
+
+def _saved_files(template: str, rollout_ids: list[int]) -> list[str]:
+    """The files a save template names for these rollouts (any rank) that exist: one glob."""
+    pattern = re.compile(re.escape(template).replace(re.escape("{rollout_id}"), r"(\d+)")
+                         .replace(re.escape("{rank}"), r"\d+"))
+    ids = set(rollout_ids)
+    return [Path(f).name for f in sorted(glob.glob(glob.escape(template).replace("{rollout_id}", "*")
+                                                   .replace("{rank}", "*")))
+            if (m := pattern.fullmatch(f)) and (not m.groups() or int(m.group(1)) in ids)]
 
 
 def _check_dump(key: str, folder, resumed_folder: str | None, found: list[str]) -> None:
