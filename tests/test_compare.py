@@ -123,7 +123,23 @@ def test_several_twins_are_judged_together_by_the_earliest_departure(tmp_path, l
     assert report["twin"] == "parallel=twin, parallel=twin2, parallel=twin3"
     assert all(jobs[t]["verdict"] == "equivalent" for t in twins)
     assert jobs["dp2"]["verdict"] == "equivalent" and jobs["dp2"]["envelope"] == report["twin"]
-    departures = [jobs[t]["departed_at_step"] for t in twins]
+    # each twin's departure, computed here from the steps' numbers (not with compare's own
+    # departure(), which would agree with itself): its first step whose |Δ loss| or grad_norm rel Δ
+    # leaves max(fixed, 10 x the largest any twin has at step 0)
+    base = jobs["single"]
+
+    def apart(job, step):  # |Δ loss|, grad_norm rel Δ
+        loss, gn = base["loss"][step], base["grad_norm"][step]
+        return abs(job["loss"][step] - loss), abs(job["grad_norm"][step] - gn) / max(abs(gn), 1e-12)
+
+    fixed = (1e-5, 1e-4)  # --loss-atol, --grad-norm-rtol
+    floor = [max(fixed[k], 10 * max(apart(jobs[t], 0)[k] for t in twins)) for k in (0, 1)]
+
+    def departed(job):
+        return next(step for step in range(ROLLOUTS) if any(d > f for d, f in zip(apart(job, step), floor)))
+
+    departures = [departed(jobs[t]) for t in twins]
+    assert [jobs[t]["departed_at_step"] for t in twins] == departures
     assert report["twin_departed_at_step"] == min(departures) == report["judged_steps"], departures
     assert len({jobs[t]["grad_norm"][0] for t in twins}) == 3  # independent nudges, other roundings
 
