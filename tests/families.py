@@ -29,7 +29,8 @@ FAMILIES = {
 SHARD_SIZE = "40KB"  # several shards even for these tiny models
 
 
-def build_family_model(path: Path, family: str, dtype: str = "float32", seed: int = 0) -> Path:
+def build_family_model(path: Path, family: str, dtype: str = "float32", seed: int = 0, **sizes) -> Path:
+    """`sizes`: config.json values over the shape below (heads, widths, a larger vocabulary)."""
     import transformers
 
     from relax.model.tiny import VOCAB_SIZE, build_tokenizer
@@ -42,7 +43,7 @@ def build_family_model(path: Path, family: str, dtype: str = "float32", seed: in
         "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "eos_token_id": tokenizer.eos_token_id,
         # no pad_token_id, as in real Llama-3/Qwen configs: with one, HF's embedding never
         # trains the pad row (padding_idx) and Megatron's does, and a random model samples pads
-        "pad_token_id": None, "bos_token_id": None, **extra})
+        "pad_token_id": None, "bos_token_id": None, **extra, **sizes})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # HF initialises norms to 1 and biases to 0: noise makes swapping

@@ -14,6 +14,7 @@ from relax.model import resolve_model_path
 
 from . import test_layers
 from .conftest import build_trainer, make_cfg, only_run_dir, relax_cli, run_loop
+from .families import build_family_model
 
 pytestmark = pytest.mark.slow
 # A 4-layer tiny model (random weights: no warm-up needed to compare layouts), so that
@@ -85,15 +86,35 @@ def test_layout_sweep_with_megatron_is_equivalent(tmp_path, deep_replay):
         assert all(v == 0.0 for part in by_layer[job]["diffs"].values() for v in part.values()), job
 
 
-def test_moe_expert_parallel_is_equivalent(tmp_path, deep_replay):
-    proc = relax_cli("-m", *TRAIN, *MOE, *replay(deep_replay), "parallel=single,ep2", cwd=tmp_path)
+def sweep_jobs(tmp_path, *overrides) -> dict[str, dict]:
+    """`relax -m <overrides>` in tmp_path and `relax compare --json` of it (both exit 0): its
+    jobs by layout."""
+    proc = relax_cli("-m", *overrides, cwd=tmp_path, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = relax_cli("compare", str(only_run_dir(tmp_path, "multiruns")), "--json", cwd=tmp_path)
     report = json.loads(out.stdout)
     assert out.returncode == 0, report
-    ep2 = next(j for j in report["jobs"] if j["layout"] == "ep2")
-    assert ep2["verdict"] == "equivalent" and ep2["max_logprob_diff"] <= 1e-5
-    assert report["jobs"][0]["grad_norm"][0] > 0.1
+    return {j["layout"]: j for j in report["jobs"]}
+
+
+def test_moe_expert_parallel_is_equivalent(tmp_path, deep_replay):
+    jobs = sweep_jobs(tmp_path, *TRAIN, *MOE, *replay(deep_replay), "parallel=single,ep2")
+    assert jobs["ep2"]["verdict"] == "equivalent" and jobs["ep2"]["max_logprob_diff"] <= 1e-5
+    assert jobs["single"]["grad_norm"][0] > 0.1
+
+
+def test_tp3_is_equivalent_on_heads_and_a_vocabulary_that_divide_by_3(tmp_path, deep_replay):
+    """parallel=tp3, as SmolLM2's 9 heads and 3 KV heads take it (whose sweep is the manual
+    tier), on a Qwen2 of 6 heads, 3 KV heads and a 36-token vocabulary: Megatron splits the
+    vocabulary too, and the tiny model's 32 tokens do not divide by 3."""
+    model = build_family_model(tmp_path / "model", "qwen2", hidden_size=48, num_attention_heads=6,
+                               num_key_value_heads=3, intermediate_size=96, vocab_size=36)
+    jobs = sweep_jobs(tmp_path, *TRAIN, *replay(deep_replay), "model=hf", f"model.path={model}",
+                      "debug.allow_manifest_mismatch=true", "parallel=single,tp3")
+    assert len(jobs["single"]["grad_norm"]) == 2 and min(jobs["single"]["grad_norm"]) > 0.1, jobs["single"]
+    tp3 = jobs["tp3"]
+    assert tp3["verdict"] == "equivalent" and tp3["backend"] == MEGATRON, tp3["reasons"]
+    assert tp3["max_logprob_diff"] <= 1e-5 and 0 < tp3["max_grad_norm_rel_diff"] <= 1e-4, tp3
 
 
 @pytest.mark.parametrize("model", [DEEP, MOE], ids=["dense", "moe"])
