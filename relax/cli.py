@@ -170,6 +170,31 @@ def with_run_overrides(overrides: list[str]) -> list[str]:
     return resume_argv(overrides, experiment)
 
 
+def check_overrides(args: list[str]) -> None:
+    """Compose the config once before Hydra runs it, so that a key Hydra cannot merge (a typo, a
+    wrong type, an unknown option) is one line and exit 2 like every other refusal, not Hydra's
+    report. A sweep (`-m`) and Hydra's own information flags are left to Hydra."""
+    if any(a.split("=")[0] in HYDRA_FLAGS and a.split("=")[0] not in ("--cfg", "-c", "--resolve")
+           for a in args):
+        return
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    overrides = [a for a in args if "=" in a and not a.startswith("-")]
+    try:
+        with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+            compose("config", overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as e:
+        text = "\n".join(str(x) for x in (e, e.__cause__) if x).split("Config search path:")[0]
+        said = [line.strip() for line in text.splitlines() if line.strip() and not line.startswith((" ", "\t"))]
+        options = [line.strip() for line in text.splitlines() if line.startswith("\t")]
+        key = next((line.split(":", 1)[1].strip() for line in text.splitlines()
+                    if line.strip().startswith("full_key:")), None)
+        raise ConfigError(f"{key + ': ' if key else ''}{'; '.join(said)}"
+                          f"{' ' + ', '.join(options) if options else ''}") from None
+
+
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def hydra_app(cfg: DictConfig) -> None:
     from relax.loop import run_job  # imports torch: only when a job really runs
@@ -190,6 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         sys.argv = [sys.argv[0], *with_run_overrides(sys.argv[1:])]
         check_launcher(sys.argv[1:])
+        check_overrides(sys.argv[1:])
     except ConfigError as e:  # a Relax refusal: exit 2 (docs/reliability.md)
         print(f"relax: error: {e}", file=sys.stderr)
         sys.exit(2)

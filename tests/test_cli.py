@@ -82,11 +82,9 @@ def test_cfg_job_and_help_do_not_import_torch():
     assert out.stdout.strip().endswith("NO_TORCH")
 
 
-# Relax's own refusals (ConfigError) exit 2 (docs/reliability.md); what Hydra refuses while
-# composing, and a flag the CLI does not know (a SystemExit with the message), exit 1.
+# Refusals exit 2 (docs/reliability.md), what Hydra cannot compose included; a flag the CLI
+# does not know (a SystemExit with the message) exits 1.
 @pytest.mark.parametrize("args,message,code", [
-    (["train.lrr=1"], "Key 'lrr' not in 'TrainConfig'", 1),
-    (["train.lr=abc"], "could not be converted to Float", 1),
     (["model=hf"], "model.path is not set for model=hf", 2),
     (["model.path=/nonexistent/dir"], "no config.json there", 2),
     (["task.reward_fn=not_a_module.reward"], "task.reward_fn='not_a_module.reward' does not import", 2),
@@ -189,3 +187,18 @@ def test_main_sets_relax_argv_for_the_job_and_restores_the_environment(monkeypat
     with pytest.raises(SystemExit, match="^relax: interrupted$"):
         cli.main(["seed=4"])
     assert "RELAX_ARGV" not in os.environ
+
+
+@pytest.mark.parametrize("override, line", [
+    ("train.lr=abc", "relax: error: train.lr: Error merging override train.lr=abc; Value 'abc' of type "
+                     "'str' could not be converted to Float"),
+    ("train.lrr=1", "relax: error: train.lrr: Could not override 'train.lrr'.; To append to your config use "
+                    "+train.lrr=1; Key 'lrr' not in 'TrainConfig'"),
+    ("model=nope", "relax: error: In 'config': Could not find 'model/nope'; Available options in 'model': "
+                   "hf, smollm2, tiny"),
+])
+def test_an_override_hydra_cannot_merge_is_one_line_and_exit_2(tmp_path, override, line):
+    """Like every other refusal (docs/reliability.md), before Hydra makes a run dir."""
+    done = relax_cli(override, cwd=tmp_path)
+    assert (done.returncode, done.stdout, done.stderr) == (2, "", line + "\n")
+    assert not (tmp_path / "outputs").exists()
