@@ -149,9 +149,9 @@ def test_several_twins_are_judged_together_by_the_earliest_departure(tmp_path, l
 def test_the_readme_sweep_over_the_default_400_rollouts_is_equivalent_with_and_without_a_twin(tmp_path):
     """The README's workflow at the default 400 rollouts (its block without
     `rollout.num_rollout=4`; no shortened replay, no raised learning rate): the correct layouts
-    depart from the baseline some dozens of steps in (README.md: the measured steps, dated) and
-    are equivalent, judged against the twin; without it, only the two strict steps are judged,
-    and the output says how to judge the rest."""
+    depart from the baseline some dozens of steps in (docs/debugging.md: the measured steps,
+    dated) and are equivalent, judged against the twin; without it, only the two strict steps
+    are judged, and the output says how to judge the rest."""
     data = f"{tmp_path}/r/rollout_data/{{rollout_id}}.pt"
     proc = relax_cli("debug=rollout_only", f"debug.save_rollout_data={data}", cwd=tmp_path, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
