@@ -25,6 +25,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import sys
 import time
 from contextlib import contextmanager
@@ -201,13 +202,16 @@ class Stop:
                 signal.signal(s, self._handle)
 
     def _handle(self, signum, frame) -> None:
+        # said from a thread: the signal may land inside a log handler's write, which this
+        # thread would enter again (RuntimeError: reentrant call inside BufferedWriter)
         name = signal.Signals(signum).name
         if self.signum is not None:
-            log.error("%s again: aborting now", name)
+            threading.Thread(target=log.error, args=("%s again: aborting now", name)).start()
             raise KeyboardInterrupt
         self.signum = signum
-        log.warning("%s: stopping after the current rollout (and writing its checkpoint when "
-                    "checkpointing is on); %s again aborts at once", name, name)
+        threading.Thread(target=log.warning, args=(
+            "%s: stopping after the current rollout (and writing its checkpoint when checkpointing is on); "
+            "%s again aborts at once", name, name)).start()
 
     @property
     def requested(self) -> bool:

@@ -375,3 +375,37 @@ def test_processes_started_with_sigterm_left_to_the_driver_have_it_blocked_and_t
         proc.join()
     assert signal.pthread_sigmask(signal.SIG_BLOCK, set()) == before
     assert not blocked(subprocess.run(show, capture_output=True, text=True, check=True).stdout)
+
+
+def test_a_signal_that_lands_inside_a_log_write_is_said_after_it_not_inside_it():
+    """A stop's message is logged from another thread: logged in the handler, it entered the log
+    handler's write that the signal interrupted (on a file: RuntimeError: reentrant call)."""
+    import logging
+
+    from relax.process import Stop
+
+    stop = Stop()
+
+    class Probe(logging.Handler):
+        depth, nested, said = 0, False, []
+
+        def emit(self, record):
+            self.depth += 1
+            self.nested |= self.depth > 1
+            if not stop.requested:
+                stop._handle(signal.SIGTERM, None)  # as if the signal landed in this write
+            self.said.append(record.getMessage())
+            self.depth -= 1
+
+    probe, logger = Probe(), logging.getLogger("relax")
+    logger.addHandler(probe)
+    try:
+        logger.warning("a line being written")
+        deadline = time.time() + 10
+        while len(probe.said) < 2 and time.time() < deadline:
+            time.sleep(0.01)
+    finally:
+        logger.removeHandler(probe)
+    assert not probe.nested and stop.requested
+    assert probe.said == ["a line being written", "SIGTERM: stopping after the current rollout (and writing its "
+                          "checkpoint when checkpointing is on); SIGTERM again aborts at once"]
