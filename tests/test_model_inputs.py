@@ -1,8 +1,9 @@
-"""What a run or `relax convert-gguf` is given as a model (docs/reliability.md, "Issue 46"): a
-tokenizer without a chat template, prompts it encodes to no token, GGUF files cut short or of
-another architecture, an output folder that cannot be written, a mistyped tool name: each ends
-in exit 2 with one line naming it, before anything is built or converted. And the temporary
-folders a killed install, download or conversion leaves: removed by the next one."""
+"""What a run or `relax convert-gguf` is given as a model (docs/reliability.md, "Models,
+tokenizers, GGUF and temporary files"): a tokenizer without a chat template, prompts it encodes
+to no token, GGUF files cut short or of another architecture, an output folder that cannot be
+written, a mistyped tool name: each ends in exit 2 with one line naming it, before anything is
+built or converted. And the temporary folders a killed install, download or conversion leaves:
+removed by the next one."""
 
 from __future__ import annotations
 
