@@ -159,6 +159,17 @@ def test_saved_data_over_another_runs_files_is_refused_and_a_resume_rewrites_its
     assert len(snapshot(tmp_path / "data")) == 2
 
 
+def test_a_profile_into_another_runs_profile_is_refused_and_changes_nothing(tmp_path):
+    first = relax_cli("rollout.num_rollout=2", *SMALL[1:], f"debug.profile_dir={tmp_path}/prof",
+                      "hydra.run.dir=outputs/first", cwd=tmp_path)
+    assert first.returncode == 0, (first.stdout + first.stderr)[-3000:]
+    before = snapshot(tmp_path / "prof")
+    refused(relax_cli("rollout.num_rollout=2", *SMALL[1:], f"debug.profile_dir={tmp_path}/prof",
+                      "hydra.run.dir=outputs/second", cwd=tmp_path),
+            r"debug.profile_dir='.*/prof' already holds a dump \(rollout_1_rank0.json, rollout_1_rank0.txt\)")
+    assert snapshot(tmp_path / "prof") == before
+
+
 def test_relative_output_paths_land_in_the_run_dir_and_inputs_in_the_launch_dir(tmp_path, monkeypatch):
     from relax.debug.plan import resolve
 

@@ -58,6 +58,7 @@ class Plan:
             "save_train_data": self.save_train_data,
             "dump_dir": str(self.dump_dir) if self.dump_dir else None,
             "dump_layers": self.dump_layers,
+            "profile_dir": self.profile_dir,
         }
 
 
@@ -86,8 +87,9 @@ DUMP_PARTS = ("config.yaml", "tokenizer", "rollout_data", "train_data", "layers"
 
 
 def check_dumps(plan: Plan, resumed_run: Path | None) -> None:
-    """A dump (debug.dump_details) or a layer dump (debug.dump_layers) holds one run's files: a
-    second run never writes into it (a resumed run continues the dumps of the run it resumes)."""
+    """A dump (debug.dump_details), a layer dump (debug.dump_layers), a profile (debug.profile_dir)
+    or saved replay data holds one run's files: a second run never writes into it (a resumed run
+    continues the dumps of the run it resumes)."""
     built = Path(resumed_run or "") / "built.json"
     resumed = json.loads(built.read_text()) if resumed_run and built.is_file() else {}
     if plan.dump_dir:
@@ -96,6 +98,9 @@ def check_dumps(plan: Plan, resumed_run: Path | None) -> None:
     if plan.dump_layers:
         _check_dump("debug.dump_layers", plan.dump_layers, resumed.get("dump_layers"),
                     sorted(p.name for p in Path(plan.dump_layers).glob("*.pt")))
+    if plan.profile_dir:
+        _check_dump("debug.profile_dir", plan.profile_dir, resumed.get("profile_dir"),
+                    sorted(p.name for p in Path(plan.profile_dir).glob("rollout_*_rank*")))
     for key, template in (("save_rollout_data", plan.save_rollout_data), ("save_train_data", plan.save_train_data)):
         found = _saved_files(template, plan.rollout_ids) if template and template != resumed.get(key) else []
         if found:  # (a resume rewrites the rollouts after its checkpoint: its own files)
