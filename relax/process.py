@@ -25,8 +25,8 @@ import logging
 import os
 import signal
 import socket
-import threading
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path

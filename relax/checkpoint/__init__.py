@@ -33,7 +33,7 @@ from pathlib import Path
 from relax import faults
 from relax.checkpoint.experiment import save_experiment, saved_in
 from relax.errors import ConfigError, DiskFull, NonFiniteError
-from relax.files import atomic_open, atomic_write_text
+from relax.files import atomic_open, atomic_write_text, is_disk_full
 from relax.model import check_model_dir
 from relax.process import describe, is_alive, live_elsewhere, read_status
 
@@ -151,8 +151,8 @@ def save_checkpoint(trainer, tokenizer, run_dir: Path, rollout_id: int, ref_mode
         raise
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        if e.errno == errno.ENOSPC:
-            raise DiskFull(errno.ENOSPC, f"disk full while writing checkpoint {final} "
+        if is_disk_full(e):
+            raise DiskFull(e.errno, f"disk full while writing checkpoint {final} "
                            f"({e.filename or root}): free space there, or lower "
                            f"checkpoint.keep_last") from None
         raise

@@ -23,8 +23,8 @@ CONFIG, OVERRIDES = "config.yaml", "overrides.yaml"  # in a checkpoint, and in a
 # Keys (and groups, as prefixes) a resume may change freely: how long, where and how observed
 # the run is, not what it computes.
 KEEPS_EXPERIMENT = (
-    "resume", "resume_allow_changes", "rollout.num_rollout", "debug", "logger", "eval", "checkpoint",
-    "cluster", "parallel", "train.num_threads", "train.on_nonfinite", "model.cache_dir",
+    "rollout.num_rollout", "debug", "logger", "eval", "checkpoint", "cluster", "parallel",
+    "train.num_threads", "train.on_nonfinite", "model.cache_dir",
     "rollout.rollout_num_gpus", "rollout.rollout_num_gpus_per_engine", "rollout.num_engines",
     "rollout.weight_update_mode", "rollout.weight_update_bucket_mb", "rollout.colocate",
     "rollout.mem_fraction_static", "rollout.max_total_tokens", "task.reward_batch_size",
