@@ -90,9 +90,10 @@ def test_kill_anywhere_then_resume_matches_the_uninterrupted_run(tmp_path, fork_
                 if proc.is_alive():  # (its forkserver reaps it at once: a finished run's pid is free)
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(proc.pid, signal.SIGKILL)
-            if wait(proc) == -signal.SIGKILL:
+            # a kill after status.json said completed (the process still closing) came after the end too
+            if wait(proc) == -signal.SIGKILL and (read_status(run_dir) or {}).get("status") == "running":
                 break
-        assert proc.exitcode == -signal.SIGKILL, f"scenario {i} ({fault or 'random'}) was never killed"
+        assert proc.exitcode == -signal.SIGKILL, f"scenario {i} ({fault or 'random'}) was never killed before the end"
         killed.append(fault or "random")
         assert describe(read_status(run_dir)).startswith("died: status.json says running")
         # Half resume into the killed run's own dir, half into a new one with resume=true.
