@@ -7,6 +7,7 @@ import logging
 import signal
 import sys
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -22,7 +23,7 @@ from relax.checkpoint import (
     reference_model, restore_history, resumed_run, save_checkpoint, scan)
 from relax.checkpoint.experiment import check_same_experiment
 from relax.cluster import check_cluster, open_cluster
-from relax.debug import checks
+from relax.debug import strict
 from relax.debug.health import SAMPLES_FILE, response_health, sample_record
 from relax.debug.plan import Plan, check_dump_samples, check_dumps, resolve
 from relax.debug.weights import WeightCheck
@@ -35,7 +36,7 @@ from relax.logger.progress import Progress
 from relax.logger.summary import log_summary
 from relax.model import load_tokenizer, read_hf_config, resolve_model_path
 from relax.files import append_jsonl, atomic_save, fill
-from relax.process import Job, LogGuard, Stop
+from relax.process import Job, LogGuard, Stop, close_on_exit
 from relax.replay import build_manifest, check_replay_files, keep_groups, load_rollout, save_rollout
 from relax.rollout.prefetch import Rollouts
 from relax.sample import Sample
@@ -156,9 +157,9 @@ def prepare(cfg, run_dir: Path, accept=lambda: None) -> Run:
                evaluator, overrides)
 
 
-def build(run: Run, cluster):
+def build(run: Run, cluster, parts: ExitStack):
     """The engines and/or trainer the plan asks for, where the cluster puts them (and the
-    engine-weights check)."""
+    engine-weights check); `parts` shuts them down at the end, also when a later step fails."""
     cfg, plan, weight_check = run.cfg, run.plan, None
     built = {**plan.built(cfg), "cluster": cfg.cluster._target_, "model_path": str(run.model_path),
              "model_fingerprint": run.manifest["model_fingerprint"]}  # (relax compare: the same model?)
@@ -168,6 +169,8 @@ def build(run: Run, cluster):
         (run.actor_path, run.tokenizer) if plan.builds_rollout else None,
         (run.actor_path, run.model_path, run.tokenizer.pad_token_id, plan.save_train_data)
         if plan.builds_train else None)
+    close_on_exit(parts, engine, "shutdown")  # (closed after the trainer: last in, first out)
+    close_on_exit(parts, trainer, "shutdown")
     write_json(run.dir / "built.json", {**built, "placement": cluster.placement()})
     merged = None
     if trainer and run.checkpoint:
@@ -181,7 +184,7 @@ def build(run: Run, cluster):
         if trainer:
             weight_check.check_first_sync(engine, trainer, cfg.rollout.weight_update_mode == "distributed")
         if cfg.debug.strict_checks:
-            checks.strict_weights({"checks": weight_check.results})
+            strict.strict_weights({"checks": weight_check.results})
     return engine, trainer, weight_check
 
 
@@ -292,13 +295,17 @@ def sync_weights(run: Run, trainer, engine, weight_check, rollout_id: int) -> fl
 
 
 def first_step(run: Run, rollout_id: int, samples, record: dict, out: dict) -> None:
-    """The run's first training step: its per-token log-probs (for layout comparisons) and,
-    with debug.strict_checks, the guide's checks. A resumed run's first step is not the run's."""
+    """The run's first training step: its per-token log-probs (for layout comparisons) and the
+    guide's checks (relax/debug/strict.py): with debug.strict_checks a FAIL stops the run, without
+    it garbage or a train-vs-rollout mismatch is a warning. A resumed run's first step is not the run's."""
     if rollout_id != run.plan.rollout_ids[0] or run.checkpoint:
         return
     atomic_save(out["first_step_log_probs"], run.dir / "first_step_log_probs.pt")
+    found = (record, out["steps"], run.cfg, [s.prompt for s in samples], run.tokenizer)
     if run.cfg.debug.strict_checks:
-        checks.strict_first_step(record, out["steps"], run.cfg, [s.prompt for s in samples], run.tokenizer)
+        strict.strict_first_step(*found)
+    elif warning := strict.first_step_warning(*found, run.dir):
+        log.warning("%s", warning)
 
 
 def checkpoint_on_schedule(run: Run, trainer, rollout_id: int, stopping: bool) -> None:
@@ -316,17 +323,18 @@ def rl_loop(cfg, run_dir: Path, stop: Stop | None = None, accept=lambda: None) -
     called once the start-up checks passed (prepare)."""
     stop, log_setup = stop or Stop(), LogGuard()
     run = prepare(cfg, run_dir, accept)
-    cluster = open_cluster(cfg, run_dir)
-    engine = trainer = metrics = rollouts = progress = None
-    try:
-        engine, trainer, weight_check = build(run, cluster)
-        metrics = instantiate(cfg, "logger", run_dir=run_dir, resume_from=run.start,
-                              run_config=OmegaConf.to_container(cfg, resolve=True))
+    with ExitStack() as parts:  # closed last in, first out: each even when one before it raises
+        cluster = close_on_exit(parts, open_cluster(cfg, run_dir), "close")
+        engine, trainer, weight_check = build(run, cluster, parts)
+        metrics = close_on_exit(parts, instantiate(cfg, "logger", run_dir=run_dir, resume_from=run.start,
+                                                   run_config=OmegaConf.to_container(cfg, resolve=True)),
+                                "close")
         log_setup.restore()  # an engine or library that reconfigured logging keeps relax.log
         stop.install()  # ... and Relax's signal handlers
         stop.check("before the first rollout")  # (a signal while building)
-        rollouts = Rollouts(partial(make_rollout, run, engine), run.plan.rollout_ids, cfg.train["async"])
-        progress = Progress(len(run.plan.rollout_ids))
+        rollouts = close_on_exit(parts, Rollouts(partial(make_rollout, run, engine), run.plan.rollout_ids,
+                                                 cfg.train["async"]), "close")
+        progress = close_on_exit(parts, Progress(len(run.plan.rollout_ids)), "close")
         for rollout_id in run.plan.rollout_ids:
             samples, record = rollout(run, rollouts, rollout_id)
             if trainer:
@@ -352,11 +360,6 @@ def rl_loop(cfg, run_dir: Path, stop: Stop | None = None, accept=lambda: None) -
             progress.update(rollout_id, record["rollout/raw_reward"])
             if stopping:
                 stop.check(f"after rollout {rollout_id}")
-    finally:
-        for part, close in ((progress, "close"), (rollouts, "close"), (metrics, "close"),
-                            (trainer, "shutdown"), (engine, "shutdown"), (cluster, "close")):
-            if part:
-                getattr(part, close)()
     log_summary(run_dir, run.plan.mode, run.plan.dump_dir, run.plan.save_rollout_data, plot_run(run_dir))
 
 

@@ -28,7 +28,7 @@ import socket
 import sys
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from relax.errors import ConfigError, DiskFull, Interrupted
@@ -358,3 +358,23 @@ def take_failed_jobs() -> list[str]:
     failed = list(_failed_jobs)
     _failed_jobs.clear()
     return failed
+
+
+def close_on_exit(parts: ExitStack, part, method: str):
+    """Call `part.<method>()` when `parts` closes (nothing for None). ExitStack runs every
+    callback even when one raises; the first error (the loop's own, else the first close's)
+    propagates and later close errors are logged, not lost and not masking it."""
+    if part is None:
+        return part
+    close = getattr(part, method)
+
+    def exit_(exc_type, exc, tb) -> bool:
+        try:
+            close()
+        except Exception:
+            if exc is None:
+                raise
+            log.exception("%s.%s failed while %s propagates", type(part).__name__, method, exc_type.__name__)
+        return False
+    parts.push(exit_)
+    return part

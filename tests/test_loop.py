@@ -1,12 +1,14 @@
 """The RL loop's own parts (relax/loop.py), by hand: a rollout's record and what it writes, the
 colocated engine's memory around a step, the checkpoint schedule, the first step's record, the
-weight sync's time, the non-finite report, the resume hint and run_job's status and exit codes."""
+weight sync's time, the non-finite report, the resume hint, run_job's status and exit codes,
+and the shutdown that closes every part."""
 
 from __future__ import annotations
 
 import json
 import logging
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,11 +16,14 @@ import pytest
 import torch
 
 from relax import loop
+from relax.cluster import LocalCluster
 from relax.errors import ConfigError, Interrupted, NonFiniteError
 from relax.files import safe_load
 from relax.logger import MetricsLogger
+from relax.process import close_on_exit
 from relax.rollout.torch_engine import TorchEngine
 from relax.sample import Sample
+from relax.train.torch_trainer import TorchTrainer
 
 from .conftest import make_cfg, run_loop, status_of
 
@@ -387,6 +392,72 @@ def test_the_engine_is_shut_down_when_the_run_ends(tmp_path):
              "rollout.n_samples_per_prompt=2", "checkpoint.save_interval=null",
              "rollout._target_=tests.test_loop.ShutdownEngine")
     assert ShutdownEngine.shutdowns == [1]
+
+
+class FailingShutdownTrainer(TorchTrainer):
+    """The torch trainer, whose shutdown raises."""
+
+    def shutdown(self):
+        raise RuntimeError("the trainer would not stop")
+
+
+class CountingCluster(LocalCluster):
+    """The local cluster, counting its closes."""
+    closes: list[int] = []
+
+    def close(self):
+        CountingCluster.closes.append(1)
+        super().close()
+
+
+def test_every_part_is_closed_when_one_close_raises_and_its_error_is_raised(tmp_path):
+    """The trainer closes before the engine and the cluster: its shutdown raising leaves neither
+    open, and the run ends with the trainer's error (the first), not a later one or none."""
+    ShutdownEngine.shutdowns.clear()
+    CountingCluster.closes.clear()
+    with pytest.raises(RuntimeError, match="the trainer would not stop"):
+        run_loop(tmp_path, "rollout.num_rollout=1", "rollout.rollout_batch_size=2",
+                 "rollout.n_samples_per_prompt=2", "checkpoint.save_interval=null",
+                 "rollout._target_=tests.test_loop.ShutdownEngine",
+                 "train._target_=tests.test_loop.FailingShutdownTrainer",
+                 "cluster._target_=tests.test_loop.CountingCluster")
+    assert ShutdownEngine.shutdowns == [1] and CountingCluster.closes == [1]
+
+
+class Part:
+    def __init__(self, name: str, closed: list, error: Exception | None = None):
+        self.name, self.closed, self.error = name, closed, error
+
+    def close(self):
+        self.closed.append(self.name)
+        if self.error:
+            raise self.error
+
+
+def test_close_on_exit_closes_last_in_first_out_and_keeps_the_first_error(caplog):
+    """relax.process.close_on_exit: every part closes, in reverse order of registration, whatever raises; the loop's own error
+    propagates and the close errors behind it are logged; without one, the first close's error
+    propagates and a later one is logged."""
+    closed: list[str] = []
+    with pytest.raises(ValueError, match="the loop's"), caplog.at_level(logging.ERROR, "relax"):
+        with ExitStack() as parts:
+            for name, error in (("cluster", None), ("engine", OSError("engine's")), ("metrics", None),
+                                ("trainer", RuntimeError("trainer's"))):
+                close_on_exit(parts, Part(name, closed, error), "close")
+            assert close_on_exit(parts, None, "close") is None
+            raise ValueError("the loop's")
+    assert closed == ["trainer", "metrics", "engine", "cluster"]
+    assert [r.exc_info[1].args[0] for r in caplog.records] == ["trainer's", "engine's"]
+    assert all("while ValueError propagates" in r.getMessage() for r in caplog.records)
+
+    closed.clear()
+    caplog.clear()
+    with pytest.raises(RuntimeError, match="trainer's"), caplog.at_level(logging.ERROR, "relax"):
+        with ExitStack() as parts:
+            for name, error in (("engine", OSError("engine's")), ("trainer", RuntimeError("trainer's"))):
+                close_on_exit(parts, Part(name, closed, error), "close")
+    assert closed == ["trainer", "engine"]
+    assert [r.exc_info[1].args[0] for r in caplog.records] == ["engine's"]
 
 
 def test_prompts_are_checked_against_the_positions_max_new_tokens_leaves(tmp_path):
