@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from relax.debug.checks import Check, Thresholds, diagnose, strict_first_step
+from relax.debug.checks import Check, Thresholds, diagnose
 from relax.debug.run_data import RunData, load_run
+from relax.debug.strict import strict_first_step
 from relax.debug.weights import compare_tensors
 from relax.errors import CheckFailed, ReplayError
 from relax.logger import read_metrics

@@ -2,24 +2,23 @@
 
 Each check (1-9, listed in `relax doctor --help`) returns PASS / WARN / FAIL / SKIP with
 the evidence, the likely causes and the next command, in the guide's terms. `relax doctor`
-(relax/debug/doctor.py) runs them on a finished run; with `debug.strict_checks=true` the
-loop runs 3-5 and 7 at the first step (`strict_first_step`) and 6 after the first sync
-(`strict_weights`) and stops the run with the same explanation. A NaN never passes: every
-threshold is tested with `over` (`not value <= limit`) or `below` (`not value >= limit`), as
-`nan > limit` and `nan < limit` are both False; `relax compare` uses them too. The verdicts,
-thresholds and comparisons are in verdicts.py, check 2's trend readers in collapse.py.
+(relax/debug/doctor.py) runs them on a finished run; the loop runs 1, 3-5 and 7 at the
+first step and 6 after the first sync (relax/debug/strict.py): with `debug.strict_checks=true`
+a FAIL stops the run with the same explanation, without it garbage or a train-vs-rollout
+mismatch is a warning. A NaN never passes: every threshold is tested with `over` (`not
+value <= limit`) or `below` (`not value >= limit`), as `nan > limit` and `nan < limit` are
+both False; `relax compare` uses them too. The verdicts, thresholds and comparisons are in
+verdicts.py, check 2's trend readers in collapse.py.
 """
 
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 from relax.debug.collapse import garbage_signals, find_collapse, find_fast_collapse, lower_lr
 from relax.debug.routing import check_routing
-from relax.debug.run_data import RunData, chat_template_parts, samples_of
+from relax.debug.run_data import RunData, samples_of
 from relax.debug.verdicts import PASS, WARN, FAIL, SKIP, SEVERITY, Thresholds, Check, over, below, worst
-from relax.errors import CheckFailed
 
 
 # -- the checks -----------------------------------------------------------------------------
@@ -365,30 +364,6 @@ CHECKS = [check_first_responses, check_later_responses, check_logprobs_vs_ref, c
 def diagnose(run: RunData, th: Thresholds | None = None) -> list[Check]:
     th = th or Thresholds()
     return [check(run, th) for check in CHECKS]
-
-
-# -- fail fast inside a run (debug.strict_checks) --------------------------------------------
-
-def strict_first_step(record: dict, steps: list[dict], cfg, prompts: list[str], tokenizer) -> None:
-    run = RunData(path=Path("."), rollouts=[record], steps=steps, prompts=prompts,
-                  num_steps_per_rollout=cfg.train.num_steps_per_rollout, backend=cfg.train._target_,
-                  use_rollout_log_probs=cfg.algo.use_rollout_log_probs,
-                  chat_template_parts=chat_template_parts(tokenizer), lr=cfg.train.lr,
-                  top_p=cfg.rollout.top_p, samples_per_rollout=len(prompts) or None,
-                  vocab_size=len(tokenizer) if tokenizer is not None else None)
-    failed = [c for c in (check_logprobs_vs_ref(run, Thresholds()), check_first_step(run, Thresholds()),
-                          check_train_rollout_diff(run, Thresholds()), check_finite(run, Thresholds()))
-              if c.verdict == FAIL]
-    if failed:
-        raise CheckFailed("debug.strict_checks: stopping at the first step\n"
-                          + "\n".join(map(as_text, failed)))
-
-
-def strict_weights(report: dict) -> None:
-    run = RunData(path=Path("."), rollouts=[], steps=[], weight_check=report)
-    check = check_engine_weights(run, Thresholds())
-    if check.verdict == FAIL:
-        raise CheckFailed("debug.strict_checks: stopping before the first rollout\n" + as_text(check))
 
 
 # -- as text ---------------------------------------------------------------------------------
