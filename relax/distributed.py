@@ -16,7 +16,7 @@ def gather_tensors(mine: dict, rank: int, world_size: int) -> dict:
     """Every rank's named tensors, merged on rank 0 (a collective; other ranks get {}).
 
     Names, shapes and dtypes travel as objects, the tensors themselves by send/recv:
-    `gather_object` would pickle every byte (measured: ~8 s for SmolLM2's 538 MB on one rank)."""
+    `gather_object` would pickle every byte, far slower for a real model (docs/results.md)."""
     import torch
     import torch.distributed as dist
 

@@ -10,9 +10,8 @@ raised in the driver as RankError, naming the engine, its pid and its log,
 <run dir>/engine<i>.log. Engines die with the driver (PR_SET_PDEATHSIG) and on kill().
 
 Weights go through shared memory that lives as long as the engines (`share`,
-relax/cluster/shared_weights.py): pickling them through the pipe made each sync's
-shared-memory segments anew, ~15 ms per sync for the tiny model: most of what train.async
-could gain.
+relax/cluster/shared_weights.py): pickled through the pipe, each sync made its segments anew,
+which cost most of what train.async could gain (docs/results.md).
 """
 
 from __future__ import annotations

@@ -89,10 +89,10 @@ def start_rank(rank: int, world_size: int, address: str, port: int, log_dir: str
 
 def freeze_heap() -> None:
     """Once a process has built what it serves (a trainer rank, an engine): collect the
-    start-up garbage, then freeze what is left. Torch, transformers and the model make ~400k
-    objects that live as long as the process, and every full collection walked them all
-    (~200 ms here); in a Ray trainer actor one fell every few rollouts, inside the unpickling
-    of the samples (a tenth of its time). Frozen, they are never walked again."""
+    start-up garbage, then freeze what is left. Torch, transformers and the model make hundreds
+    of thousands of objects that live as long as the process, and every full collection walked
+    them all, in a Ray trainer actor every few rollouts, inside the unpickling of the samples
+    (docs/results.md). Frozen, they are never walked again."""
     gc.collect()
     gc.freeze()
 
@@ -247,8 +247,8 @@ class RankGroup:
 
 def rank_context(preload: tuple[str, ...]):
     """The multiprocessing context local ranks start in. Without CUDA, forkserver: its server
-    process imports `preload` (the trainer's heavy modules: Megatron-core alone takes ~7 s of
-    CPU) once per driver, and every rank of every job of a sweep forks from it with them
+    process imports `preload` (the trainer's heavy modules: Megatron-core's import is the
+    slowest, docs/results.md) once per driver, and every rank of every job of a sweep forks from it with them
     imported. Only the first call's `preload` counts (one server per driver). With CUDA,
     spawn: an import that asks CUDA anything in the server would break CUDA in its forks."""
     import torch

@@ -296,7 +296,7 @@ class RayCluster:
             self.reaper = Reaper()
             custom = {k: v for k, v in needs.items() if k not in ("CPU", "GPU")}
             num_cpus = max(os.cpu_count() or 1, int(-(-needs.get("CPU", 0) // 1)))
-            with sigterm_left_to_the_driver():  # (Ray's stop then waits ~1 s more per process type)
+            with sigterm_left_to_the_driver():  # (Ray's stop then waits longer per process type: docs/results.md)
                 ray.init(address="local", num_cpus=num_cpus, resources=custom or None,
                          include_dashboard=False, runtime_env=runtime_env, logging_level=logging.WARNING)
             self.private = True

@@ -1,16 +1,11 @@
 """cluster=ray, actors on the driver's node: calls through a Unix socket, weights through
 shared memory, as cluster=local's processes have them (cluster.same_node_sockets).
 
-Ray places, starts, supervises and kills every actor. But each Ray call costs ~1.5-3 ms
-beyond its work here, and a weight sync through the object store ~8 ms against ~3 through
-shared memory: on the tiny default job, ~12 ms of an ~80 ms rollout (docs/cluster.md). So
-once a group's actors are built, and if all of them run on the driver's node, each actor
-serves the driver's calls over a Unix socket of its own (`serve`, one long Ray task), and
-weights cross as shared-memory tensors made once and rewritten in place
-(relax/cluster/shared_weights.py). Actors on other nodes keep Ray's calls and object store.
-An actor's death closes its socket; Ray, asked about its serving task, says why. The sockets'
-addresses are in Linux's abstract namespace: no file is made, so none is left behind by a
-killed job (elsewhere every actor keeps Ray's calls).
+Ray places, starts, supervises and kills every actor, but its calls and object store cost
+a small job a large share of each rollout (docs/results.md). So once a group's actors are
+built, all on the driver's node, each serves the driver's calls over a Unix socket of its own
+(`serve`, one long Ray task) and weights cross as shared-memory tensors rewritten in place
+(relax/cluster/shared_weights.py). How deaths and socket addresses work: docs/cluster.md.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ class Tensors(dict):
     array (bf16 included), which Ray's serializer (pickle protocol 5) copies into the object
     store once, out of band, and a reader maps without a copy. Ray pickles torch tensors
     through torch's own reducer, and a safetensors buffer as a bytes object copied into the
-    pickle and out again: a sync of SmolLM2's 540 MB took ~2.9 s that way and ~0.3 s as arrays
-    (bench/cluster_overhead.py, docs/cluster.md). CUDA tensors pickle as they always did."""
+    pickle and out again, both far slower than arrays (bench/cluster_overhead.py,
+    docs/results.md). CUDA tensors pickle as they always did."""
 
     def __reduce__(self):
         import torch
@@ -55,7 +55,7 @@ class StoredWeights(Mapping):
 
 def _load_tensors(meta: list[tuple], raw: list) -> dict:
     """The tensors, as views of the arrays: out of Ray, of its object store, without a copy
-    (a copy into fresh memory cost SmolLM2 ~0.5 s of page faults). They are read-only: an
+    (a copy into fresh memory costs a real model's sync its page faults: docs/results.md). They are read-only: an
     engine copies them into its own weights (the torch engine's `copy_`, SGLang's serializer
     into shared memory) and drops them."""
     import warnings

@@ -4,9 +4,8 @@ driver -> engine processes (cluster=local with train.async) and trainer rank 0 -
 
 The first time a set of tensors (the same names, dtypes and shapes) is sent, a shared-memory
 copy of it travels with the message; every later time the sender copies the new values into
-that copy and sends only its key. Pickling tensors through a pipe makes new shared-memory
-segments each time: ~15 ms a sync for the tiny model, ~1 s for SmolLM2's 540 MB, against
-~0.07 s this way. What the receiver gets are the shared tensors themselves: they hold the
+that copy and sends only its key: pickling tensors through a pipe makes new shared-memory
+segments each time, many times slower (docs/results.md). What the receiver gets are the shared tensors themselves: they hold the
 values sent until the same set is sent again (a receiver that keeps them copies them).
 """
 
@@ -42,7 +41,7 @@ class SharedWeights:
         """`named` copied into its set's shared-memory tensors (made, and sent along, the first
         time). Tensors already in shared memory (weights a trainer rank's process sent here) are
         passed on as they are: a real model's weights would otherwise take a second copy in the
-        driver on their way from rank 0 to the engines (+1.1 GB for SmolLM2)."""
+        driver on their way from rank 0 to the engines (as large as the model)."""
         signature = tuple((n, t.dtype, tuple(t.shape)) for n, t in named.items())
         first = signature not in self.sets
         if first:

@@ -112,8 +112,9 @@ def logprob_slack(run: RunData, first: dict, th: Thresholds) -> tuple[float, dic
     return max(th.logprob_entropy_slack, noise), {"tokens": tokens, "varentropy": varentropy}
 
 
-# Var[-log p(x)] at a sampled position, measured on first rollouts: SmolLM2-135M 3.7 nats^2
-# (429 tokens), the tiny model 0.83 (216 tokens); used when the run dumped no train data
+# Var[-log p(x)] at a sampled position, above what first rollouts of the tiny model and
+# SmolLM2-135M showed (docs/debugging.md, "How the thresholds were set"); used when the run
+# dumped no train data
 VARENTROPY = 4.0
 
 
@@ -266,7 +267,7 @@ def check_train_rollout_diff(run: RunData, th: Thresholds) -> Check:
     # policy's updates too; only rollouts from the weights being trained show the mismatch
     stale = {r["rollout_id"] for r in run.rollouts if r.get("rollout/staleness", 0) > 0}
     # and only a rollout's first step: with train.num_steps_per_rollout > 1 the later steps' weights
-    # have moved by this rollout's own updates (SmolLM2 at train.lr=3e-4: 1.86 at step 1, 0.0 at 0)
+    # have moved by this rollout's own updates (docs/results.md)
     read = [s for s in run.steps if "train/train_rollout_logprob_abs_diff" in s
             and s.get("rollout_id") not in stale and s.get("step", 0) == 0]
     diffs = [s["train/train_rollout_logprob_abs_diff"] for s in read]

@@ -69,9 +69,8 @@ def policy_moves(run: RunData, j: int, i: int, th: Thresholds) -> list[str]:
 def recovered(rewards: list[float], j: int, i: int) -> bool:
     """Whether the reward won back at least half of what it lost from before rollout j to
     rollout i, over the (up to 3) rollouts after i. A collapse does not recover; a healthy
-    run's KL to the reference also jumps now and then beside a dip of a small rollout's reward
-    (measured on the SmolLM2 recipe: KL 0.72 -> 1.24 and reward 0.69 -> 0.34 at rollout 27,
-    back to 0.58 over the next three)."""
+    run's KL to the reference also jumps now and then beside a dip of a small rollout's reward,
+    which it wins back (docs/debugging.md, "How the thresholds were set")."""
     later = rewards[i + 1:i + 4]
     if not later:
         return False  # the run ends here: judged on the move alone (a collapse within 3 rollouts)

@@ -113,8 +113,8 @@ class Noise:
     limit is max(floor, margin x the twin's running-max difference by then), and steps are
     judged by size only up to the twin's departure (its first step beyond `floor`): past it
     fp32 rounding differences have grown chaotic, so their size says nothing about a layout. The departure counts loss and
-    grad_norm only: the twin's step-0 log_probs set their tolerance's scale (on SmolLM2-135M
-    they alone are 1.24e-5 from the baseline's, beyond the fixed 1e-5), they cannot leave it.
+    grad_norm only: the twin's step-0 log_probs set their tolerance's scale (on a deep model
+    they alone can exceed the fixed tolerance: docs/results.md), they cannot leave it.
     Several twins (twin, twin2, twin3: independent nudges) are several samples of that noise:
     the largest difference of any of them counts, and the earliest departure."""
     floor: dict[str, float]  # logprob, grad_norm, loss: the step-0 tolerances

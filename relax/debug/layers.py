@@ -99,8 +99,8 @@ def rel_diff(a, b) -> float:
 
 def holding(squared: torch.Tensor, share: float) -> int:
     """How many of the largest elements of `squared` (>= 0, fp64) hold `share` of its sum (0 if
-    it is 0). Sorting a real model's embedding (28M elements) takes ~4 s here, so the elements
-    go into bins of 1/16 of a power of two, summed per bin from the largest down, and only the
+    it is 0). Sorting a real model's embedding (tens of millions of elements) is slow
+    (docs/results.md), so the elements go into bins of 1/16 of a power of two, summed per bin from the largest down, and only the
     bin where `share` is reached is sorted."""
     positive = squared[squared > 0]
     if not len(positive):

@@ -13,16 +13,16 @@ SEVERITY = {PASS: 0, SKIP: 0, WARN: 1, FAIL: 2}
 
 
 # Every level below was re-derived for a real model (SmolLM2-135M-Instruct, 1000x the tiny
-# model's 134k parameters); the measurements are in docs/debugging.md ("How the thresholds
-# were set"). A level that depends on the model is expressed relative to the run itself.
+# model's parameters); the values each rests on are in docs/debugging.md ("How the thresholds
+# were set") and docs/results.md. A level that depends on the model is relative to the run.
 @dataclass
 class Thresholds:
     # exactness, not a tolerance: the same weights through the same deterministic forward give
-    # bit-equal log-probs at any size (SmolLM2's 30 layers: |log_probs - ref_log_probs| = 0.0)
+    # bit-equal log-probs at any size (also SmolLM2's 30 layers)
     kl_tol: float = 1e-8                  # first-step KL and |log_probs - ref_log_probs|
     # check 3. The trainer's log_probs are of the policy's own samples at the sampling
     # temperature, so E[-log p(x)] over sampled tokens IS the mean entropy at those positions,
-    # for a model of any size (SmolLM2: 1.61 vs 1.70, tiny: 0.40 vs 0.34). WARN when mean
+    # for a model of any size (the tiny model and SmolLM2 alike). WARN when mean
     # |log_prob| leaves [H / ratio - slack, ratio * H + slack]; slack is the larger of the floor
     # below and 4 standard errors of the mean difference, sqrt(varentropy / tokens) (the terms
     # -log p(x_t) - H_t have conditional mean 0, so they are uncorrelated: the variance of
@@ -32,17 +32,17 @@ class Thresholds:
     # mean |log_prob| above log(vocab_size) (+ slack) is impossible for the policy's own samples:
     # their mean is the entropy, and no distribution over V tokens has more than log V (the
     # uniform guess): the tokens were scored by another model, tokenizer or temperature (FAIL).
-    # None: log(vocab_size) of the run's model (SmolLM2 10.8, tiny 3.47), 5.0 when unknown
+    # None: log(vocab_size) of the run's model, 5.0 when unknown
     logprob_config_error: float | None = None
     # first-step grad_norm (before clipping at train.clip_grad): the token-mean GRPO gradient of
-    # std-normalised advantages through normalised layers does not grow with the model: tiny
-    # 1.8-2.1, SmolLM2 2.5-3.6 (1000x the parameters, 1.3-1.7x the norm); 10 is 3-5x both, and a
-    # gradient scaled by a layout bug shows in `relax compare` long before it reaches 10
+    # std-normalised advantages through normalised layers barely grows with the model (1000x
+    # the parameters); 10 is several times both models' norms, and a gradient scaled by a
+    # layout bug shows in `relax compare` long before it reaches 10
     grad_norm_max: float = 10.0
     # train/train_rollout_logprob_abs_diff at each rollout's first step (the weights the engine
-    # sampled with): rounding only for the same code in fp32, at any depth (SmolLM2 2e-6, tiny
-    # 2e-7); a bf16 engine against the fp32 trainer, a real mismatch, grows with depth (SmolLM2's
-    # 30 layers: 0.030, 3x under this); a dropped or corrupted tensor gives far more
+    # sampled with): rounding only for the same code in fp32, at any depth; a bf16 engine
+    # against the fp32 trainer, a real mismatch, grows with depth (SmolLM2's 30 layers stay
+    # well under this); a dropped or corrupted tensor gives far more
     train_rollout_diff_max: float = 0.1
     # check 9 (MoE): the fraction of (token, MoE layer) pairs whose experts the trainer's router
     # picks as the engine's did. Rounding flips only near-ties: a bf16 engine against the fp32
@@ -56,28 +56,27 @@ class Thresholds:
     drift_ratio: float = 2.0              # last third vs first third of that diff (relative: any size)
     drift_floor: float = 1e-3             # ... once it is at least this large
     # garbage signals are shares of responses or tokens, not of the model: SmolLM2 and the tiny
-    # model both score 0.0 on the first two at the first rollout
+    # model both score none on the first two at the first rollout
     invalid_token_ratio: float = 0.2      # garbage: undecodable / special tokens mid-response
     repetition_ratio: float = 0.5         # garbage: responses dominated by one token
     # a chat model explains before it answers and is cut at rollout.max_new_tokens (SmolLM2 at 8
-    # tokens: 16% in format, 94% cut): a cut response is unfinished, not garbage, so the floor
+    # tokens: most responses cut): a cut response is unfinished, not garbage, so the floor
     # is on the responses in format or cut; below it, most responses ENDED outside the format
     format_ok_min: float = 0.2
     collapse_fraction: float = 0.25       # reward falling below this share of its start
     # check 2, a collapse within one or two rollouts: the policy moved fast (any of the three
     # below) while the reward did not rise. Learning also sharpens the policy, but then the
-    # reward rises with it (SmolLM2 healthy: entropy 2.05 -> 0.13 over 30 rollouts, reward
-    # 0.22 -> 1.0). Prompts alone move a 4-prompt rollout's entropy by 22-36% (SmolLM2 at
-    # grad_norm 0: 1.46 -> 1.99 -> 1.55); train.lr=3e-4 on SmolLM2: 1.70 -> 0.46 in one update
+    # reward rises with it. Prompts alone move a 4-prompt rollout's entropy by a third at most;
+    # a collapse (train.lr=3e-4 on SmolLM2) more than halves it in one update
     entropy_collapse_ratio: float = 0.5   # rollout/entropy below this share of 1-2 rollouts before
     # ... and by at least this share of the run's first entropy: a sharp policy losing its last
-    # bits is not collapsing (SmolLM2 healthy, late: 0.26 -> 0.13, under 0.25 x 2.05), and the
-    # level follows the model (tiny: 0.36 at the start, SmolLM2 1.70-2.05)
+    # bits is not collapsing (a healthy SmolLM2 run late in training), and the level follows
+    # the model
     entropy_collapse_min_share: float = 0.25
     # rollout/kl (to the reference) up by this many nats in 1-2 rollouts, and by this factor: a
-    # collapse leaves the reference at once (SmolLM2 at lr 3e-4: 0 -> 1.08 in one rollout); a
+    # collapse leaves the reference at once (SmolLM2 at lr 3e-4: over a nat in one rollout); a
     # healthy run's KL, estimated from 32 samples, wanders in proportion to its level (the
-    # SmolLM2 recipe, late: 0.79 -> 1.40, 0.72 -> 1.24 while it learned)
+    # SmolLM2 recipe, late, while it learned)
     kl_jump: float = 0.5
     kl_jump_factor: float = 2.0
     # the mean log-ratio of a later step within a rollout (num_steps_per_rollout > 1) as large
@@ -85,9 +84,9 @@ class Thresholds:
     ppo_kl_max: float = 0.2
     # check 8, debug/batch_invariance_max_abs_diff: each sample alone with 8 more pad tokens against
     # its first-step micro-batch, fp32 on CPU: rounding from the padding (alone at the same length
-    # it is bit-equal): tiny 3.7e-6 to 2.1e-5 over seeds 0-8, SmolLM2 1.9e-5; 10x the largest.
-    # Logits scaled by 1 + 1e-4 x the micro-batch's rows (the `batch_variant` fault): 5e-3 at 8
-    # rows, 4.5e-2 at 64. A bf16 trainer's rounding alone exceeds it (tiny, CPU: 5.3e-2)
+    # it is bit-equal); 10x the largest over seeds and both models. The `batch_variant` fault
+    # (logits scaled by 1 + 1e-4 x the micro-batch's rows) is far above it, and so is a bf16
+    # trainer's rounding alone
     batch_invariance_tol: float = 2e-4
 
 

@@ -148,8 +148,8 @@ def sample_seeds(seed: int, indices, calls=None) -> list[int]:
     multi-turn rollout calls the engine once per turn). What a sample draws does not depend on
     how the rollout is split across engines or batched. The value: numpy's SeedSequence of
     [seed mod 2**64, index(, call if > 0)], its first 64 bits >> 2 (< 2**62), with the hashing
-    done once per step for all calls instead of one SeedSequence each (256 seeds: 3.6 ms ->
-    0.3 ms, of a default rollout's ~25 ms generation on the tiny model). Its word mixing is
+    done once per step for all calls, not one SeedSequence each: faster by an order of
+    magnitude (docs/results.md). Its word mixing is
     unsigned 32-bit arithmetic, which numpy arrays wrap like C does."""
     indices = np.asarray(indices, dtype=np.int64).reshape(-1)
     calls = np.zeros_like(indices) if calls is None else np.asarray(calls, dtype=np.int64).reshape(-1)

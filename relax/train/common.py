@@ -151,7 +151,7 @@ def shard_steps(samples: list[Sample], advantages: torch.Tensor, steps: int, dp:
     over the DP ranks, then into micro-batches of `micro_batch_size` samples. With
     `fixed_shape`, every micro-batch has the same [rows, T] (padding rows are masked out), rows
     no more than the largest micro-batch holds: a rollout smaller than `micro_batch_size` is not
-    padded up to it (8 samples in 64 rows made Megatron's step 8x the work on the real model).
+    padded up to it (8 samples in 64 rows would make Megatron's step 8 times the work).
     The loss weights of `loss_agg_mode` come from the whole step's mini-batch, which every
     rank sees here, so no layout changes them."""
     if len(samples) % (steps * dp):

@@ -7,8 +7,8 @@ Megatron's CP splits each sequence into 2·cp chunks and gives rank r chunks r a
 per-position results back in sequence order. On CPU, each rank's attention gathers every
 rank's K and V, restores sequence order and runs causal SDPA for its own queries. K and V
 travel in ONE all-gather of cat([K, V]): two separate autograd all-gathers let ranks run the
-backward collectives in different orders on gloo, which gave gradients off by up to 30% with
-a correct forward (a silent trap; docs/measured-on-cpu.md).
+backward collectives in different orders on gloo, which gave wrong gradients with a correct
+forward (a silent trap; docs/measured-on-cpu.md).
 """
 
 from __future__ import annotations

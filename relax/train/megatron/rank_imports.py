@@ -1,4 +1,4 @@
-"""What a Megatron rank imports (~7 s of CPU), for the local ranks' fork server to import once
+"""What a Megatron rank imports (seconds of CPU: docs/results.md), for the local ranks' fork server to import once
 per driver (MegatronTrainer.rank_imports, relax.cluster.ranks.rank_context), without the
 "Apex/TE not installed" warnings that each rank silences (trainer.py)."""
 
