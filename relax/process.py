@@ -1,21 +1,6 @@
 """The driver process of a run: its status.json, how it stops, and its log.
 
-status.json  `{"status": running | completed | failed | interrupted, "pid", "host", "started",
-             "pid_start", ...}`, written atomically. A run killed with SIGKILL (or by the
-             out-of-memory killer, or a power loss) leaves `running` behind; the pid, host and
-             the process's start time (Linux /proc/<pid>/stat, so a reused pid is not taken for
-             the run) let every reader tell a live run from a dead one: `describe()`.
-Stop         SIGINT (Ctrl-C) and SIGTERM ask the loop to stop after the current rollout, whose
-             checkpoint is then written when checkpointing is on; a second one aborts at once.
-             Sent to every process of the job, they are still the driver's alone (the
-             processes it starts: relax/cluster/ranks.py, leave_stops_to_the_driver).
-Log          A library that configures logging for itself (SGLang's engine calls
-             `logging.basicConfig(force=True)` and sets the root level to its own) would take
-             away the handlers Hydra set up: `LogGuard` puts them back.
-Job          A job writes into its run dir (status.json, its config in .hydra/, relax.log) only
-             once its start-up checks accepted it: a job refused for any reason leaves a dir it
-             did not create exactly as it was (a finished run, a sweep's old jobs, the run a
-             resume was refused for); in a dir it created it records the refusal.
+How it works in detail: docs/reliability.md, "Inside `relax/process.py`".
 """
 
 from __future__ import annotations

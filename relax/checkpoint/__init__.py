@@ -1,25 +1,6 @@
 """Checkpoints and resume (`checkpoint.*`, `resume`).
 
-<run dir>/checkpoints/rollout_000099/
-    hf/                  the actor as a normal HF directory (config, safetensors, tokenizer);
-                         with LoRA only on request (train.lora.save_merged)
-    adapter/             LoRA: the adapters in peft's format (relax/train/lora.py)
-    trainer_state.pt     optimizer and RNG state (plain tensors; loaded weights_only);
-                         train=megatron: trainer_state_rank<R>.pt, one per rank
-    config.yaml          the run's config and the overrides it was composed from: a resume
-    overrides.yaml       composes the same experiment (relax/checkpoint/experiment.py)
-    history/             the run's metrics.jsonl, samples.jsonl and first_step_log_probs.pt as at
-                         this rollout: a resumed run starts from them, so its metrics hold
-                         every rollout exactly once, whenever the first run died
-    relax_state.json     rollout_id, the reference model's path, the trainer layout the state
-                         is tied to, and the size of every file above (written last)
-A checkpoint is written into `.rollout_000099.tmp/` and renamed into place; one being
-replaced or pruned is first renamed to `.rollout_000099.old/`, then deleted. A crash at any
-moment therefore leaves complete checkpoints plus hidden leftovers, which the next save
-removes; resume takes the newest checkpoint whose relax_state.json parses and whose files
-are all there with their recorded sizes (a later save deletes the others). Prompts and
-sampling seeds derive from `rollout_id`, so a resumed run continues exactly where the
-uninterrupted one would be.
+How it works in detail: docs/reliability.md, "Inside `relax/checkpoint/__init__.py`".
 """
 
 from __future__ import annotations

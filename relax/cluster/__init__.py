@@ -1,16 +1,6 @@
 """Where trainer ranks and rollout engines run (conf/cluster/): local processes or Ray actors.
 
-`open_cluster(cfg, run_dir)` builds the class `cluster._target_` names, after its start-up
-checks (`check_cluster`: its `check_config`); it starts nothing yet. Then
-  cluster.build(engine_spec, trainer_spec) -> (EngineGroup | None, trainer | None)
-  cluster.placement() -> where every rank and engine runs (for built.json)
-  cluster.close()     -> after the trainer and engines are shut down, also on errors
-cluster=local (LocalCluster): engines in the driver (with train.async, each in a local
-process of its own: relax/cluster/engine_processes.py), trainer ranks as local processes
-(relax/cluster/ranks.py), a single-rank torch trainer in the driver itself; Ray is never
-imported. cluster=ray (relax/cluster/ray_cluster.py): every rank and engine is a Ray actor
-(those on the driver's node called through Unix sockets: relax/cluster/ray_sockets.py).
-The loop cannot tell which it got: both give the same trainer and engine interfaces.
+How it works in detail: docs/cluster.md, "Inside `relax/cluster/__init__.py`".
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
 """Rollout engines in local processes of their own (cluster=local with train.async=true).
 
-With the engine in the driver, generating the next rollout would share the driver's
-interpreter and thread with training; in a process of its own it runs on another core
-while the driver trains. `EngineProcesses` is what EngineGroup (relax/cluster/engines.py)
-drives, like InDriver and Ray's RayHosts: `map` runs one method on several engines and
-returns their results in order. The processes start at once and build their engine while
-the driver builds the trainer; the first call waits for them. An engine's error or death is
-raised in the driver as RankError, naming the engine, its pid and its log,
-<run dir>/engine<i>.log. Engines die with the driver (PR_SET_PDEATHSIG) and on kill().
-
-Weights go through shared memory that lives as long as the engines (`share`,
-relax/cluster/shared_weights.py): pickled through the pipe, each sync made its segments anew,
-which cost most of what train.async could gain (docs/results.md).
+How it works in detail: docs/cluster.md, "Inside `relax/cluster/engine_processes.py`".
 """
 
 from __future__ import annotations

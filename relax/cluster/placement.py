@@ -6,9 +6,7 @@ sizes it (slime/ray/placement_group.py):
     rollout_only          engines only (no trainer bundle)  num_engines bundles
     train_only            trainer ranks only (no engine)    world_size bundles
 
-Once Ray has reserved the group, its bundles are ordered by node (IP, then node id) and
-device and handed out in that order, so rank 0 — whose node gives the rendezvous address —
-sits on the first node, and neighbouring ranks share a node where they can.
+How it works in detail: docs/cluster.md, "Inside `relax/cluster/placement.py`".
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
 """A trainer of N ranks behind one handle: the driver calls methods, every rank runs them.
 
-The RankGroup contract, which `LocalRanks` (processes on this host) and `RayRanks` (Ray
-actors, relax/cluster/ray_cluster.py) both keep, so the loop cannot tell them apart:
-  call(method, *args)      every rank runs the trainer's method (SPMD); rank 0's result
-  send(...) / collect()    the same in two halves (start on every rank, then wait)
-  rank0_address()          (host, free port) on rank 0's node, for a process group with it
-  train / named_weights / synced_weights / save_checkpoint / load_checkpoint / shutdown
-                           (local ranks' weights arrive in shared memory that the next
-                           weights call rewrites: relax/cluster/shared_weights.py)
-  placement()              where each rank runs: node, bundle, device, pid (built.json)
-An error on any rank stops the whole group and is raised in the driver as `RankError`,
-naming the rank, its node and pid, with the rank's traceback. Ranks die with the job: on
-shutdown, on error, on Ctrl-C (the driver's `finally`), and when the driver itself dies.
+How it works in detail: docs/cluster.md, "Inside `relax/cluster/ranks.py`".
 """
 
 from __future__ import annotations

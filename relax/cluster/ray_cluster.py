@@ -1,15 +1,6 @@
 """cluster=ray: trainer ranks and rollout engines as Ray actors in one placement group.
 
-`RayCluster.build` connects (a private instance for the job, or `cluster.address`), reserves
-the placement group (relax/cluster/placement.py), starts one `Host` actor per trainer rank
-and per engine — all at once, since each pays its own imports — and builds the trainer and
-the engines inside them. `RayRanks` keeps the RankGroup contract of relax/cluster/ranks.py;
-`RayHosts` is what EngineGroup (relax/cluster/engines.py) drives; a group whose actors all
-run on the driver's node is then called through Unix sockets instead of Ray's calls
-(relax/cluster/ray_sockets.py, cluster.same_node_sockets). An actor's error or death
-is raised in the driver naming the rank or engine, its node and pid, with its traceback.
-Actors belong to the driver: Ray kills them when it disconnects or dies, and a private
-instance is stopped at the end, by the driver or, if it was killed, by the reaper.
+How it works in detail: docs/cluster.md, "Inside `relax/cluster/ray_cluster.py`".
 """
 
 from __future__ import annotations

@@ -1,15 +1,6 @@
 """Stops a job's private Ray instance even when the driver cannot (kill -9, a crash).
 
-Ray starts its GCS, raylet and friends as children of the driver with a parent-death signal,
-but the raylet's agents (dashboard and runtime-env agents) outlive a killed driver by a
-minute or more, and they start at a moment of Ray's choosing, sometimes well after
-ray.init returns. The driver therefore starts this small process (`Reaper`) before
-ray.init; while the driver lives, the reaper records every process of the driver's tree
-started since (pid and start time, once a second), and when the pipe from the driver
-closes — because the driver finished and stopped Ray, or because it died — the reaper
-stops whatever is still alive of them (SIGTERM, then SIGKILL) and exits. A process whose
-start time differs is a new one that reused the pid, and is left alone.
-Linux only (it reads /proc, through relax.process); elsewhere nothing is started.
+How it works in detail: docs/cluster.md, "Inside `relax/cluster/reaper.py`".
 """
 
 from __future__ import annotations

@@ -4,17 +4,7 @@ Writes <run dir>/bugreport-<run name>.tar.gz (or -o FILE), atomically, with one 
 bugreport-<run name>/ in it that is laid out like the run dir, so `relax doctor` and
 `relax inspect` read it once extracted:
 
-  .hydra/config.yaml, overrides.yaml  the composed config and the command line's overrides
-  config.yaml, built.json, status.json, metrics.jsonl, samples.jsonl, *.log, doctor.md, ...
-  rollout_data/<id>.pt                 the first rollout's replay data (and train_data/<id>_*.pt,
-                                       tokenizer/, layers/ when the run dumped them)
-  system.json                          package versions, the machine, the Relax source revision
-  doctor.txt                           `relax doctor`'s report on the run (or why it failed)
-  MANIFEST.json                        each file's sha256 and size, what was not found, and the
-                                       command line that replays the first rollout
-
-No environment variable is included unless named with --env; the values of secret-looking
-ones (*KEY*, *TOKEN*, *SECRET*, *PASSWORD*, ...) are also redacted from the text files taken.
+How it works in detail: docs/debugging.md, "Inside `relax/debug/bugreport.py`".
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
 """The guide's precision checklist as pure functions of what a run left behind.
 
-Each check (1-9, listed in `relax doctor --help`) returns PASS / WARN / FAIL / SKIP with
-the evidence, the likely causes and the next command, in the guide's terms. `relax doctor`
-(relax/debug/doctor.py) runs them on a finished run; the loop runs 1, 3-5 and 7 at the
-first step and 6 after the first sync (relax/debug/strict.py): with `debug.strict_checks=true`
-a FAIL stops the run with the same explanation, without it garbage or a train-vs-rollout
-mismatch is a warning. A NaN never passes: every threshold is tested with `over` (`not
-value <= limit`) or `below` (`not value >= limit`), as `nan > limit` and `nan < limit` are
-both False; `relax compare` uses them too. The verdicts, thresholds and comparisons are in
-verdicts.py, check 2's trend readers in collapse.py.
+How it works in detail: docs/debugging.md, "Inside `relax/debug/checks.py`".
 """
 
 from __future__ import annotations

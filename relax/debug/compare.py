@@ -6,23 +6,7 @@ why none is): the per-token log_probs of the first training step on a fixed samp
 sample missing, extra or with another token count is a divergence), and per-step loss and
 grad_norm. A job "departs" at the first step whose difference leaves the step-0 tolerances.
 
-With a noise twin of the baseline in the compared jobs (`parallel=twin`: the baseline with
-each weight moved by one ulp at the start and after every optimizer step, rounding noise at
-every step as another reduction order adds it) the twin's distance from the baseline is the
-measured rounding noise, and one noise model judges everything: the step-0 tolerances are
-max(fixed, `--envelope-margin` x the twin's step-0 difference); a step diverges when it is
-further from the baseline than max(that, margin x the twin's largest difference by then),
-judged up to the twin's own departure (at least `--strict-steps`). Past it fp32 rounding
-differences grow chaotically however correct the layout is, so later steps are judged for
-NaN/Inf only. What tells a broken layout from a correct one is how early it departs: one
-departing before the twin's departure step / `--departure-ratio` is a divergence even
-inside the envelope. Several twins (`parallel=twin,twin2,twin3`) are several samples of the
-noise: the largest difference of any counts, and the earliest departure. Without a twin
-only the first `--strict-steps` steps are judged, by the fixed tolerances, and the output
-says so. NaN or Inf is always a divergence. A job is `equivalent`, `DIVERGED` (with the
-first step that diverged) or `FAILED` (did not complete, or has no training steps). The
-exit code is 1 if any job diverged or failed, so a layout sweep can gate CI (2: bad input).
-A plot of loss and grad_norm per step by layout goes next to the runs (or into --out DIR).
+How it works in detail: docs/debugging.md, "Inside `relax/debug/compare.py`".
 """
 
 from __future__ import annotations

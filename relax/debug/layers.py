@@ -1,29 +1,7 @@
 """Where two runs part, layer by layer: the layer dump (debug.dump_layers) and
 `relax compare --layers`.
 
-Record (relax/train/layer_dump.py). For the samples `debug.dump_layers_samples` of the
-rollouts `debug.dump_layers_rollouts` (default: the run's first), before that rollout's first
-optimizer step, the trainer runs those samples as one micro-batch through the training
-forward and backward and records, whole (gathered over ranks) and under HF names: every
-module output of `module_names` in forward order (embedding, per layer the attention and MLP
-outputs and the layer's, the final norm), the trained tokens' log-probs, every parameter's
-gradient and every parameter's value before the step; and the reference model's forward of
-the same micro-batch (first-step KL is 0 only if the two forwards agree). The engine records
-the same forward outputs for the same sequences (prompt + response, one prefill) where it
-can (the torch engine), and the log-probs it generated them with. Files:
-`<dir>/{rollout_id}_{source}.pt`, source `train`, `ref` or `engine`, with a manifest.
-
-Compare. Per tensor, the relative difference ||a - b|| / ||b|| over the dumped samples, judged
-against a floor: `--layer-eps-multiple` x the baseline dtype's epsilon, raised to
-`--envelope-margin` x the noise twins' largest finite difference where the sweep has twins (the
-step tolerances' rule, relax/debug/compare.py's `scaled_floor`; a twin is judged against the
-other twins: `judge_sweep`). The first module (forward order), the first gradient (backward
-order) and the first weight above their floors are named, each with how its difference spreads
-(`spread`): over how many elements 90 % of it lies, against how many hold 90 % of the tensor
-itself, and where the largest one is. A bug in a layout spreads like the tensor (a wrong scale,
-a missing all-reduce) or over a whole shard; a handful of elements is rounding that something
-amplified, such as Adam's first step, which moves every weight by about the learning rate in the
-sign of its gradient, also where rounding alone decides that sign (docs/debugging.md).
+How it works in detail: docs/debugging.md, "Inside `relax/debug/layers.py`".
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
 """The engine-weights check (`debug.check_weight_update_equal`): the guide's first precision
 step, automated.
 
-1. load: the tensors the engine loaded are compared with the checkpoint on disk.
-2. sync: the engine's parameters are overwritten with random values, the trainer's
-   weights are pushed through the normal sync path, and every engine tensor — parameters
-   and buffers (the rotary `inv_freq` or `cos_sin_cache`) — is compared with the
-   checkpoint (buffers, which no checkpoint holds, with the engine's values after load).
-   A tensor the sync path misses, corrupts or drops shows up by name.
-With `debug.check_weight_update_every_sync`, every later sync is checked against the
-trainer's weights the same way. With several engines (rollout.num_engines) every engine is
-checked, one record each. Results go to <run dir>/weight_check.json.
+How it works in detail: docs/debugging.md, "Inside `relax/debug/weights.py`".
 """
 
 from __future__ import annotations

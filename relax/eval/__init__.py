@@ -1,15 +1,6 @@
 """Evaluation during training: the `eval` config section.
 
-At every rollout whose rollout_id is a multiple of eval.interval, and at the run's last one,
-before the rollout is generated (so with the policy that samples it), each of eval.datasets
-is answered eval.n_samples_per_prompt times per prompt at eval.temperature (0: greedy),
-through the run's rollout.generate_fn, and scored with the task's rewards;
-`eval/<name>/reward` and `eval/<name>/response_len` join that rollout's metrics. A dataset is
-`arithmetic` (the built-in problems, in task=arithmetic's operand range when that is the
-task), `task` (the run's task's held-out questions, which training never draws) or a JSONL
-file of {"prompt", "label"} rows, named after the file; each evaluation asks
-the same eval.num_prompts prompts (a JSONL file's first rows). A run that builds no engine
-(debug=train_only) evaluates nothing and says so once.
+How it works in detail: docs/rollouts.md, "Inside `relax/eval/__init__.py`".
 """
 
 from __future__ import annotations

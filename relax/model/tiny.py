@@ -6,11 +6,7 @@ arithmetic task brings greedy accuracy to `warmup_target_accuracy`, so that GRPO
 with sampled rewards around 0.2-0.4 (where it learns; see docs/measured-on-cpu.md).
 The result is an ordinary HF directory, reused on later runs.
 
-fp32 training does not give the same weights on every CPU (the kernels' summation order
-depends on the instruction set), so the default recipe's weights are not built at all: they
-ship with the package (`tiny_qwen2/`, written by `scripts/build_tiny_model.py` with this
-module's code) and are checked against SHIPPED_SHA256 whenever they are used. Any other
-recipe (`model.tiny.*` overrides) is built on first use, on this machine's kernels.
+How it works in detail: docs/models.md, "Inside `relax/model/tiny.py`".
 """
 
 from __future__ import annotations

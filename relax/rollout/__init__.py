@@ -1,23 +1,7 @@
 """Rollout (conf/rollout/): build the engine `rollout._target_` names; prompts become Samples in
 relax/rollout/generate.py (rollout.generate_fn, rewards, dynamic sampling).
 
-An engine is constructed as `Engine(cfg, model_path, eos_token_ids, pad_token_id)` (the
-whole config: engines read model.*, seed and rollout.*; a GPU engine also takes
-`base_gpu_id`, the first of the visible GPUs it uses). relax.cluster's EngineGroup runs
-rollout.num_engines of them (in the driver, or one Ray actor each) behind these calls:
-  generate(prompt_token_lists, SamplingParams, seed[, first_index]) -> list[Generation]
-        # prompt i drawn with its own seed, prompt_seeds(seed, n, first_index)[i]: `seed` is
-        # the rollout's seed (prompt i is sample first_index + i; first_index is passed only
-        # to the 2nd.. of several engines, so an engine that runs alone may omit it), or a
-        # list with one seed per prompt (what the rollout's EngineClient sends)
-  update_weights({hf_name: tensor})          # weight sync from the trainer
-  named_tensors() -> {hf_name: tensor}       # parameters and buffers, for weight checks
-  shutdown()
-and, optionally, what some settings need (refused at start-up where the engine lacks it):
-  release_memory_occupation() / resume_memory_occupation()   # rollout.colocate=true
-  init_weight_sync(address, port, world_size, group_name)    # weight_update_mode=distributed:
-  receive_weights(metadata, group_name)      # an NCCL group with trainer rank 0, which broadcasts
-  check_config(cfg)                          # a static method: the engine's own start-up refusals
+How it works in detail: docs/rollouts.md, "Inside `relax/rollout/__init__.py`".
 """
 
 from __future__ import annotations

@@ -1,15 +1,6 @@
 """The engine as a rollout.generate_fn sees it, and the concurrency that keeps rollouts batched.
 
-A rollout runs its generate_fn once per sample, all at once: `async def` functions as
-coroutines on an event loop in a helper thread, plain functions each in a worker thread.
-Each gets an `EngineClient` (`generate(tokens, sampling_params) -> Generation`; a plain
-function's blocks). Their requests are collected into one batched `engine.generate` call,
-made in the calling thread (SGLang's offline engine runs its own event loop there): a batch
-goes out once every running sample waits on the engine, or when no request arrived for a few
-event-loop turns (so a sample busy with a slow tool does not hold the others back). Each
-request carries its own seed, `sample_seeds(rollout seed, [sample index], [call number])`: what a
-sample draws does not depend on what it was batched with, and identical prompts in a batch
-(a GRPO group's first turn) are still prefilled once by the torch engine.
+How it works in detail: docs/rollouts.md, "Inside `relax/rollout/client.py`".
 """
 
 from __future__ import annotations

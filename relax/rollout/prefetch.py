@@ -1,20 +1,6 @@
 """The loop's rollouts, in order: made on demand, or (train.async=true) one ahead.
 
-`Rollouts.get(rollout_id)` returns what making that rollout returned (the loop's
-make_rollout: its samples and metrics). Synchronous (the default), it
-makes them then and there. With `prefetch`, making the next one starts in a background
-thread, so that rollout k+1 is generated (by the engine in its own process or Ray actor)
-while the driver trains on rollout k: slime's train_async.py. The loop calls `wait()`
-before each weight sync, so a generation always ends on the weights it began with, and
-`synced(k)` after it, which starts rollout k+2 at once on the new weights (the engine
-does not idle while the driver logs rollout k and takes up k+1): rollout k+1 comes from
-the policy trained through k-1, one step behind the trainer (one-step off-policy). Every
-sample records that policy as `metadata["policy_version"]`: the number of rollouts trained
-into the weights that generated it (the loop trains every rollout once).
-
-A resumed run starts by generating its first rollout from the checkpoint's weights (its
-staleness is 0, where the uninterrupted run's was 1); no rollout is trained twice or
-skipped, since nothing about a prefetched rollout is written before the loop takes it.
+How it works in detail: docs/rollouts.md, "Inside `relax/rollout/prefetch.py`".
 """
 
 from __future__ import annotations

@@ -1,15 +1,6 @@
 """Rewards: a rollout's samples scored by task.reward_fn, task.group_reward_fn or task.reward_url.
 
-task.reward_fn takes `(response, label)` or the whole `Sample` (one parameter: prompt,
-response, label, metadata, tokens); task.group_reward_fn takes a prompt's samples and returns
-one reward each (pairwise or ranking rewards). Either may be `async def`: those are awaited
-concurrently. task.reward_url is a reward service, sent HTTP POSTs of
-    {"samples": [{"index", "prompt", "response", "label", "metadata", "tokens", "response_length"}]}
-in batches of task.reward_batch_size (concurrently), each answered by {"rewards": [float, ...]}
-(one per sample, in order); a failed request (timeout, refused connection, an HTTP error or
-any other answer) is retried with exponential backoff, then stops the run with the last error:
-never a silent 0. A reward that is not a number stops the run naming it (a NaN or Inf one:
-check_rewards in relax/task/__init__.py).
+How it works in detail: docs/rollouts.md, "Inside `relax/task/rewards.py`".
 """
 
 from __future__ import annotations

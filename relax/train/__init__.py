@@ -1,28 +1,6 @@
 """Trainers (conf/train/, conf/parallel/): build the class `train._target_` names, on N ranks.
 
-A trainer is constructed once per rank as
-  Trainer(cfg, model_path, ref_model_path=, pad_token_id=, save_train_data=, rank=, world_size=)
-(the whole config: trainers read model.*, algo.*, parallel.* and rollout.temperature) and
-implements, for the driver:
-  train(rollout_id, samples) -> {"rollout": {...}, "steps": [{...}], "nonfinite": [...]}
-        # + "first_step_log_probs" at the policy's first step (before any train or
-        # load_checkpoint); which no-grad passes a rollout runs: common.forward_passes
-  named_weights() -> {hf_name: tensor}       # the whole model, as engines and checkpoints hold it
-  synced_weights() -> {hf_name: tensor}      # optional: what a weight sync pushes, the part of
-        # named_weights() that training changes (without it: all; LoRA: the merged projections)
-  save_checkpoint(path) / load_checkpoint(path)
-  shutdown()
-Optional class attributes, read before any rank starts:
-  check_config(cfg, hf_config)  static method: the trainer's own start-up refusals, given
-                             the model's config.json (relax.model.model_config)
-  checkpoint_layout(cfg)     static method: settings its saved state is tied to (beyond its class)
-  trains_lora = True         it trains train.lora's adapters (without it, train.lora.rank > 0 is refused)
-  runs_in_driver = True      a single rank may run in the driver process (default: its own)
-  rank_imports = (modules,)  what a rank imports beyond the class's own module: local ranks
-                             fork from a server that imported both once per driver
-                             (relax.cluster.ranks.rank_context)
-relax/cluster/ decides where the ranks run (the driver itself, see runs_in_driver; local rank
-processes; or Ray actors), and the driver cannot tell the difference.
+How it works in detail: docs/backends.md, "Inside `relax/train/__init__.py`".
 """
 
 from __future__ import annotations

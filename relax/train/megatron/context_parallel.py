@@ -1,14 +1,7 @@
 """Context parallelism (train=megatron, parallel.cp > 1): the batch slicing, and the core
 attention without Transformer Engine (CPU).
 
-Megatron's CP splits each sequence into 2·cp chunks and gives rank r chunks r and
-2·cp−1−r (balanced causal work; see `megatron.core.utils.get_batch_on_this_cp_rank`):
-`cp_local` cuts a micro-batch so, `cp_full` ([b, t]) and `cp_gather` ([t, ...]) put
-per-position results back in sequence order. On CPU, each rank's attention gathers every
-rank's K and V, restores sequence order and runs causal SDPA for its own queries. K and V
-travel in ONE all-gather of cat([K, V]): two separate autograd all-gathers let ranks run the
-backward collectives in different orders on gloo, which gave wrong gradients with a correct
-forward (a silent trap; docs/measured-on-cpu.md).
+How it works in detail: docs/backends.md, "Inside `relax/train/megatron/context_parallel.py`".
 """
 
 from __future__ import annotations

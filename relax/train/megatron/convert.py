@@ -1,14 +1,7 @@
 """HF <-> Megatron-core parameter conversion for every family of relax/model/families/
 (Llama, Qwen2, Qwen3 dense; Qwen2-MoE with its gated shared expert, Qwen3-MoE).
 
-No maintained bridge library supports megatron-core 0.16.1 with transformers 5 here, so
-the conversion is written out, one name rule per tensor kind:
-- q/k/v are fused into `linear_qkv`, interleaved per query group ([q_g, k_g, v_g] for each
-  KV group g), so that splitting the fused tensor into TP parts keeps whole groups;
-- gate/up are fused into `linear_fc1` as [gate; up]; under TP each rank holds
-  [gate_r; up_r], so they are split and joined part by part;
-- everything else is renamed 1:1 and sharded along Megatron's `partition_dim`.
-Megatron names here are "global": layer and expert indices are absolute, not per chunk/rank.
+How it works in detail: docs/backends.md, "Inside `relax/train/megatron/convert.py`".
 """
 
 from __future__ import annotations

@@ -1,29 +1,6 @@
 """Make megatron-core 0.16.1 run on CPU with gloo, for layout checks without a GPU.
 
-Applied only when no CUDA device is present; on GPU Megatron runs untouched (TE specs,
-NCCL). What fails on CPU unmodified, and how each is handled here
-(see docs/measured-on-cpu.md):
-- schedules, clip_grads and utils allocate with `device="cuda"` (some with
-  `pin_memory=True`): a TorchFunctionMode rewrites CUDA device arguments to CPU and
-  drops pinning;
-- MoE token dispatch overlaps copies on a side `torch.cuda.Stream`: streams and events
-  are no-op stand-ins (CPU work is already ordered);
-- rotary embeddings move `inv_freq` to `torch.cuda.current_device()` and the RNG tracker
-  calls `torch.cuda.get_rng_state` & co: small `torch.cuda` stubs (`current_device`
-  returns the CPU device, not 0, because autograd's backward runs outside the mode), and
-  the tracker's state get/set use the CPU generator;
-- clip_grads asserts `grad.type() == 'torch.cuda.FloatTensor'`: CPU float types are
-  reported under their CUDA names while the mode is on;
-- moe_utils references `te_general_gemm`, undefined without Transformer Engine (a 0.16.1
-  bug): set to None;
-- MoE expert parallelism passes split sizes to `all_to_all_single` as CPU tensors, which
-  c10d rejects: converted to lists;
-- the local spec's norm refuses sequence parallelism: `SequenceParallelRMSNorm`;
-- gloo's `all_gather_into_tensor` refuses uneven inputs (MoE TP x EP with sequence
-  parallel): padded to the largest size and trimmed.
-Every layout run this way is checked against the single-process reference by the tests;
-two gloo traps that give wrong numbers silently are handled where the model is built
-(`batch_p2p_comm=False`; one all-gather of K and V in the CP attention).
+How it works in detail: docs/backends.md, "Inside `relax/train/megatron/cpu_compat.py`".
 """
 
 from __future__ import annotations

@@ -1,20 +1,7 @@
 """train=megatron's side of MoE routing (relax/train/routing.py): agreement with the engine,
 and routing replay through Megatron-core's RouterReplay.
 
-Hooks on every MoE layer's TopKRouter (actor and reference). Before the router runs, the
-pre-hook computes its own top-k from its gating logits (no grad; top-k of the logits is the
-top-k of either softmax) and, when the forward replays, hands Megatron the experts to use
-(`set_target_indices` with REPLAY_FORWARD: Megatron recomputes the routing weights from the
-current logits over them). After the router runs, the hook reads the experts it really used
-from its routing map: that is what `train/routing_replayed` checks.
-
-A router sees this rank's tokens only, flattened sequence-major ([s, b] -> row s * b + b_i):
-under context parallelism the rank's two sequence chunks (`positions` from cp_local), under
-sequence parallelism its TP rank's contiguous share of those. The engine's experts are cut
-the same way; no ids travel between ranks. Pipeline stages hold their own layers (global
-layer = layer_number - 1: Relax refuses MoE models with dense layers on Megatron), and R2's
-record stays on the rank that replays it (the same micro-batch, layer and tokens). Each rank
-sums its (token, layer) pairs; the sums over all ranks count every pair once.
+How it works in detail: docs/backends.md, "Inside `relax/train/megatron/routing.py`".
 """
 
 from __future__ import annotations
