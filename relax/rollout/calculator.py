@@ -39,9 +39,13 @@ def calculate(expression: str) -> str | None:
     return f"{a}{op}{b}={OPERATORS[op](int(a), int(b))}"
 
 
-def tool_turn(tokenizer, content: str) -> list[int]:
+def tool_turn(tokenizer, content: str, chat_template: bool = True) -> list[int]:
     """The tokens of a user turn holding `content`, then the opening of the assistant's next
-    turn: what the chat template adds to a conversation after an assistant turn."""
+    turn: what the chat template adds to a conversation after an assistant turn. Without the
+    template (task.apply_chat_template=false, a base model's prompts as they are), the result
+    on a line of its own, as plain text continues."""
+    if not chat_template:
+        return tokenizer(f"\n{content}\n", add_special_tokens=False)["input_ids"]
     before = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
     head = tokenizer.apply_chat_template(before, tokenize=False)
     full = tokenizer.apply_chat_template(before + [{"role": "user", "content": content}],
@@ -63,7 +67,7 @@ async def generate(client, prompt, sampling_params: SamplingParams) -> Sample:
         result = calculate(text) or (calculate(question.group(0)) if turn == 0 and question else None)
         if gen.status != "completed" or result is None or turn == MAX_TURNS - 1:
             break
-        tool = tool_turn(tokenizer, result)
+        tool = tool_turn(tokenizer, result, prompt.chat_template)
         response += tool
         loss_mask += [0] * len(tool)
         log_probs += [0.0] * len(tool)

@@ -109,8 +109,8 @@ def generate_samples(engine, task, tokenizer, prompts: list, n: int, sampling_pa
     sample_seeds(seed, [first_index + k], [call]). `where` (e.g. "at rollout 3") goes into errors."""
     fn = load_function(generate_fn, "rollout.generate_fn", GENERATE_FN)
     source = f"rollout.generate_fn={generate_fn} {where}"
-    records = [Prompt(p.text, p.tokens, p.label, p.metadata, first_index + i * n + j, first_index // n + i)
-               for i, p in enumerate(prompts) for j in range(n)]
+    records = [Prompt(p.text, p.tokens, p.label, p.metadata, first_index + i * n + j, first_index // n + i,
+                      p.chat_template) for i, p in enumerate(prompts) for j in range(n)]
     if fn is single_turn:  # the default needs no coroutine per sample: one batched call, one decode
         gens = engine.generate([r.tokens for r in records], sampling_params,
                                sample_seeds(seed, [r.index for r in records]))

@@ -32,6 +32,7 @@ class Prompt:
     metadata: dict = field(default_factory=dict)  # anything else the dataset row carries
     index: int = 0        # the sample this record is for (its position in the rollout)
     group_index: int = 0  # its GRPO group (the prompt's position)
+    chat_template: bool = True  # the text went through the chat template (task.apply_chat_template)
 
 
 def jsonl_record(row, where: str) -> tuple[str, str, dict]:
@@ -182,7 +183,8 @@ class Task:
         for (question, label, *metadata), text, tokens in zip(questions, texts, self.encode(texts, tokenizer),
                                                              strict=True):
             self.check_tokens(tokens, f"{where}, question {question[:80]!r}")
-            out.append(Prompt(text, tokens, label, dict(metadata[0]) if metadata else {}))
+            out.append(Prompt(text, tokens, label, dict(metadata[0]) if metadata else {},
+                              chat_template=self.apply_chat_template))
         return out
 
     def prompts(self, rollout_id: int, batch_size: int, tokenizer, round: int = 0) -> list[Prompt]:
