@@ -114,7 +114,9 @@ class TrainConfig:
     on_nonfinite: str = "error"  # non-finite loss/grad_norm: error (stop) or skip (the step); both dump it
     num_threads: int = 1  # torch threads per process (1 is fastest for tiny models on 2 cores)
     ref_log_probs_interval: Optional[int] = None  # also run the reference every N rollouts (null: 1st step)
-    shared_prompt: bool = True  # a group's prompt runs once per forward (train=torch: relax/train/packing.py)
+    # a group's prompt runs once per forward (train=torch: relax/train/packing.py); null: where the
+    # model's attention takes the packed mask exactly (the hand-written families), else each row alone
+    shared_prompt: Optional[bool] = None
     lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters instead of full fine-tuning
 
 

@@ -301,7 +301,8 @@ def first_step(run: Run, rollout_id: int, samples, record: dict, out: dict) -> N
     if rollout_id != run.plan.rollout_ids[0] or run.checkpoint:
         return
     atomic_save(out["first_step_log_probs"], run.dir / "first_step_log_probs.pt")
-    found = (record, out["steps"], run.cfg, [s.prompt for s in samples], run.tokenizer)
+    found = (record, out["steps"], run.cfg, [s.prompt for s in samples], run.tokenizer,
+             read_hf_config(run.model_path)["vocab_size"])
     if run.cfg.debug.strict_checks:
         strict.strict_first_step(*found)
     elif warning := strict.first_step_warning(*found, run.dir):

@@ -26,6 +26,29 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=32, num_experts=4, num_experts_per_tok=2,
                                          moe_intermediate_size=32, norm_topk_prob=True)),
 }
+# Architectures without a hand-written forward (transformers' forward on the torch engine), chosen
+# to cover what the families lack: sliding windows (small enough to matter here) with per-layer-
+# type RoPE, soft-capping, scaled embeddings, LayerNorm with biases, partial rotary, parallel
+# attention/MLP blocks, fused projections, q/k norms, MQA, a non-gated MLP, muP multipliers, MoE.
+ARCHITECTURES = {
+    "gemma3": ("Gemma3TextConfig", dict(num_key_value_heads=1, head_dim=32, sliding_window=6,
+                                        layer_types=["sliding_attention", "full_attention"],
+                                        query_pre_attn_scalar=32)),
+    "gemma2": ("Gemma2Config", dict(head_dim=16, sliding_window=6, final_logit_softcapping=30.0,
+                                    attn_logit_softcapping=50.0, query_pre_attn_scalar=16)),
+    "phi3": ("Phi3Config", dict(partial_rotary_factor=0.5, pad_token_id=None)),
+    "mistral": ("MistralConfig", dict(sliding_window=6)),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "olmo2": ("Olmo2Config", {}),
+    "gpt_neox": ("GPTNeoXConfig", dict(rotary_pct=0.25, use_parallel_residual=True)),
+    "granite": ("GraniteConfig", dict(embedding_multiplier=4.0, residual_multiplier=0.5,
+                                      logits_scaling=2.0, attention_multiplier=0.1)),
+    "starcoder2": ("Starcoder2Config", dict(use_bias=True, sliding_window=6)),
+    "smollm3": ("SmolLM3Config", dict(no_rope_layers=[1, 0], tie_word_embeddings=True)),
+    "cohere": ("CohereConfig", dict(use_qk_norm=True, logit_scale=0.5)),
+    "glm": ("GlmConfig", dict(head_dim=16, partial_rotary_factor=0.5)),
+    "phi": ("PhiConfig", dict(partial_rotary_factor=0.5, qk_layernorm=True)),
+}
 SHARD_SIZE = "40KB"  # several shards even for these tiny models
 
 
@@ -36,7 +59,7 @@ def build_family_model(path: Path, family: str, dtype: str = "float32", seed: in
     from relax.model.tiny import VOCAB_SIZE, build_tokenizer
 
     tokenizer = build_tokenizer()
-    config_class, extra = FAMILIES[family]
+    config_class, extra = (FAMILIES | ARCHITECTURES)[family]
     config = getattr(transformers, config_class)(**{
         "vocab_size": VOCAB_SIZE, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "intermediate_size": 128, "max_position_embeddings": 128,

@@ -57,7 +57,7 @@ ADDED = {"logger._target_": "relax.logger.MetricsLogger",
          "train.lora.rank": 0, "train.lora.alpha": None, "train.lora.dropout": 0.0,
          "train.lora.target_modules": None, "train.lora.save_merged": False,
          # issue 23 (speed): a group's prompt once in train=torch's forward
-         "train.shared_prompt": True,
+         "train.shared_prompt": None,
          # issue 24 (MoE routing): routing replay, off
          "algo.routing_replay": None,
          # issue 46 (noise model): step noise, off (a twin's: below, in expected_now)

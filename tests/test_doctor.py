@@ -452,7 +452,7 @@ def test_nan_step_metrics_fail_the_doctor_naming_the_metric(tmp_path, monkeypatc
     assert proc.returncode == 1
     rollouts, steps = read_metrics(tmp_path)  # the in-run strict checks judge NaN the same way
     with pytest.raises(CheckFailed, match="train/loss = nan"):
-        strict_first_step(rollouts[0], steps[:1], make_cfg(), [], None)
+        strict_first_step(rollouts[0], steps[:1], make_cfg(), [], None, None)
 
 
 def healthy_run(rollouts: int = 6) -> RunData:

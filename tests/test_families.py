@@ -27,11 +27,9 @@ def engine_for(path, tokenizer, *overrides):
 
 
 @pytest.mark.parametrize("change,message", [
-    ({"architectures": ["GPT2LMHeadModel"]}, "architecture GPT2LMHeadModel is not supported; supported: "
-     + ", ".join(SUPPORTED_ARCHITECTURES)),
+    ({"architectures": ["GPT2LMHeadModel"]}, "architectures[0]=GPT2LMHeadModel but model_type='qwen3', for "
+     "which transformers builds Qwen3ForCausalLM: a relabelled or mixed-up config.json"),
     ({"architectures": None}, "no 'architectures' entry"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "RoPE type 'yarn' is not supported"),
-    ({"use_sliding_window": True}, "use_sliding_window=True is not supported for Qwen3ForCausalLM"),
 ])
 def test_model_hf_refuses_what_no_engine_runs_before_anything_is_built(family_model, tmp_path, change,
                                                                        message):
@@ -46,6 +44,33 @@ def test_model_hf_refuses_what_no_engine_runs_before_anything_is_built(family_mo
         prepare(make_cfg("model=hf", f"model.path={model}"), tmp_path / "run")
     assert SUPPORTED_ARCHITECTURES == ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM",
                                        "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+
+
+@pytest.mark.parametrize("change,setting", [
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "RoPE type 'yarn'"),
+    ({"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 0}, "use_sliding_window=True"),
+])
+def test_a_family_setting_the_hand_written_forward_lacks_runs_on_transformers_forward(
+        family_model, tmp_path, change, setting):
+    """The torch engine takes transformers' forward (and samples what generate() does); what needs the
+    hand-written forward refuses, naming the setting."""
+    import shutil
+
+    from relax.debug.plan import resolve
+    from relax.rollout.hf_engine import TransformersEngine
+
+    model = shutil.copytree(family_model("qwen3"), tmp_path / "model")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(config | change))
+    tokenizer = load_tokenizer(model)
+    engine = engine_for(model, tokenizer)
+    assert isinstance(engine, TransformersEngine)
+    prompts = chat_prompts(tokenizer, 4, repeat=2)
+    generations = engine.generate(prompts, SamplingParams(0.0, 1.0, 10), seed=0)
+    hf = load_causal_lm(model, "float32")
+    assert [g.tokens for g in generations] == [hf_greedy(hf, p, tokenizer, 10) for p in prompts]
+    with pytest.raises(ConfigError, match=re.escape(setting)):
+        resolve(make_cfg("model=hf", f"model.path={model}", "train=megatron"))
 
 
 def test_megatron_refuses_an_moe_model_with_dense_layers_at_plan_time(family_model, tmp_path):

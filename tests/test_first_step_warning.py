@@ -33,15 +33,15 @@ def test_the_warning_uses_the_doctors_levels(tmp_path):
     at the level no warning, just past it one, naming the check, the value and the run dir."""
     th, cfg = Thresholds(), make_cfg()
     level = th.train_rollout_diff_max
-    assert first_step_warning(HEALTHY, [step(level)], cfg, [], None, tmp_path) is None
-    line = first_step_warning(HEALTHY, [step(level * 1.01)], cfg, [], None, tmp_path)
+    assert first_step_warning(HEALTHY, [step(level)], cfg, [], None, None, tmp_path) is None
+    line = first_step_warning(HEALTHY, [step(level * 1.01)], cfg, [], None, None, tmp_path)
     assert line.startswith("the first step is far outside the healthy range: check 5 (train vs rollout "
                            f"log-prob mismatch): abs diff reaches {level * 1.01:.3g} > {level:g}. ")
     assert f"`relax doctor {tmp_path}`" in line and "\n" not in line
     garbage = {**HEALTHY, "rollout/invalid_token_ratio": th.invalid_token_ratio}
-    assert first_step_warning(garbage, [step(0.0)], cfg, [], None, tmp_path) is None
+    assert first_step_warning(garbage, [step(0.0)], cfg, [], None, None, tmp_path) is None
     garbage["rollout/invalid_token_ratio"] = th.invalid_token_ratio + 0.01
-    line = first_step_warning(garbage, [step(float("nan"))], cfg, [], None, tmp_path)
+    line = first_step_warning(garbage, [step(float("nan"))], cfg, [], None, None, tmp_path)
     assert "check 1 (responses at the first rollout): rollout 0: garbage responses (21% of tokens" in line
     assert "check 5 (train vs rollout log-prob mismatch): abs diff reaches nan" in line  # NaN never passes
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from relax.debug import layers
+from relax.model.modules import recording
 from relax.train import layer_dump
 from relax.files import safe_load
 from relax.logger import read_metrics
@@ -314,7 +315,7 @@ def test_the_recording_side_by_hand(tmp_path):
     linear = torch.nn.Linear(3, 2).bfloat16()
     x = torch.randn(4, 3)
     modules = {"attn": WithBias(), "mlp": linear}
-    with layer_dump.recording(modules) as got:
+    with recording(modules, layer_dump.whole_fp32) as got:
         modules["attn"](x)
         out = modules["mlp"](x.bfloat16())
         assert torch.equal(got["attn"], 2 * x) and got["mlp"].dtype == torch.float32

@@ -127,7 +127,8 @@ def test_checkpoints_every_interval_at_the_last_rollout_and_when_stopping(tmp_pa
     assert saved == []
 
 
-def test_the_first_step_record_is_the_runs_first_rollouts_and_never_a_resumed_runs(tmp_path):
+def test_the_first_step_record_is_the_runs_first_rollouts_and_never_a_resumed_runs(tmp_path, tiny_path):
+    (tmp_path / "config.json").write_text((tiny_path / "config.json").read_text())  # the run's model
     out = {"first_step_log_probs": {0: torch.tensor([-1.5])}, "steps": [{}]}
     run = hand_run(tmp_path, None, rollout_ids=[3, 4])
     loop.first_step(run, 4, [], {}, out)

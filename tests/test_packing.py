@@ -119,8 +119,8 @@ def test_log_probs_entropy_and_gradients_equal_one_row_per_sample(tiny_path):
 
 
 def test_megatron_refuses_shared_prompt():
-    hf = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 32,
-          "intermediate_size": 64}
+    hf = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 32, "intermediate_size": 64}
     check_trainer(make_cfg("train=megatron"), hf)  # its default is off
     with pytest.raises(ConfigError, match=r"train.shared_prompt=true is train=torch's.*RoPE"):
         check_trainer(make_cfg("train=megatron", "train.shared_prompt=true"), hf)

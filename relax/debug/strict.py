@@ -18,38 +18,40 @@ from relax.debug.checks import (FAIL, Check, Thresholds, as_text, check_engine_w
 from relax.debug.run_data import RunData, chat_template_parts
 from relax.errors import CheckFailed
 
-STRICT = (3, 4, 5, 7)  # what debug.strict_checks asserts at the first step
-WARNED = (1, 5)  # what a run without it warns about: garbage responses, train vs rollout mismatch
+# what debug.strict_checks asserts at the first step (3, 4, 5, 7)
+STRICT = (check_logprobs_vs_ref, check_first_step, check_train_rollout_diff, check_finite)
+# what a run without it warns about (1, 5): garbage responses, train vs rollout mismatch
+WARNED = (check_first_responses, check_train_rollout_diff)
 
 
-def first_step_checks(record: dict, steps: list[dict], cfg, prompts: list[str],
-                      tokenizer) -> dict[int, Check]:
-    """Checks 1, 3-5 and 7 of the first step, by id, as `relax doctor` will judge them."""
+def first_step_checks(record: dict, steps: list[dict], cfg, prompts: list[str], tokenizer,
+                      vocab_size: int | None, checks) -> list[Check]:
+    """`checks` of the first step, as `relax doctor` will judge them (`vocab_size`: the model's
+    output rows, the softmax's support, as the doctor reads it)."""
     run = RunData(path=Path("."), rollouts=[record], steps=steps, prompts=prompts,
                   num_steps_per_rollout=cfg.train.num_steps_per_rollout, backend=cfg.train._target_,
                   use_rollout_log_probs=cfg.algo.use_rollout_log_probs,
                   chat_template_parts=chat_template_parts(tokenizer), lr=cfg.train.lr,
                   top_p=cfg.rollout.top_p, samples_per_rollout=len(prompts) or None,
-                  vocab_size=len(tokenizer) if tokenizer is not None else None)
-    found = (check(run, Thresholds()) for check in (check_first_responses, check_logprobs_vs_ref,
-                                                    check_first_step, check_train_rollout_diff, check_finite))
-    return {c.id: c for c in found}
+                  vocab_size=vocab_size)
+    return [check(run, Thresholds()) for check in checks]
 
 
-def strict_first_step(record: dict, steps: list[dict], cfg, prompts: list[str], tokenizer) -> None:
-    found = first_step_checks(record, steps, cfg, prompts, tokenizer)
-    failed = [found[i] for i in STRICT if found[i].verdict == FAIL]
+def strict_first_step(record: dict, steps: list[dict], cfg, prompts: list[str], tokenizer,
+                      vocab_size: int | None) -> None:
+    found = first_step_checks(record, steps, cfg, prompts, tokenizer, vocab_size, STRICT)
+    failed = [c for c in found if c.verdict == FAIL]
     if failed:
         raise CheckFailed("debug.strict_checks: stopping at the first step\n"
                           + "\n".join(map(as_text, failed)))
 
 
 def first_step_warning(record: dict, steps: list[dict], cfg, prompts: list[str], tokenizer,
-                       run_dir: Path) -> str | None:
+                       vocab_size: int | None, run_dir: Path) -> str | None:
     """The one-line warning for a first step far outside the healthy range (checks 1 or 5
     FAIL), or None."""
-    found = first_step_checks(record, steps, cfg, prompts, tokenizer)
-    failed = [found[i] for i in WARNED if found[i].verdict == FAIL]
+    found = first_step_checks(record, steps, cfg, prompts, tokenizer, vocab_size, WARNED)
+    failed = [c for c in found if c.verdict == FAIL]
     if not failed:
         return None
     what = "; ".join(f"check {c.id} ({c.name}): {c.summary}" for c in failed)

@@ -1,5 +1,5 @@
-"""Model loading (conf/model/): the tiny built-in model or any local HF directory of a
-supported family (relax/model/families/: Llama, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE)."""
+"""Model loading (conf/model/): the tiny built-in model, the packaged SmolLM2, or any local HF
+directory of a causal LM transformers implements (relax/model/families/ says what runs it)."""
 
 from __future__ import annotations
 
@@ -46,7 +46,9 @@ def resolve_model_path(model_cfg) -> Path:
     if not (path / "config.json").is_file():
         raise ConfigError(f"model.path={model_cfg.path!r}: no config.json there; expected a "
                           f"Hugging Face model directory")
-    families.check(read_hf_config(path), f"model.path={model_cfg.path!r} (config.json)")
+    where = f"model.path={model_cfg.path!r} (config.json)"
+    families.check(read_hf_config(path), where)
+    meta_model(read_hf_config(path), where)
     return check_model_dir(path)
 
 
@@ -182,4 +184,28 @@ def load_causal_lm(path: Path, dtype: str):
 
     hf_logging.disable_progress_bar()  # per-load bars are noise (and leak a lock per rank)
     return AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=torch_dtype(dtype), attn_implementation="sdpa")
+        str(path), dtype=torch_dtype(dtype), attn_implementation=attention_implementation(path))
+
+
+def meta_model(hf: dict, where: str = "config.json"):
+    """transformers' model for config.json `hf` on the meta device (its module names and types,
+    no weights): a config transformers cannot build is refused here, not in a rank or an engine."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf = dict(hf)
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(AutoConfig.for_model(hf.pop("model_type"), **hf))
+    except Exception as e:  # whatever transformers raises for a config it cannot build
+        raise ConfigError(f"{where}: transformers cannot build this model ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''})") from None
+
+
+def attention_implementation(path: Path) -> str:
+    """PyTorch's sdpa where transformers' model takes it, else its eager attention (Gemma 2's
+    soft-capped attention logits): every engine and trainer on transformers' forward uses this."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_class = AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(str(path)))]
+    return "sdpa" if model_class._supports_sdpa else "eager"

@@ -70,14 +70,14 @@ def build_config(cfg, tokenizer):
         from transformers import Qwen2MoeConfig
 
         return Qwen2MoeConfig(
-            **common, num_experts=cfg.num_experts, num_experts_per_tok=2,
+            **common, architectures=["Qwen2MoeForCausalLM"], num_experts=cfg.num_experts, num_experts_per_tok=2,
             moe_intermediate_size=cfg.intermediate_size // 2,
             shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
             decoder_sparse_step=1, norm_topk_prob=True, output_router_logits=False,
         )
     from transformers import Qwen2Config
 
-    return Qwen2Config(**common)
+    return Qwen2Config(**common, architectures=["Qwen2ForCausalLM"])  # (as save_pretrained writes it)
 
 
 def _batch(tokenizer, rng, n, min_operand=10, max_operand=99):

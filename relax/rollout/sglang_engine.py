@@ -32,7 +32,7 @@ from relax import faults
 from relax.targets import require_extra
 from relax.errors import ConfigError
 from relax.process import sigterm_left_to_the_driver
-from relax.model import families, read_hf_config, torch_dtype
+from relax.model import families, model_config, read_hf_config, torch_dtype
 from relax.rollout import Generation, SamplingParams, buckets, engine_dtype, num_engines, prompt_seeds
 
 log = logging.getLogger(__name__)
@@ -142,6 +142,8 @@ class SGLangEngine:
         if not GPU and num_engines(cfg) > 1:
             raise ConfigError(f"rollout=sglang on CPU runs one engine; got rollout.num_engines="
                               f"{cfg.rollout.num_engines} (rollout=torch runs several)")
+        families.check(model_config(cfg.model)).refuse_unless_fast(
+            "rollout=sglang", "SGLang here (the families tested with it on CPU)", "use rollout=torch")
         require_extra("rollout=sglang", "sglang")  # at start-up, not when the engine is built
         if cfg.algo.routing_replay == "rollout":
             from sglang.srt.server_args import ServerArgs

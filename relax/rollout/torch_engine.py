@@ -1,13 +1,11 @@
 """The in-process torch rollout engine: batched sampling with a preallocated KV cache.
 
-Why not `transformers.generate()`: for small models its per-step Python and cache
-bookkeeping dominates; a direct forward over a preallocated cache is 2-3x faster
-(bench/rollout_speed.py) and gives the same greedy tokens. It runs every family of
-relax/model/families/ (Llama, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE): the layers differ only
-in q/k/v biases, Qwen3's per-head q/k norm, and a dense or MoE MLP; RoPE (Llama-3 scaling
-included) comes from transformers' own rotary module. The engine owns its
-weights by HF parameter name, loaded from the checkpoint's safetensors, exactly like an
-inference server: the trainer pushes new weights in by name (`update_weights`).
+The families of relax/model/families/ run on a hand-written forward over a preallocated
+cache (faster than `transformers.generate()`, the same greedy tokens: docs/results.md);
+every other architecture transformers implements runs on transformers' own forward
+(relax/rollout/hf_engine.py), chosen when the engine is built. Either way the engine owns
+its weights by HF parameter name, loaded from the checkpoint's safetensors like an inference
+server, and the trainer pushes new weights in by name (`update_weights`).
 """
 
 from __future__ import annotations
@@ -58,32 +56,54 @@ class TorchEngine:
     """Rollout engine interface (relax/rollout/__init__.py). It runs on CPU (in the driver, or in
     a Ray actor), so it has no memory to release for rollout.colocate (refused at start-up)."""
 
+    def __new__(cls, cfg, model_path: Path, *args, **kwargs):
+        """TorchEngine builds the hand-written forward where the model's family has one, else
+        transformers' (hf_engine.TransformersEngine, which `rollout._target_` can also name)."""
+        if cls is TorchEngine and families.check(read_hf_config(model_path)).family is None:
+            from relax.rollout.hf_engine import TransformersEngine
+
+            cls = TransformersEngine
+        return super().__new__(cls)
+
     def __init__(self, cfg, model_path: Path, eos_token_ids: list[int], pad_token_id: int):
         if cfg.rollout.rollout_num_gpus > 1:
             log.info("rollout=torch runs on CPU; rollout_num_gpus=%d is used by GPU engines",
                      cfg.rollout.rollout_num_gpus)
-        families.check(read_hf_config(model_path), f"{model_path}/config.json")
         from transformers import AutoConfig
 
+        self.support = families.check(read_hf_config(model_path), f"{model_path}/config.json")
         self.config = AutoConfig.from_pretrained(str(model_path))
-        c = self.config
-        self.num_layers = c.num_hidden_layers
-        self.num_heads, self.num_kv_heads = c.num_attention_heads, c.num_key_value_heads
-        self.head_dim = families.head_dim(c.to_dict())
-        self.eps = c.rms_norm_eps
+        self.num_layers = self.config.num_hidden_layers
         self.eos = torch.tensor(eos_token_ids, dtype=torch.long)
         self.pad_token_id = pad_token_id
         self.dtype = torch_dtype(engine_dtype(cfg))
+        self.routes: list[list[torch.Tensor]] | None = None  # while generating an MoE model: per
+        # MoE layer, each forward's top-k expert ids ([rows, top_k], rows as flattened [B, T])
+        self.num_moe_layers = 0
+        self._load_model(model_path)
+        log.info("rollout=torch: %s on %s", self.support.architecture, self.forward_name)
+        if faults.active("engine_weights"):  # a bad checkpoint load
+            g = torch.Generator().manual_seed(0)
+            for v in self.weights().values():
+                v.copy_(torch.randn(v.shape, generator=g).to(v.dtype) * v.float().std())
+
+    forward_name = "the hand-written forward"
+
+    def _load_model(self, model_path: Path) -> None:
+        c = self.config
+        self.num_heads, self.num_kv_heads = c.num_attention_heads, c.num_key_value_heads
+        self.head_dim = families.head_dim(c.to_dict())
+        self.eps = c.rms_norm_eps
         self.rotary = families.hf_rotary(c)
         if faults.active("engine_rope_theta"):  # the engine's RoPE frequencies of twice the theta
             d = self.rotary.inv_freq.numel()
             theta = self.rotary.inv_freq[1].log() / (-1 / d)  # inv_freq[i] = theta^(-i/d)
             self.rotary.inv_freq.copy_((2 * theta.exp()) ** (-torch.arange(d) / d))
         self.params = self._load(load_safetensors_dir(model_path))
-        if faults.active("engine_weights"):  # a bad checkpoint load
-            g = torch.Generator().manual_seed(0)
-            for v in self.params.values():
-                v.copy_(torch.randn(v.shape, generator=g).to(v.dtype) * v.float().std())
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The checkpoint's tensors as the engine holds them, by HF name (no buffers)."""
+        return self.params
 
     def _load(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """HF-named tensors, where q/k/v and gate/up are views into one fused tensor each
@@ -91,9 +111,6 @@ class TorchEngine:
         storage, so what `named_tensors()` shows is exactly what the forward computes with."""
         params = {k: v.to(self.dtype) for k, v in weights.items()}
         self.layers = []
-        self.routes: list[list[torch.Tensor]] | None = None  # while generating an MoE model: per
-        # MoE layer, each forward's top-k expert ids ([rows, top_k], rows as flattened [B, T])
-        self.num_moe_layers = 0
         for i in range(self.num_layers):
             pre = f"model.layers.{i}."
             qkv = [pre + f"self_attn.{x}_proj" for x in "qkv"]
@@ -176,14 +193,19 @@ class TorchEngine:
         targets = self.named_tensors()
         named = faults.perturb_sync(named)
         if faults.active("drop_buffer"):  # a buffer lost, as release_memory_occupation can do
-            self.rotary.inv_freq.zero_()
+            for name in targets:
+                if name.endswith("inv_freq"):
+                    targets[name].zero_()
         for name, tensor in named.items():
             if name not in targets:
                 raise KeyError(f"update_weights: the engine has no tensor named {name!r}")
             if targets[name].shape != tensor.shape:
                 raise ValueError(f"update_weights: {name} has shape {tuple(tensor.shape)}, "
                                  f"the engine expects {tuple(targets[name].shape)}")
-            targets[name].copy_(tensor)
+            self._write(name, tensor, targets)
+
+    def _write(self, name: str, tensor: torch.Tensor, targets: dict[str, torch.Tensor]) -> None:
+        targets[name].copy_(tensor)
 
     def shutdown(self) -> None:
         self.params.clear()
@@ -292,6 +314,34 @@ class TorchEngine:
                            decode[b, :len(g.tokens) - 1]]).flatten().tolist()
                 for b, (p, g) in enumerate(zip(prompts, generations, strict=True))]
 
+    def _prefill(self, ids, valid, positions, N, row_of):
+        """Prefill the distinct left-padded prompts `ids` [U, P] (`valid`: [U, P + N] which
+        positions hold tokens; `positions`: [U, P] their position ids), their cache fanned out
+        to one row per sample (`row_of`). Returns the last position's logits [B, V] and
+        `decode(tokens [B, 1], positions [B, 1], t, valid [B, P + N])`, the next step's logits."""
+        U, P = ids.shape
+        padded = not bool(valid[:, :P].all())
+        cos_table, sin_table = self.rotary(torch.empty(0, dtype=self.dtype), torch.arange(P + N)[None])
+        cos_table, sin_table = cos_table[0], sin_table[0].clone()
+        sin_table[:, :self.head_dim // 2] *= -1
+        rope = lambda pos: (cos_table[pos].unsqueeze(2), sin_table[pos].unsqueeze(2))  # noqa: E731
+        cache = [(torch.empty(U, self.num_kv_heads, P + N, self.head_dim, dtype=self.dtype),
+                  torch.empty(U, self.num_kv_heads, P + N, self.head_dim, dtype=self.dtype))
+                 for _ in range(self.num_layers)]
+        mask = None
+        if padded:  # causal + key padding; a pad query attends to itself to stay finite
+            causal = torch.ones(P, P, dtype=torch.bool).tril()
+            mask = (causal & valid[:, None, None, :P]) | torch.eye(P, dtype=torch.bool)
+        logits = self._forward(ids, *rope(positions), cache, 0, mask)
+        if U < len(row_of):
+            logits = logits[row_of]
+            cache = [(k[row_of], v[row_of]) for k, v in cache]
+
+        def decode(tokens, pos, t, valid):
+            step_mask = valid[:, None, None, :P + t + 1] if padded else None
+            return self._forward(tokens, *rope(pos), cache, P + t, step_mask)
+        return logits, decode
+
     def _generate(self, prompts: list[list[int]], sp: SamplingParams, seed: int | list[int],
                   first_index: int) -> tuple[list[Generation], torch.Tensor]:
         B, P, N = len(prompts), max(map(len, prompts)), sp.max_new_tokens
@@ -303,23 +353,10 @@ class TorchEngine:
         prompt_lens = torch.tensor([len(p) for p in unique])
         valid = torch.ones(len(unique), P + N, dtype=torch.bool)
         valid[:, :P] = torch.arange(P)[None] >= (P - prompt_lens)[:, None]
-        padded = not bool(valid[:, :P].all())
         positions = (valid[:, :P].long().cumsum(-1) - 1).clamp(min=0)
-        cos_table, sin_table = self.rotary(torch.empty(0, dtype=self.dtype), torch.arange(P + N)[None])
-        cos_table, sin_table = cos_table[0], sin_table[0].clone()
-        sin_table[:, :self.head_dim // 2] *= -1
-        rope = lambda pos: (cos_table[pos].unsqueeze(2), sin_table[pos].unsqueeze(2))  # noqa: E731
-        cache = [(torch.empty(len(unique), self.num_kv_heads, P + N, self.head_dim, dtype=self.dtype),
-                  torch.empty(len(unique), self.num_kv_heads, P + N, self.head_dim, dtype=self.dtype))
-                 for _ in range(self.num_layers)]
-        mask = None
-        if padded:  # causal + key padding; a pad query attends to itself to stay finite
-            causal = torch.ones(P, P, dtype=torch.bool).tril()
-            mask = (causal & valid[:, None, None, :P]) | torch.eye(P, dtype=torch.bool)
-        logits = self._forward(ids, *rope(positions), cache, 0, mask)
+        logits, decode = self._prefill(ids, valid, positions, N, row_of)
         if len(unique) < B:  # fan the shared prefixes out to one row per sample
-            logits, valid, positions = logits[row_of], valid[row_of], positions[row_of]
-            cache = [(k[row_of], v[row_of]) for k, v in cache]
+            valid, positions = valid[row_of], positions[row_of]
 
         uniforms = torch.stack([torch.rand(N, generator=torch.Generator().manual_seed(s))
                                 for s in prompt_seeds(seed, B, first_index)])
@@ -336,8 +373,7 @@ class TorchEngine:
             finished |= (token[:, None] == self.eos).any(-1)
             if finished.all() or t == N - 1:
                 break
-            step_mask = valid[:, None, None, :P + t + 1] if padded else None
-            logits = self._forward(out_tokens[:, t:t + 1], *rope(next_pos), cache, P + t, step_mask)
+            logits = decode(out_tokens[:, t:t + 1], next_pos, t, valid)
             next_pos = next_pos + 1
         return [
             Generation(out_tokens[b, :n].tolist(), out_logp[b, :n].tolist(),

@@ -10,7 +10,6 @@ tensors (gathered over ranks), HF names, fp32. Files: `<dir>/{rollout_id}_{sourc
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -34,35 +33,8 @@ def dump_path(directory: str | Path, rollout_id: int, source: str) -> Path:
     return Path(directory) / f"{rollout_id}_{source}.pt"
 
 
-def hf_modules(model) -> dict[str, torch.nn.Module]:
-    """An HF causal LM's modules of `module_names`, by name."""
-    modules = dict(model.named_modules())
-    return {n: modules[n] for n in module_names(model.config.num_hidden_layers)}
-
-
 def whole_fp32(out: torch.Tensor) -> torch.Tensor:
     return full_tensor(out.detach()).float()  # (a DTensor gathered)
-
-
-@contextmanager
-def recording(modules: dict[str, torch.nn.Module], take=whole_fp32):
-    """Forward hooks on `modules` (by HF name): each puts `take(its output)` into the yielded
-    dict while the block runs (a module returning a tuple, its first element: the output comes
-    first, a bias or the context after it)."""
-    into: dict[str, torch.Tensor] = {}
-
-    def hook(name):
-        def record(module, args, output):
-            into[name] = take(output[0] if isinstance(output, tuple) else output)
-
-        return record
-
-    handles = [module.register_forward_hook(hook(name)) for name, module in modules.items()]
-    try:
-        yield into
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def per_sample(batch: dict[str, torch.Tensor], lengths: list[int]) -> dict[str, list[torch.Tensor]]:

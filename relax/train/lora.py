@@ -22,7 +22,7 @@ import torch
 
 from relax import faults
 from relax.errors import ConfigError
-from relax.model.families import family_of
+from relax.model import families
 from relax.targets import require_extra
 from relax.train.parallel import full_tensor
 
@@ -36,11 +36,13 @@ def alpha(lora) -> float:
     return lora.alpha if lora.alpha is not None else 2.0 * lora.rank
 
 
-def target_modules(lora, hf_config: dict) -> list[str]:
-    """The module names adapted: train.lora.target_modules, or the model family's default."""
+def target_modules(lora, hf_config: dict) -> list[str] | str:
+    """The module names adapted: train.lora.target_modules, or the model family's default (peft's
+    every linear layer but the output layer for an architecture without a hand-written family)."""
     if lora.target_modules is not None:
         return list(lora.target_modules)
-    return list(family_of(hf_config).lora_targets)
+    family = families.check(hf_config).family
+    return list(family.lora_targets) if family else "all-linear"
 
 
 def add_adapters(model: torch.nn.Module, lora):
@@ -100,11 +102,10 @@ def check_targets(lora, hf_config: dict) -> None:
     adapters added. The family's default names what it has of them, so only an explicit name must
     match."""
     from peft.tuners.lora import Linear, LoraLayer
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    hf = dict(hf_config)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(hf.pop("model_type"), **hf))
+    from relax.model import meta_model
+
+    model = meta_model(hf_config)
     modules, key = dict(model.named_modules()), "train.lora.target_modules"
     linear = {n for n, m in modules.items() if isinstance(m, torch.nn.Linear)}
     names = ", ".join(sorted({n.rsplit(".", 1)[-1] for n in linear}))

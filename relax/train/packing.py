@@ -23,7 +23,21 @@ from dataclasses import dataclass
 import torch
 
 from relax.algo import token_log_probs
+from relax.errors import ConfigError
+from relax.model import families
 from relax.train.common import MicroBatch, batch_variant_fault
+
+
+def shares_prompt(shared_prompt: bool | None, hf: dict) -> bool:
+    """train.shared_prompt for this model (config.json `hf`): null packs the hand-written
+    families, whose attention takes the packed mask exactly; other architectures may not
+    (sliding windows would see the whole packed row, absolute positions come from the mask)."""
+    exact = families.check(hf).family is not None
+    if shared_prompt and not exact:
+        raise ConfigError(f"train.shared_prompt=true packs a group's responses into one row behind one "
+                          f"4-D mask, exact only for the hand-written families; this model is "
+                          f"{families.check(hf).architecture}: use train.shared_prompt=false or null")
+    return exact if shared_prompt is None else shared_prompt
 
 
 @dataclass

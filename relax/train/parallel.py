@@ -18,6 +18,8 @@ from torch.distributed.tensor import DTensor
 
 from relax import faults
 from relax.errors import ConfigError
+from relax.model import families
+from relax.model.modules import decoder_layers
 
 
 @dataclass
@@ -60,6 +62,10 @@ def check_torch_layout(p, hf: dict) -> None:
     if p.tp > 1 and p.dp > 1 and not p.fsdp:
         raise ConfigError(f"parallel={p.name}: dp x tp on train=torch runs as 2-D FSDP x TP; "
                           f"set parallel.fsdp=true")
+    if p.tp > 1:
+        families.check(hf).refuse_unless_fast(f"parallel={p.name}", "train=torch's tensor parallelism (its "
+                                              "plan names the families' projections)",
+                                              "use a layout without tp (single, dp2, fsdp2)")
     # TP splits q/k/v by heads (each rank attends with whole heads) and the MLP by width
     check_divides(p, "tp", hf, ("num_attention_heads", "num_key_value_heads", "intermediate_size"))
 
@@ -100,7 +106,7 @@ def apply_layout(model: torch.nn.Module, layout: Layout, trainable: bool) -> tor
     if layout.fsdp:
         from torch.distributed.fsdp import fully_shard
 
-        for layer in model.model.layers:
+        for layer in decoder_layers(model):
             fully_shard(layer, mesh=layout.mesh["dp"])
         fully_shard(model, mesh=layout.mesh["dp"])
     elif layout.dp_size > 1 and trainable:

@@ -48,6 +48,10 @@ def check_config(algo, hf_config: dict, num_steps_per_rollout: int) -> None:
     if mode not in MODES:
         raise ConfigError(f"algo.routing_replay={mode!r}: expected null, rollout (R3: the engine's "
                           f"experts) or train (R2: the old-log-prob pass's)")
+    if mode:
+        families.check(hf_config).refuse_unless_fast(f"algo.routing_replay={mode}", "routing replay (its "
+                                                     "hooks and the engine's recorded experts)",
+                                                     "leave algo.routing_replay null")
     if mode and not families.num_experts(hf_config):
         raise ConfigError(f"algo.routing_replay={mode}: the model is dense (no MoE layer routes tokens); "
                           f"leave it null")

@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from relax.algo import masked_sum, sequence_loss_scales
 from relax import faults
 from relax.model import load_causal_lm, save_hf_dir
+from relax.model.modules import decoder_layers, hf_modules, recording
 from relax.files import atomic_save, safe_load
 from relax.sample import Sample, log_prob_temperature, require_routed_experts
 from relax.train import batch_invariance, common, layer_dump, lora, packing, routing
@@ -44,6 +45,7 @@ class TorchTrainer(DistributedWeightSync):
     @staticmethod
     def check_config(cfg, hf_config: dict) -> None:
         check_torch_layout(cfg.parallel, hf_config)
+        packing.shares_prompt(cfg.train.shared_prompt, hf_config)
 
     def __init__(self, cfg, model_path: str, ref_model_path: str | None = None,
                  pad_token_id: int = 0, save_train_data: str | None = None,
@@ -61,10 +63,11 @@ class TorchTrainer(DistributedWeightSync):
             # generated mid-response must train like any other token (as in train=megatron).
             if isinstance(module, torch.nn.Embedding):
                 module.padding_idx = None
+        self.shared_prompt = packing.shares_prompt(cfg.train.shared_prompt, self.model.config.to_dict())
         common.nudge_ulps(self.model.parameters(), cfg.parallel.noise_ulp, cfg.seed)  # (LoRA: the base's)
         self.lora = lora.Adapters(self.model, cfg.train.lora) if cfg.train.lora.rank else None
         ref = None if self.lora else load_causal_lm(base, cfg.model.dtype).requires_grad_(False)
-        noisy = [layer.self_attn for i, layer in enumerate(self.model.model.layers)
+        noisy = [layer.self_attn for i, layer in enumerate(decoder_layers(self.model))
                  if faults.active("trainer_dropout") or faults.active(f"trainer_dropout:{i}")]
         if noisy:  # a noisy forward: attention dropout in every layer, or in layer i
             for attention in noisy:
@@ -104,7 +107,7 @@ class TorchTrainer(DistributedWeightSync):
         the actor and the frozen reference log-probs 1e-7 apart, and first-step KL must be
         exactly 0 (packing gathers the kept positions into a tensor of their own)."""
         entropy_grad = self.cfg.algo.entropy_coef != 0
-        shared = self.cfg.train.shared_prompt if shared_prompt is None else shared_prompt
+        shared = self.shared_prompt if shared_prompt is None else shared_prompt
         fed = packing.packed(mb, self.pad_id, next(model.parameters()).dtype).fed if shared else \
             routing.unpacked_fed(mb.lengths, mb.tokens.shape[1])
         with routing.routed(model, fed, mb.tokens.numel(), replay) as record:
@@ -211,12 +214,12 @@ class TorchTrainer(DistributedWeightSync):
         mb = common.make_micro_batch(chosen, common.advantages_of(samples, algo), self.pad_id,
                                      scales=dict(zip(indices, factors, strict=True)))
         with torch.no_grad(), self._reference() as ref, \
-                layer_dump.recording(layer_dump.hf_modules(ref)) as ref_outputs:
+                recording(hf_modules(ref), layer_dump.whole_fp32) as ref_outputs:
             mb.ref_log_probs, _ = self._log_probs(ref, mb, shared_prompt=False)  # (rows as the engine's)
         params = self._hf_named({n: full_tensor(p.detach()).float().clone()
                                  for n, p in self.model.named_parameters()})
         self.optimizer.zero_grad(set_to_none=True)
-        with self._grad_sync(), layer_dump.recording(layer_dump.hf_modules(self.model)) as outputs:
+        with self._grad_sync(), recording(hf_modules(self.model), layer_dump.whole_fp32) as outputs:
             log_probs, entropy = self._log_probs(self.actor, mb, shared_prompt=False)
             loss, _ = common.objective(log_probs, entropy, mb, algo)
             (masked_sum(loss, mb.loss_weights) * self._loss_scale(1 / mb.mask.sum())).backward()

@@ -1,16 +1,11 @@
-"""Model families: what each supported architecture asks of every engine and backend.
+"""Model families: what each architecture asks of every engine and backend.
 
-Each module in this package describes one family as `FAMILY = Family(...)`; the registry
-below imports them all, so supporting the next family is one file, as long as its layers
-are made of the parts the engines implement: RMSNorm, RoPE (default, linear or Llama-3
-scaling), attention with optional q/k/v biases and per-head q/k RMSNorm, and a SwiGLU MLP
-or a softmax top-k MoE (optionally with a gated shared expert), embeddings tied or not.
-What reads it: relax.model (start-up refusals), the torch engine (its forward), the SGLang
-engine (parameter names), the Megatron trainer (TransformerConfig and layer spec). The
-torch trainer runs the transformers model itself.
-
-Functions here take the model's config.json as a dict (relax.model.read_hf_config), the
-form every start-up check has before anything is built.
+Any causal LM transformers implements runs on the torch trainer and the torch engine (the
+engine through transformers' own forward, relax/rollout/hf_engine.py). The families in this
+package (one file each, `FAMILY = Family(...)`) also have a hand-written forward: the torch
+engine's fast path, SGLang's parameter names and Megatron's layer spec. `support(hf)` says which
+runs a given config.json; docs/models.md's support matrix is generated from it (`matrix()`).
+Functions here take config.json as a dict (relax.model.read_hf_config).
 """
 
 from __future__ import annotations
@@ -25,9 +20,9 @@ from relax.errors import ConfigError
 # every backend takes HF's `inv_freq` for them (Megatron's own Llama-3 scaling hard-codes
 # an original context of 8192, so it is not used).
 ROPE_TYPES = ("default", "linear", "llama3")
-# config.json settings refused by several families (see Family.refused)
-SLIDING_WINDOW = {"use_sliding_window": (True, "sliding-window attention: no engine implements it")}
-O_PROJ_BIAS = {"attention_bias": (True, "an o_proj bias: no engine implements it")}
+# config.json settings the hand-written forward lacks, for several families (Family.refused)
+SLIDING_WINDOW = {"use_sliding_window": (True, "sliding-window attention")}
+O_PROJ_BIAS = {"attention_bias": (True, "an o_proj bias")}
 # What every family's layers name their attention and MLP projections (HF's names; an MoE
 # layer's shared expert and dense layers too): LoRA's default targets (Family.lora_targets)
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -48,7 +43,7 @@ class Family:
     qkv_bias_key: str | None = None  # ...unless this config.json key says otherwise
     qk_norm: bool = False        # per-head RMSNorm of q and k before RoPE (`self_attn.{q,k}_norm`)
     moe: MoE | None = None       # None: a dense SwiGLU MLP in every layer
-    # config.json settings no engine implements for this family: key -> (refused value, why)
+    # config.json settings its hand-written forward lacks: key -> (value, what it is)
     refused: dict = field(default_factory=dict)
     lora_targets: tuple[str, ...] = PROJECTIONS  # train.lora.target_modules=null: the modules adapted
 
@@ -71,15 +66,11 @@ SUPPORTED_ARCHITECTURES = tuple(sorted(FAMILIES))
 
 
 def family_of(hf: dict, where: str = "config.json") -> Family:
-    """The family of a config.json, or a ConfigError naming the architecture and the supported ones."""
-    architectures = hf.get("architectures") or []
-    if not architectures:
-        raise ConfigError(f"{where}: no 'architectures' entry; expected one of "
-                          f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-    if architectures[0] not in FAMILIES:
-        raise ConfigError(f"{where}: architecture {architectures[0]} is not supported; supported: "
-                          f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-    return FAMILIES[architectures[0]]
+    """The hand-written family of a config.json, or a ConfigError naming what it lacks."""
+    support = check(hf, where)
+    if support.family is None:
+        raise ConfigError(f"{where}: {support.architecture} has no hand-written forward ({support.why_generic})")
+    return support.family
 
 
 def rope_parameters(hf: dict) -> dict:
@@ -113,20 +104,68 @@ def moe_layers(hf: dict) -> list[bool]:
             for i in range(hf["num_hidden_layers"])]
 
 
-def check(hf: dict, where: str = "config.json") -> Family:
-    """Start-up refusals for a model's config.json (before anything is built)."""
-    family = family_of(hf, where)
+@dataclass(frozen=True)
+class Support:
+    """What runs a model: its family's hand-written forward, or transformers' own."""
+    architecture: str
+    model_type: str
+    family: Family | None    # None: transformers' forward only (torch engine and torch trainer)
+    why_generic: str | None  # why not the family's forward: the setting it lacks
+
+    def refuse_unless_fast(self, where: str, what: str, instead: str) -> None:
+        """A ConfigError for `what` (an engine or backend that needs the hand-written forward)."""
+        if self.family is None:
+            raise ConfigError(f"{where}: {what} runs the hand-written families "
+                              f"({', '.join(SUPPORTED_ARCHITECTURES)}) only, and this model is "
+                              f"{self.architecture} ({self.why_generic}): {instead}")
+
+
+def causal_lm_class(model_type: str) -> str | None:
+    """The causal LM transformers builds for `model_type` (None: it has none)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+
+
+def check(hf: dict, where: str = "config.json") -> Support:
+    """Start-up: which forward runs this config.json, or a ConfigError if none does: `architectures` and
+    `model_type` must name the same transformers causal LM (a relabelled config is refused)."""
+    architecture = (hf.get("architectures") or [None])[0]
+    model_type = hf.get("model_type")
+    if not architecture or not model_type:
+        raise ConfigError(f"{where}: no 'architectures' entry or no 'model_type'; expected a "
+                          f"transformers causal LM's config.json")
+    built = causal_lm_class(model_type)
+    if built is None:
+        raise ConfigError(f"{where}: transformers has no causal LM for model_type={model_type!r} "
+                          f"(architecture {architecture}); Relax runs the causal LMs transformers implements")
+    if built != architecture:
+        raise ConfigError(f"{where}: architectures[0]={architecture} but model_type={model_type!r}, for "
+                          f"which transformers builds {built}: a relabelled or mixed-up config.json")
+    family = FAMILIES.get(architecture)
+    why = fast_path_blocker(hf, family)
+    return Support(architecture, model_type, None if why else family, why)
+
+
+def fast_path_blocker(hf: dict, family: Family | None) -> str | None:
+    """The first setting of config.json the family's hand-written forward lacks (None: it has all)."""
+    if family is None:
+        return "no hand-written forward for this architecture"
     for key, (value, why) in family.refused.items():
         if hf.get(key) == value:
-            raise ConfigError(f"{where}: {key}={value!r} is not supported for {family.architecture} "
-                              f"({why})")
+            return f"{key}={value!r}: {why}"
+    windowed = [t for t in hf.get("layer_types") or [] if t != "full_attention"]
+    if windowed:
+        return f"layer_types has {windowed[0]!r} layers: only full attention is hand-written"
+    rope = hf.get("rope_parameters") or {}
+    if isinstance(rope, dict) and rope and all(isinstance(v, dict) for v in rope.values()):
+        return "rope_parameters per layer type: one RoPE setting is hand-written"
     rope_type = rope_parameters(hf)["rope_type"]
     if rope_type not in ROPE_TYPES:
-        raise ConfigError(f"{where}: RoPE type {rope_type!r} is not supported; supported: "
-                          f"{', '.join(ROPE_TYPES)}")
+        return f"RoPE type {rope_type!r}: {', '.join(ROPE_TYPES)} are hand-written"
     if family.moe and not num_experts(hf):
-        raise ConfigError(f"{where}: {family.architecture} needs num_experts > 0")
-    return family
+        return f"{family.architecture} without num_experts"
+    return None
 
 
 def hf_rotary(config):

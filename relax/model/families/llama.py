@@ -4,5 +4,5 @@ from relax.model.families import O_PROJ_BIAS, Family
 
 FAMILY = Family(
     architecture="LlamaForCausalLM", model_type="llama", qkv_bias=False,
-    refused={**O_PROJ_BIAS, "mlp_bias": (True, "MLP biases: no engine implements them")},
+    refused={**O_PROJ_BIAS, "mlp_bias": (True, "MLP biases")},
 )

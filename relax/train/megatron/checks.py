@@ -17,6 +17,8 @@ ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 
 
 def check_config(cfg, hf_config: dict) -> None:
+    families.check(hf_config).refuse_unless_fast("train=megatron", "Megatron-core's layer spec (built "
+                                                 "from the family's description)", "use train=torch")
     if cfg.train.attention_backend not in ATTENTION_BACKENDS:
         raise ConfigError(f"train.attention_backend={cfg.train.attention_backend!r}: expected one "
                           f"of {', '.join(ATTENTION_BACKENDS)}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from relax.model import modules
 from relax.train import layer_dump
 from relax.train.megatron.context_parallel import cp_gather
 from relax.train.megatron.layout import Layout
@@ -28,11 +29,11 @@ def hf_modules(model) -> dict[str, torch.nn.Module]:
 
 
 def recording(chunks: list):
-    """layer_dump.recording on the chunks' (DDP-wrapped or not) modules of `hf_modules`: this
-    rank's part of each output, copied (a later in-place op must not reach it)."""
-    modules = {name: module for chunk in chunks
-               for name, module in hf_modules(getattr(chunk, "module", chunk)).items()}
-    return layer_dump.recording(modules, take=lambda out: out.detach().clone())
+    """relax.model.modules.recording on the chunks' (DDP-wrapped or not) modules of `hf_modules`:
+    this rank's part of each output, copied (a later in-place op must not reach it)."""
+    named = {name: module for chunk in chunks
+             for name, module in hf_modules(getattr(chunk, "module", chunk)).items()}
+    return modules.recording(named, take=lambda out: out.detach().clone())
 
 
 def save_on_rank0(path: str, rollout_id: int, source: str, recorded: dict[str, torch.Tensor],
