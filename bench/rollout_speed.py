@@ -1,26 +1,36 @@
-"""Rollout engine speed: Relax's torch engine vs transformers `generate()`, same model and batch.
+"""Rollout engine speed: the torch engine's two forwards vs transformers `generate()`, same batches.
 
     python bench/rollout_speed.py [--model-path DIR] [--repeats 5]
 
-Both sample greedily with the stop token suppressed so every sequence generates exactly
-`max_new_tokens`; the greedy tokens are checked to be identical. Prints tokens/s of each
-and the ratio (target: >= 2x), measured in the same process with 1 torch thread, taking
-the fastest of interleaved repeats (timings on shared 2-core machines vary up to 3x).
+The hand-written forward (where the model's family has one) and transformers' forward
+(relax/rollout/hf_engine.py, every other architecture) against `generate()`, greedy with the
+stop token suppressed so every sequence runs to `max_new_tokens`; the greedy tokens are
+checked to be identical. Prints tokens/s, the ratios (targets: hand-written >= 2x generate,
+transformers' forward >= 1.5x) and each one's peak memory over the process's before it, in
+one process with 1 torch thread, the fastest of interleaved repeats.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import threading
 import time
 from pathlib import Path
+
+import psutil
 
 import torch
 
 from relax.model import load_causal_lm, load_tokenizer
+from relax.model import families, read_hf_config
 from relax.rollout import SamplingParams
+from relax.rollout.hf_engine import TransformersEngine
 from relax.rollout.torch_engine import TorchEngine
 from relax.task.arithmetic import make_problem
+
+
+GENERIC = "transformers' forward"
 
 
 def prompts_for(tokenizer, n, samples_per_prompt=1):
@@ -46,11 +56,35 @@ def timed(fn):
     return time.perf_counter() - t0, out
 
 
-def best_times(fn_a, fn_b, repeats):
-    """Fastest of `repeats` runs each, interleaved: this machine's noise only ever adds time."""
-    fn_a(), fn_b()  # warm-up
-    runs_a, runs_b = zip(*[(timed(fn_a), timed(fn_b)) for _ in range(repeats)])
-    return min(runs_a, key=lambda r: r[0]), min(runs_b, key=lambda r: r[0])
+def best_times(fns: dict, repeats: int) -> dict:
+    """Per name, (seconds, output) of the fastest of `repeats` runs, interleaved: this machine's
+    noise only ever adds time."""
+    for fn in fns.values():
+        fn()  # warm-up
+    runs = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            runs[name].append(timed(fn))
+    return {name: min(r, key=lambda run: run[0]) for name, r in runs.items()}
+
+
+def peak_mb(fn) -> float:
+    """The process's resident memory at its highest while `fn` runs, over what it was before (MB)."""
+    process, peak, done = psutil.Process(), [0], threading.Event()
+    base = process.memory_info().rss
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], process.memory_info().rss)
+            time.sleep(0.002)
+    thread = threading.Thread(target=sample)
+    thread.start()
+    try:
+        fn()
+    finally:
+        done.set()
+        thread.join()
+    return max(peak[0] - base, 0) / 2**20
 
 
 def main() -> None:
@@ -71,12 +105,15 @@ def main() -> None:
     path = args.model_path or resolve_model_path(cfg.model)
     tokenizer = load_tokenizer(path)
     model = load_causal_lm(path, "float32")
-    engine = TorchEngine(cfg, path, eos_token_ids=[], pad_token_id=tokenizer.pad_token_id)
+    engines = {GENERIC: TransformersEngine(cfg, path, [], tokenizer.pad_token_id)}
+    if families.check(read_hf_config(path)).family is not None:
+        engines["hand-written"] = TorchEngine(cfg, path, eos_token_ids=[], pad_token_id=tokenizer.pad_token_id)
 
     print(f"model: {path}")
-    print(f"{'batch x new tokens':>20} {'HF generate tok/s':>18} {'Relax tok/s':>12} {'ratio':>7}")
+    print(f"{'batch x new tokens':>20} {'generate tok/s':>15}" + "".join(f" {n + ' tok/s':>27}" for n in engines)
+          + " ratios (peak MB: generate / " + " / ".join(engines) + ")")
     # (rows, new tokens, samples per prompt): decode-heavy, then the default RL rollout shape
-    # (32 prompts x 8 samples), where Relax prefills each prompt once and HF all 256 rows.
+    # (32 prompts x 8 samples), where the engines prefill each prompt once and HF all 256 rows.
     for batch, new_tokens, group in [(16, 64, 1), (64, 32, 1), (256, 8, 8)]:
         prompts = prompts_for(tokenizer, batch, group)
         ids = torch.tensor(prompts)  # equal lengths: no padding on either side
@@ -86,16 +123,21 @@ def main() -> None:
                 return model.generate(ids, do_sample=False, max_new_tokens=new_tokens,
                                       min_new_tokens=new_tokens, pad_token_id=tokenizer.pad_token_id)
 
-        def relax():
-            return engine.generate(prompts, SamplingParams(0.0, 1.0, new_tokens), seed=0)
-
-        (t_hf, out_hf), (t_rx, out_rx) = best_times(hf, relax, args.repeats)
-        cut = [until_eos(g.tokens, tokenizer) for g in out_rx]
-        same = cut == [t[:len(c)] for c, t in zip(cut, out_hf[:, ids.shape[1]:].tolist())]
+        fns = {"generate": hf} | {name: (lambda e=engine: e.generate(prompts, SamplingParams(0.0, 1.0, new_tokens),
+                                                                     seed=0)) for name, engine in engines.items()}
+        best = best_times(fns, args.repeats)
+        expected = best["generate"][1][:, ids.shape[1]:].tolist()
         n = batch * new_tokens
         label = f"{batch} x {new_tokens}" + (f" ({group}/prompt)" if group > 1 else "")
-        print(f"{label:>20} {n / t_hf:>18,.0f} {n / t_rx:>12,.0f} {t_hf / t_rx:>6.2f}x"
-              + ("" if same else "  (greedy tokens DIFFER)"))
+        line = f"{label:>20} {n / best['generate'][0]:>15,.0f}"
+        for name in engines:
+            cut = [until_eos(g.tokens, tokenizer) for g in best[name][1]]
+            same = cut == [t[:len(c)] for c, t in zip(cut, expected)]
+            line += f" {n / best[name][0]:>18,.0f} ({best['generate'][0] / best[name][0]:.2f}x)" \
+                + ("" if same else " DIFFER")
+        if len(engines) == 2:
+            line += f"  hand-written / transformers': {best[GENERIC][0] / best['hand-written'][0]:.2f}x"
+        print(line + "  MB: " + " / ".join(f"{peak_mb(fn):.0f}" for fn in fns.values()))
 
 
 if __name__ == "__main__":

@@ -66,15 +66,19 @@ PHI3 = {"token_embd.weight": (32064, 32), "blk.0.attn_norm.weight": (32,), "blk.
 
 @pytest.fixture
 def events(monkeypatch):
-    """What happened, in order: families.check's verdicts ("check", config) and the model
-    loads ("load"); families.check accepts here unless a test says otherwise."""
+    """What happened, in order: families.check's verdicts ("check", config: the real check runs)
+    and the model loads ("load")."""
     require("accelerate", REAL)
     import transformers
 
     from relax.model import families
 
-    happened = []
-    monkeypatch.setattr(families, "check", lambda config, where: happened.append(("check", config)))
+    happened, check = [], families.check
+
+    def checking(config, where):
+        happened.append(("check", config))
+        return check(config, where)
+    monkeypatch.setattr(families, "check", checking)
     load = transformers.AutoModelForCausalLM.from_pretrained.__func__
 
     def loading(cls, *args, **kwargs):

@@ -110,7 +110,8 @@ def test_a_tp_that_splits_a_head_is_refused_before_any_rank_starts(tmp_path):
     assert not list(run.glob("rank*.log")) and not (run / "built.json").exists()  # nothing was built
 
 
-HF = {"num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 8}
+HF = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "num_attention_heads": 4, "num_key_value_heads": 2,
+      "intermediate_size": 8}
 
 
 @pytest.mark.parametrize("overrides,hf,message", [

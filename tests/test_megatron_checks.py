@@ -50,7 +50,7 @@ def test_the_checkpoint_layout_names_every_parallel_size_and_the_distributed_opt
 
 
 def test_check_config_refuses_an_unknown_attention_backend_and_another_megatron_version(monkeypatch):
-    hf = {**MOE, "architectures": ["LlamaForCausalLM"], "num_experts": 0}
+    hf = {**MOE, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_experts": 0}
     checks.check_config(make_cfg("train=megatron"), hf)
     with pytest.raises(ConfigError, match=r"train.attention_backend='flsh': expected one of auto, flash"):
         checks.check_config(make_cfg("train=megatron", "train.attention_backend=flsh"), hf)

@@ -76,21 +76,24 @@ class TransformersEngine(TorchEngine):
         self.model = None
 
     def _logits(self, ids, valid, positions, cache) -> torch.Tensor:
-        return self.model(input_ids=ids, attention_mask=valid.long(), position_ids=positions,
+        # without padding, no mask: transformers then builds none (causal attention as is)
+        mask = None if valid is None else valid.long()
+        return self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
                           cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
 
     def _prefill(self, ids, valid, positions, N, row_of):
         from transformers import DynamicCache
 
         U, P = ids.shape
+        padded = not bool(valid[:, :P].all())
         cache = DynamicCache(config=self.model.config)
-        logits = self._logits(ids, valid[:, :P], positions, cache)
+        logits = self._logits(ids, valid[:, :P] if padded else None, positions, cache)
         if U < len(row_of):
             logits = logits[row_of]
             cache.batch_select_indices(row_of)
 
         def decode(tokens, pos, t, valid):
-            return self._logits(tokens, valid[:, :P + t + 1], pos, cache)
+            return self._logits(tokens, valid[:, :P + t + 1] if padded else None, pos, cache)
         return logits, decode
 
     @torch.inference_mode()

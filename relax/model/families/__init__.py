@@ -168,6 +168,31 @@ def fast_path_blocker(hf: dict, family: Family | None) -> str | None:
     return None
 
 
+MATRIX_COLUMNS = ("torch engine", "SGLang", "torch trainer", "Megatron", "train.shared_prompt",
+                  "routing replay", "LoRA default targets")
+
+
+def runs_on(hf: dict) -> dict[str, str]:
+    """What runs a config.json, per engine and backend, as the start-up checks decide it (the
+    support matrix in docs/models.md is these rows)."""
+    support = check(hf)
+    family, moe = support.family, bool(num_experts(hf))
+    if family is None:
+        return dict(zip(MATRIX_COLUMNS, ("transformers' forward", "refused", "single, dp, fsdp (tp refused)",
+                                         "refused", "off (true refused)", "refused" if moe else "-",
+                                         "every linear layer")))
+    return dict(zip(MATRIX_COLUMNS, ("hand-written forward", "runs", "single, dp, fsdp, tp",
+                                     "tp, pp, vpp, cp, dp" + (", ep" if moe else ""), "on", "R2, R3" if moe else "-",
+                                     ", ".join(family.lora_targets))))
+
+
+def matrix(configs: list[dict]) -> str:
+    """The support matrix of these config.jsons, one markdown row each."""
+    rows = [[f"`{hf['architectures'][0]}`", *runs_on(hf).values()] for hf in configs]
+    header = ["architecture", *MATRIX_COLUMNS]
+    return "\n".join("| " + " | ".join(r) + " |" for r in [header, ["---"] * len(header), *rows])
+
+
 def hf_rotary(config):
     """transformers' rotary embedding module for a transformers config object: the one source
     of RoPE frequencies (and their scaling) for every engine and backend."""
