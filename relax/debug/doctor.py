@@ -1,5 +1,29 @@
 """`relax doctor <run dir | dump dir>`: the guide's precision checklist, run for you.
 
+Reads what a run left behind and reports PASS / WARN / FAIL / SKIP per check, with the
+evidence, the likely causes and the next command; writes doctor.md with curves next to the
+run. The checklist, a check a line: DESCRIPTION below (`relax doctor --help`) and
+docs/debugging.md, "`relax doctor`: the precision checklist, automated".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, fields
+from pathlib import Path
+
+from relax.debug.checks import FAIL, PASS, SKIP, WARN, Check, Thresholds, as_text, diagnose
+from relax.debug.plots import figure_dir, out_dir, pyplot
+from relax.debug.run_data import RunData, load_run
+from relax.errors import ConfigError, ReplayError
+from relax.files import atomic_write_text, save_figure
+from relax.logger import METRICS_FILE
+from relax.process import describe, read_status
+
+DESCRIPTION = """`relax doctor <run dir | dump dir>`: the guide's precision checklist, run for you.
+
 Reads what a run left behind (metrics.jsonl, samples.jsonl, built.json, weight_check.json,
 dumps) and reports PASS / WARN / FAIL / SKIP per check, with the evidence, the likely
 causes and the next command:
@@ -26,22 +50,6 @@ such as one on a read-only results disk, gets its report on the terminal and a n
 exit code 1 if a check FAILs. The checks
 themselves are in relax/debug/checks.py (the run's `debug.strict_checks` uses them too).
 """
-
-from __future__ import annotations
-
-import argparse
-import json
-import sys
-from dataclasses import asdict, fields
-from pathlib import Path
-
-from relax.debug.checks import FAIL, PASS, SKIP, WARN, Check, Thresholds, as_text, diagnose
-from relax.debug.plots import figure_dir, out_dir, pyplot
-from relax.debug.run_data import RunData, load_run
-from relax.errors import ConfigError, ReplayError
-from relax.files import atomic_write_text, save_figure
-from relax.logger import METRICS_FILE
-from relax.process import describe, read_status
 
 
 def write_plots(run: RunData, out_dir: Path) -> list[str]:
@@ -95,7 +103,7 @@ def write_markdown(run: RunData, checks: list[Check], plots: list[str], out_dir:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="relax doctor", description=__doc__,
+    ap = argparse.ArgumentParser(prog="relax doctor", description=DESCRIPTION,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("path", type=Path, help="a run dir (or a dump dir inside one)")
     ap.add_argument("--json", action="store_true", help="machine-readable output")

@@ -128,7 +128,7 @@ def decode_responses(tokenizer, sequences: list[list[int]]) -> list[str]:
     """`tokenizer.batch_decode(sequences, skip_special_tokens=True)`, as one call into the Rust
     tokenizer where that is all transformers would do (a fast tokenizer whose decode is the
     base class's and cleans up no spaces): transformers first walks every id twice in Python
-    (to_py_obj), 1.2 ms of a default rollout's 256 responses against 0.25 ms."""
+    (to_py_obj), most of the decode's time (docs/results.md)."""
     from transformers import PreTrainedTokenizerFast
 
     plain = type(tokenizer)._decode is PreTrainedTokenizerFast._decode

@@ -2,19 +2,7 @@
 
     relax rollout.generate_fn=relax.rollout.calculator.generate task.reward_fn=relax.rollout.calculator.reward
 
-The model takes a turn. If that turn is a calculator call, an expression such as `12+34`,
-the tool's answer (`12+34=46`) is appended as a user turn whose tokens are masked out of the
-loss (loss_mask 0, they are not the model's), and the model takes another turn, up to
-MAX_TURNS model turns. `Sample.response` is the last model turn; `metadata["turns"]` records
-the conversation, which `reward` (a reward that takes the whole Sample) grades turn by turn.
-
-The built-in tiny model never writes an operator (its warm-up taught it to answer "a+b="
-with digits), so when its first turn is not a call, the script makes the call for it: the
-calculator is asked the prompt's own question and the model answers again with the result
-in view. Every sample then has two real engine calls with tool tokens between them, the
-shape of any tool-using rollout. (A model trained on single turns answers the second turn
-badly at first: `reward` gives credit for each right answer, so the first turn's ~30% give
-GRPO a signal from the start, and reaching full reward means learning to use the tool.)
+How it works in detail: docs/rollouts.md, "Inside `relax/rollout/calculator.py`".
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """One rollout: `rollout.generate_fn` on every (prompt, sample) pair, rewards, and dynamic sampling.
 
-A generate_fn is `[async] def fn(client, prompt, sampling_params) -> Sample`: `client.generate`
-(relax/rollout/client.py) samples a continuation of token ids, and may be called several
-times (multi-turn, tools: relax/rollout/calculator.py); `prompt` is a relax.task.Prompt
-(text, tokens, label, metadata, index, group_index). The Sample's `tokens` are the prompt's
-tokens followed by its response: per response token, `loss_mask` is 1 for model tokens (trained)
-and 0 for tool or environment tokens, and `rollout_log_probs` holds the engine's log-probs of
-the model tokens (any number, e.g. 0.0, at masked ones). `single_turn` is the default.
-
 Dynamic sampling (DAPO, `rollout.dynamic_sampling_filter`): whole GRPO groups that the filter
 rejects (built-in: `rewards_differ`) are dropped and more prompts generated, in rounds of
 `rollout.over_sampling_batch_size` prompts, until `rollout_batch_size` groups pass; round r's
 prompts are the task's (rollout_id, round) prompts, so a resumed run draws the same ones.
+
+The generate_fn interface: docs/rollouts.md, "Inside `relax/rollout/generate.py`".
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
 """The SGLang rollout engine (rollout=sglang).
 
-Why the offline `sglang.Engine` and not server + HTTP: rollouts are generated from token
-ids with per-token log-probs and weights are pushed as tensors, both of which the Engine
-API takes directly (no serialisation over a socket, no port to manage), and Relax's
-driver already owns the process lifecycle. `Engine.shutdown()` kills every child of the
-calling process, so `shutdown()` below narrows it to the engine's own processes. One object
-is one engine; relax.cluster's EngineGroup runs several (in the driver, or one Ray actor
-each), splits the rollout across them and syncs them all.
-
-On a machine without CUDA, SGLang runs for real with the settings of
-docs/measured-on-cpu.md (device cpu, torch_native attention, fp32, no CUDA graphs) in
-the environment scripts/setup_sglang_cpu.sh builds. GPU-only paths (CUDA graphs, several
-engines with tensor parallelism, the memory saver) are the same code with other
-settings, exercised only where a GPU exists.
+How it works in detail: docs/backends.md, "Inside `relax/rollout/sglang_engine.py`".
 """
 
 from __future__ import annotations

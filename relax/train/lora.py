@@ -1,14 +1,6 @@
 """LoRA adapters (train.lora.*, train=torch) through peft: docs/lora.md.
 
-The actor is the HF model with peft's adapters on its projections, and only the adapters
-train; the reference is the same model with its adapters disabled, so the weights are held
-once. What leaves the trainer is the model with the adapters merged in, under the plain HF
-names: engines load it, checkpoints hold it on request (`hf/`, train.lora.save_merged; the
-adapter in peft's format always), and a weight sync sends only the projections the adapters
-change. Inside the trainer the
-parameters keep peft's names under the HF module's (`model.layers.0.self_attn.q_proj.lora_A.
-default.weight`, `....q_proj.base_layer.weight`): the peft model wraps the HF model in place,
-and the trainer holds the HF model, so peft's `base_model.model.` prefix never appears.
+How it works in detail: docs/lora.md, "Inside `relax/train/lora.py`".
 """
 
 from __future__ import annotations

@@ -1,19 +1,6 @@
 """train.shared_prompt: a GRPO group's prompt runs once, its responses attend to it.
 
-A micro-batch's rows that share their prompt (a group's n samples) become one packed row,
-`[prompt, response_1, ..., response_n]`, without padding between them. Each response's
-position ids restart where the prompt ends, and a 4D attention mask lets a response token see
-the prompt and its own response's earlier tokens only, so every token's hidden state is that
-of its own sequence (up to fp32 rounding: other shapes, other sums). Only the positions that
-predict a response token reach the output layer (HF's `logits_to_keep`, given as indices), and
-nothing is computed on padding except to square off rows of unequal length. A response's last
-token predicts nothing trained and is left out.
-
-It needs an HF model whose attention takes a custom 4D additive mask and position ids (sdpa
-and eager do; Relax loads sdpa): the torch trainer. train=megatron refuses it (Megatron-core's
-GPTModel applies RoPE by position in the row and ignores position ids without THD packing,
-which needs Transformer Engine), and so would context parallelism, whose sequence split cuts
-a packed row across ranks.
+How it works in detail: docs/backends.md, "Inside `relax/train/packing.py`".
 """
 
 from __future__ import annotations

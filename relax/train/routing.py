@@ -1,29 +1,6 @@
 """MoE routing: which experts the engine chose, which the trainer chooses, and routing replay.
 
-For a mixture-of-experts model the largest source of train-vs-rollout mismatch is routing: a
-token whose router logits differ a little between engine and trainer (another dtype, other
-kernels) picks other experts, and its log-prob jumps. So routing is measured, always: the
-engine records the top-k expert ids of every token it feeds (Sample.routed_experts, flattened
-[len(tokens) - 1, MoE layers, top_k]; a sample's last token is never fed), and the trainer's
-first forward over a micro-batch at the rollout's weights (the old-log-prob pass, else the
-training forward) reports its own choice for the same tokens:
-- `train/routing_agreement`: the fraction of (token, MoE layer) pairs whose top-k sets agree;
-- `train/routing_agreement_min_layer`: the worst layer's.
-
-`algo.routing_replay` makes the trainer route as recorded, with the routing weights recomputed
-from its own router logits over the replayed experts (so the router still trains), as
-Megatron-core's RouterReplay does:
-- `rollout` (R3): every forward (reference, old log-probs, training) uses the engine's experts;
-- `train` (R2): the old-log-prob pass records, the update forwards replay it (several optimizer
-  steps per rollout move the weights, and with them the routing, between the two).
-Of the replaying forwards' (token, layer) pairs, `train/routing_replayed` is the fraction that
-ran on the replayed experts (1.0 unless the plumbing lost some), `train/routing_replay_agreement`
-the fraction whose router chose them itself (1 minus it: what replay changed; under R2, how far
-routing drifted within the rollout).
-
-The torch trainer hooks the routers of transformers' MoE blocks (Qwen2-MoE, Qwen3-MoE
-`mlp.gate`: a `*TopKRouter` whose forward returns logits, weights and expert ids); Megatron's
-side is relax/train/megatron/routing.py.
+How it works in detail: docs/algorithms.md, "Inside `relax/train/routing.py`".
 """
 
 from __future__ import annotations
