@@ -210,6 +210,16 @@ class JsonlTaskGroup(TaskConfig):  # task=jsonl
 
 
 @dataclass
+class ReasoningGymTaskGroup(TaskConfig):  # task=reasoning_gym (docs/tasks.md)
+    datasets: list[str] = field(default_factory=lambda: ["basic_arithmetic"])  # reasoning-gym dataset names
+    weights: Optional[list[float]] = None  # one per dataset: how often each is drawn (null: equally)
+    dataset_kwargs: dict[str, Any] = field(default_factory=dict)  # {dataset: {its config key: value}}
+    size: int = 10_000  # training items per dataset: seeds base..base+size-1 (eval: the seeds after)
+    answer_tag: Optional[str] = None  # the answer is the last <tag>...</tag>'s text (null: the response)
+    instruction: str = ""  # appended to every question
+
+
+@dataclass
 class DebugConfig:  # what each key means: docs/debugging.md; interpreted in relax/debug/plan.py
     rollout_only: bool = False  # build only the rollout side (no trainer is imported)
     train_only: bool = False  # build only the trainer; rollouts come from replay data
@@ -302,6 +312,7 @@ OPTION_SCHEMAS = {
     "relax_schema_task_arithmetic": ArithmeticTaskGroup,
     "relax_schema_task_jsonl": JsonlTaskGroup,
     "relax_schema_task_word_problems": WordProblemsTaskGroup,
+    "relax_schema_task_reasoning_gym": ReasoningGymTaskGroup,
     "relax_schema_cluster_ray": RayClusterGroup,
 }
 

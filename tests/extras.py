@@ -1,4 +1,4 @@
-"""Optional packages that some tests need (the ray, wandb, verl, real and lora extras; tensorboard).
+"""Optional packages some tests need (the ray, wandb, verl, real, lora and rgym extras; tensorboard).
 
 Where one is not installed its tests are skipped, except in CI (`CI` set: .ci/run sets it),
 whose command installs every one of them: there a missing package is a failure that names
@@ -17,6 +17,7 @@ WANDB = "the [wandb] extra (pip install -c constraints.txt -e '.[wandb]')"
 TENSORBOARD = "tensorboard (a dependency of relax: pip install -c constraints.txt -e .)"
 REAL = "the [real] extra (pip install -c constraints.txt -e '.[real]')"
 LORA = "the [lora] extra (pip install -c constraints.txt -e '.[lora]')"
+RGYM = "the [rgym] extra (pip install -c constraints.txt -e '.[rgym]')"
 VERL = ("verl 0.9.1 (pip install -c constraints.txt -e '.[verl]', then "
         "pip install --no-deps verl==0.9.1)")
 

@@ -85,11 +85,18 @@ SMOLLM2_ARITH_V1 = {**SMOLLM2, **WORD_PROBLEMS, "task.operations": ["add", "sub"
                     "train.num_threads": 2, "algo.use_kl_loss": True, "algo.kl_loss_coef": 0.01,
                     "eval.interval": 20, "eval.datasets": ["task"], "eval.num_prompts": 128,
                     "checkpoint.save_interval": None, "seed": 11}
+# issue 52: reasoning-gym's datasets as a task
+REASONING_GYM = {"task._target_": "relax.task.reasoning_gym.ReasoningGymTask",
+                 "task.reward_fn": "relax.task.reasoning_gym.score", "task.min_operand": DROPPED,
+                 "task.max_operand": DROPPED, "task.datasets": ["basic_arithmetic"], "task.weights": None,
+                 "task.dataset_kwargs": {}, "task.size": 10_000, "task.answer_tag": None, "task.instruction": "",
+                 "task.answer_format": None}
 # Options added after the recording: (the recorded option they compose like, what they change).
 NEW_OPTIONS = {"cluster=local": ("algo=grpo", {}), "cluster=ray": ("algo=grpo", RAY),
                "logger=wandb": ("algo=grpo", {"logger.backends": ["wandb"]}),
                "model=smollm2": ("algo=grpo", SMOLLM2), "task=word_problems": ("algo=grpo", WORD_PROBLEMS),
                "experiment=smollm2_arith_v1": ("algo=grpo", SMOLLM2_ARITH_V1),
+               "task=reasoning_gym": ("algo=grpo", REASONING_GYM),
                "parallel=tp3": ("parallel=tp2",
                                 {"parallel.name": "tp3", "parallel.tp": 3, "parallel.world_size": 3}),
                **{f"parallel=twin{n}": ("parallel=twin",

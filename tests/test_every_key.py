@@ -47,6 +47,8 @@ def bad_values(kind) -> dict[str, object]:
         return {"type": [1], "bogus": "bogus"}
     if origin is list and args == (int,):
         return {"type": "abc", "empty": [], "negative": [-1], "huge": [HUGE_INT]}
+    if origin is list and args == (float,):
+        return {"type": "abc", "empty": [], "negative": [-1.0], "nan": [math.nan]}
     if origin is list:
         return {"type": 5, "empty": [], "bogus": ["bogus"]}
     if origin is dict:
@@ -148,6 +150,7 @@ VALID: dict[str, tuple[str, str]] = {
     "task.min_operand": ("zero", "0 is an operand"),
     "task.max_operand": ("huge", "longer numbers: each prompt's length is checked as it is made"),
     "task.instruction": ("bogus", "free text appended to each problem"),
+    "task.answer_tag": ("bogus", "a tag name: the answer is the text in the response's last <bogus>...</bogus>"),
     "debug.dump_details": ("bogus", PATH),
     "debug.dump_layers": ("bogus", PATH),
     "debug.profile_dir": ("bogus", PATH),
@@ -177,7 +180,8 @@ parallel.vpp parallel.ep parallel.etp parallel.cp parallel.dp parallel.sequence_
 parallel.fsdp parallel.world_size algo.advantage_estimator algo.grpo_std_normalization
 algo.policy_loss algo.loss_agg_mode algo.use_kl_loss algo.kl_loss_type algo.tis algo.mis
 algo.use_rollout_log_probs algo.routing_replay task._target_ task.reward_fn task.group_reward_fn
-task.reward_url task.apply_chat_template task.data_path task.operations debug.rollout_only
+task.reward_url task.apply_chat_template task.data_path task.operations task.datasets task.weights
+task.dataset_kwargs task.size debug.rollout_only
 debug.train_only debug.save_rollout_data debug.load_rollout_data debug.load_rollout_data_subsample
 debug.allow_manifest_mismatch debug.save_train_data debug.check_weight_update_equal
 debug.check_weight_update_every_sync debug.strict_checks debug.dump_layers_rollouts
@@ -269,6 +273,8 @@ def test_each_value_is_refused_naming_the_key_or_valid(key, start_up):
         extras.require("ray", extras.RAY)
     if key.startswith("train.lora."):
         extras.require("peft", extras.LORA)
+    if KEYS[key][1] == "task=reasoning_gym":
+        extras.require("reasoning_gym", extras.RGYM)
     valid = set(VALID[key][0].split()) if key in VALID else set()
     for kind, value in bad_values(KEYS[key][0]).items():
         error = start_up(key, value)
