@@ -55,10 +55,10 @@ HYDRA_FLAGS = {
     "--experimental-rerun": True, "--info": False, "-i": False,
 }
 SUBCOMMANDS = {
-    "inspect": "relax.debug.inspect",
-    "compare": "relax.debug.compare",
-    "doctor": "relax.debug.doctor",
-    "bugreport": "relax.debug.bugreport",
+    "inspect": "relax.tools.inspect",
+    "compare": "relax.tools.compare",
+    "doctor": "relax.tools.doctor",
+    "bugreport": "relax.tools.bugreport",
     "convert-gguf": "relax.model.gguf",
 }
 

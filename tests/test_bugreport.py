@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from relax.cli import main as relax_main
-from relax.debug import system_info
+from relax.tools import system_info
 
 from .conftest import REPO, only_run_dir, relax_cli, run_loop
 
@@ -130,7 +130,7 @@ def test_versions_machine_and_source_revision(archive):
 
 
 def test_versions_import_neither_sglang_nor_megatron():
-    code = ("import sys; from relax.debug.bugreport import versions; versions(); "
+    code = ("import sys; from relax.tools.bugreport import versions; versions(); "
             "print([m for m in sys.modules if m.split('.')[0] in ('sglang', 'megatron', 'torch')])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "[]", out.stderr
@@ -253,7 +253,7 @@ def test_a_failing_doctor_does_not_stop_the_report(run, tmp_path, monkeypatch):
     def broken(argv):
         raise RuntimeError("doctor exploded")
 
-    monkeypatch.setattr("relax.debug.doctor.main", broken)
+    monkeypatch.setattr("relax.tools.doctor.main", broken)
     code, out, err = bugreport(run, "-o", tmp_path)  # a dir: the default name inside it
     assert code == 0, err
     archive = tmp_path / f"bugreport-{run.name}.tar.gz"

@@ -79,7 +79,7 @@ def run_case(case: Case, tmp: Path, env: Env) -> tuple[str, str, int | None]:
         out = io.StringIO()
         try:
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-                code = importlib.import_module(f"relax.debug.{case.kind}").main([str(p) for p in paths])
+                code = importlib.import_module(f"relax.tools.{case.kind}").main([str(p) for p in paths])
         except Exception as e:
             return "traceback", f"{type(e).__name__}: {e}", None
         return ("clear" if re.search(case.expect, out.getvalue()) else "silent"), out.getvalue(), code

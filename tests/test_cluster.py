@@ -497,7 +497,7 @@ def test_ray_ranks_keep_only_rank_0s_result_and_an_aborted_call_is_not_waited_on
     actors = [Actor(0), Actor(1)]
     ranks = RayRanks(RayHosts("trainer rank", actors, [0, 1]), bucket_bytes=2**20)
     assert ranks.call("train", 0, []) == "train from rank 0" and not ranks.busy
-    monkeypatch.setattr("relax.cluster.ray_cluster.StoredWeights", lambda refs: refs)
+    monkeypatch.setattr("relax.cluster.ray_hosts.StoredWeights", lambda refs: refs)
     assert ranks.named_weights() == "named_weights from rank 0"
     assert [a.calls for a in actors] == [[("train", True, None), ("named_weights", True, 2**20)],
                                          [("train", False, None), ("named_weights", False, 2**20)]]

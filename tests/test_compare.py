@@ -10,10 +10,10 @@ import os
 
 import pytest
 
-from relax.debug.compare import (
+from relax.tools.compare import (
     Job, Tolerances, envelope, find_twins, judge, main, noise_model, pick_baseline,
 )
-from relax.debug.jobs import find_jobs
+from relax.tools.jobs import find_jobs
 from relax.errors import ConfigError
 
 from .conftest import relax_cli, run_loop

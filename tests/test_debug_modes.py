@@ -549,7 +549,7 @@ def test_inspect_summarizes_and_joins_by_hand(tmp_path):
     giving each trained token its own train log-prob."""
     from rich.console import Console
 
-    from relax.debug.inspect import inspect, render
+    from relax.tools.inspect import inspect, render
 
     tool = Sample(0, 0, "p", [5, 6, 7, 8, 9], 3, reward=1.0, loss_mask=[1, 0, 1],
                   rollout_log_probs=[-1.0, -9.0, -3.0], status="truncated")

@@ -116,7 +116,7 @@ def test_doctor_takes_its_threshold_flags_and_says_the_runs_status_and_report(cl
     report's path; the report links both plots; exit 1 for a FAIL anywhere, 0 with WARNs only."""
     import shutil
 
-    from relax.debug import doctor
+    from relax.tools import doctor
 
     run = tmp_path / "run"
     shutil.copytree(clean_run, run)
@@ -148,7 +148,7 @@ def test_doctor_takes_its_threshold_flags_and_says_the_runs_status_and_report(cl
 
 
 def test_doctor_refuses_a_path_that_is_not_a_directory_with_exit_2(tmp_path, capsys):
-    from relax.debug import doctor
+    from relax.tools import doctor
 
     (tmp_path / "file").write_text("x")
     for path in (tmp_path / "missing", tmp_path / "file"):
@@ -159,7 +159,7 @@ def test_doctor_refuses_a_path_that_is_not_a_directory_with_exit_2(tmp_path, cap
 def test_doctor_md_has_a_section_for_each_failing_or_warning_check(tmp_path):
     """doctor.md: a table row per check; for each FAIL and WARN (not PASS or SKIP) a section
     with its summary, likely causes, next commands and evidence as JSON."""
-    from relax.debug.doctor import write_markdown
+    from relax.tools.doctor import write_markdown
 
     checks = [Check(1, "one", "PASS", "fine", {"a": 1}, ["never shown"], ["nor this"]),
               Check(2, "two", "WARN", "look at it", {"x": 0.5, "path": Path("/p")}, ["cause A"],

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from relax.debug.compare import main as compare
-from relax.debug.jobs import Job, same_model
+from relax.tools.compare import main as compare
+from relax.tools.jobs import Job, same_model
 from relax.errors import ConfigError
 from relax.logger import read_metrics, reward_plot_title
 from relax.logger.summary import log_summary

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from relax.debug import compare, layers
+from relax.debug import layers
+from relax.tools import compare
 from relax.train import layer_dump
 
 FIXED, MARGIN = 1e-4, 10.0

@@ -250,7 +250,8 @@ def test_the_layout_matching_the_tp_plan_and_the_merge_by_hand(tiny_path):
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     from relax.model import read_hf_config
-    from relax.train.lora import Adapters, check_targets, layout, matches, tp_plan
+    from relax.train.lora import Adapters, check_targets, layout, matches
+    from relax.train.parallel import tp_plan
 
     lora = make_cfg(*LORA).train.lora
     assert layout(lora) == {"rank": 8, "alpha": 16.0, "target_modules": None}

@@ -250,8 +250,6 @@ def test_relax_convert_gguf_writes_a_plain_fp32_hf_directory(tmp_path, capsys, m
     require("accelerate", REAL)
     from safetensors.torch import load_file
 
-    import relax.model
-
     from relax.files import sha256
     from relax.model import gguf
 
@@ -283,7 +281,7 @@ def test_relax_convert_gguf_writes_a_plain_fp32_hf_directory(tmp_path, capsys, m
         out_dir.mkdir()
         (out_dir / "config.json").write_text("{")
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(relax.model, "save_hf_dir", disk_full)
+    monkeypatch.setattr(gguf, "save_hf_dir", disk_full)
     with pytest.raises(OSError, match="No space left"):
         gguf.main([str(path), str(tmp_path / "hf-full")])
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("hf-")) == ["hf-False", "hf-True"]

@@ -102,7 +102,7 @@ def test_a_replay_of_multi_turn_samples_trains_identically(tmp_path, calc_run):
 def test_inspect_shows_the_tool_tokens_as_masked(calc_run):
     from rich.console import Console
 
-    from relax.debug.inspect import inspect, render
+    from relax.tools.inspect import inspect, render
 
     dump, _, _ = calc_run
     report = inspect(dump, 1, 2)

@@ -431,7 +431,7 @@ def test_check_9_by_hand():
 def test_inspect_shows_routing_agreement_per_layer(tmp_path, replay, bf16_rollout):
     import shutil
 
-    from relax.debug.inspect import inspect
+    from relax.tools.inspect import inspect
 
     (tmp_path / "dump" / "rollout_data").mkdir(parents=True)
     shutil.copy(bf16_rollout, tmp_path / "dump" / "rollout_data" / "0.pt")

@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from relax.debug import token_views
+from relax.tools import token_views
 from relax.debug.checks import Thresholds, diagnose
-from relax.debug.inspect import inspect
+from relax.tools.inspect import inspect
 from relax.debug.run_data import load_run
 from relax.files import safe_load
 from relax.sample import Sample

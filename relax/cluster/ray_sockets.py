@@ -22,7 +22,7 @@ from multiprocessing.connection import Client, Listener, wait
 import ray
 
 from relax.cluster.ranks import WEIGHTS, RankError
-from relax.cluster.ray_cluster import RayHosts
+from relax.cluster.ray_hosts import RayHosts
 from relax.cluster.shared_weights import SharedBucket, SharedWeights, on_cpu
 from relax.distributed import free_port
 

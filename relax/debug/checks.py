@@ -8,9 +8,11 @@ from __future__ import annotations
 import math
 
 from relax.debug.collapse import garbage_signals, find_collapse, find_fast_collapse, lower_lr
+from relax.debug.layers import compare_runs
 from relax.debug.routing import check_routing
 from relax.debug.run_data import RunData, samples_of
-from relax.debug.verdicts import PASS, WARN, FAIL, SKIP, SEVERITY, Thresholds, Check, over, below, worst
+from relax.debug.verdicts import PASS, WARN, FAIL, SKIP, SEVERITY, Thresholds, Check, Tolerances, over, below, worst
+from relax.debug.weights import describe
 
 
 # -- the checks -----------------------------------------------------------------------------
@@ -235,9 +237,6 @@ def check_first_step(run: RunData, th: Thresholds) -> Check:
 def layer_hint(run: RunData, source: str) -> list[str]:
     """Where the run's layer dump (debug.dump_layers) has `source` ("engine" or "ref") part from
     the trainer's forward: the first departing module, as a next step (none without a dump)."""
-    from relax.debug.compare import Tolerances
-    from relax.debug.layers import compare_runs
-
     tol = Tolerances()  # relax compare --layers' defaults
     try:
         departures, _ = compare_runs([run.path], None, None, tol.layer_eps_multiple, tol.envelope_margin)
@@ -297,8 +296,6 @@ def check_engine_weights(run: RunData, th: Thresholds) -> Check:
     name = "engine weights vs checkpoint"
     if run.weight_check is None:
         return Check(6, name, SKIP, "not recorded (run with debug.check_weight_update_equal=true)")
-    from relax.debug.weights import describe
-
     failed = [c for c in run.weight_check["checks"] if not c["passed"]]
     if not failed:
         return Check(6, name, PASS, f"{len(run.weight_check['checks'])} comparisons, all equal")

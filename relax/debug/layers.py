@@ -1,5 +1,5 @@
-"""Where two runs part, layer by layer: the layer dump (debug.dump_layers) and
-`relax compare --layers`.
+"""Where two runs part, layer by layer: the layer dump (debug.dump_layers) read and judged,
+for `relax compare --layers` (relax/tools/layers.py) and the doctor's layer hints.
 
 How it works in detail: docs/debugging.md, "Inside `relax/debug/layers.py`".
 """
@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from relax.files import safe_load
+from relax.debug.verdicts import over, scaled_floor
+from relax.files import read_json, safe_load
 from relax.train.layer_dump import FORMAT_VERSION, LOG_PROBS
 
 # -- compare ----------------------------------------------------------------------------------
@@ -217,8 +218,6 @@ def judge_layers(job: str, d: dict[str, dict[str, float]], fixed: float, margin:
     """The first tensor of each part whose difference leaves its floor: max(fixed, margin x its
     `noise` (twin_noise())), or `unmeasured` (default: fixed) where no twin measured it. A
     difference that is not finite departs whatever the floor (a tensor only one side has: inf)."""
-    from relax.debug.compare import scaled_floor
-    from relax.debug.verdicts import over
 
     noise = noise or {}
     floors = {part: {n: scaled_floor(fixed, noise[part][n], margin) if n in noise.get(part, {})
@@ -247,7 +246,6 @@ def judge_sweep(names: list[str], apart: list[dict[str, dict[str, float]]], twin
 
 def dump_dir_of(run: Path) -> Path:
     """The layer dump dir a run wrote (built.json), or ValueError saying how to make one."""
-    from relax.files import read_json
 
     built = read_json(run / "built.json") if (run / "built.json").is_file() else {}
     if not built.get("dump_layers"):
@@ -317,7 +315,6 @@ def compare_runs(paths: list[Path], baseline: str | None, rollout_id: int | None
     runs = runs_of(paths)
     if len(runs) == 1:
         return within_run(runs[0], rollout_id, eps_multiple, margin)
-    from relax.files import read_json
 
     layout = {r: read_json(r / "built.json").get("parallel") for r in runs}
     if baseline is not None:
@@ -343,31 +340,3 @@ def compare_runs(paths: list[Path], baseline: str | None, rollout_id: int | None
              f"noise twins {names} (each also judged against the others)" if twins else
              f"no noise twin: floor {eps_multiple:g} x eps")
     return deps, f"baseline {base.name}, rollout {base.manifest['rollout_id']}; {noise}"
-
-
-def compare_layers(args, folder: Path | None, note: str | None) -> int:
-    """`--layers`: the first module, gradient and weight where each job departs from the baseline."""
-    import json
-    import sys
-
-    from relax.errors import ConfigError, ReplayError
-
-    try:
-        departures, what = compare_runs(args.paths, args.baseline, args.rollout_id, args.layer_eps_multiple,
-                                        args.envelope_margin)
-    except (ConfigError, ReplayError, ValueError) as e:
-        print(f"relax compare: error: {e}", file=sys.stderr)
-        return 2
-    from relax.debug.plots import draw, plot_layers
-
-    plot = draw(plot_layers, departures, folder, "compare_layers.png")
-    if args.json:
-        print(json.dumps({"compared": what, "plot": plot and str(plot), "note": note, "jobs": [
-            {"job": d.job, "departs": d.departs, "first": d.first, "spreads": d.spreads, "diffs": d.diffs,
-             "floors": d.floors, "note": d.note} for d in departures]}))
-    else:
-        print(f"relax compare --layers ({what})")
-        for d in departures:
-            print(d.line())
-        print(f"plot: {plot}" if plot else note)
-    return 1 if any(d.departs for d in departures) else 0

@@ -126,3 +126,21 @@ def nan_first(pick, values: Iterable[float], default):
     comes first."""
     values = list(values)
     return math.nan if any(math.isnan(v) for v in values) else pick(values, default=default)
+
+
+@dataclass
+class Tolerances:
+    """`relax compare`'s tolerances (its flags' defaults), also what check 4 and 5's layer hints use."""
+    logprob_atol: float = 1e-5
+    grad_norm_rtol: float = 1e-4
+    loss_atol: float = 1e-5
+    strict_steps: int = 2
+    envelope_margin: float = 10.0
+    departure_ratio: float = 4.0
+    layer_eps_multiple: float = 256.0  # --layers without a twin: the floor in units of the dtype's epsilon
+
+
+def scaled_floor(fixed: float, twin_diff: float | None, margin: float) -> float:
+    """The noise rule of every comparison (steps in relax compare, layers in relax/debug/layers.py): a
+    difference is noise up to max(the fixed tolerance, margin x the twin's difference)."""
+    return fixed if twin_diff is None else max(fixed, margin * twin_diff)

@@ -10,6 +10,7 @@ from pathlib import Path
 from relax.errors import ConfigError
 from relax.model import families
 from relax.model.families import SUPPORTED_ARCHITECTURES  # noqa: F401  (re-exported)
+from relax.model.hf_dir import save_hf_dir  # noqa: F401  (re-exported: the trainers' checkpoints)
 
 # config.json keys that change what the weights mean; replay data records their hash.
 ARCH_KEYS = (
@@ -154,17 +155,6 @@ def load_safetensors_dir(path: Path) -> dict:
     for f in files:
         weights.update(load_file(str(f)))
     return weights
-
-
-def save_hf_dir(path: Path, config, weights: dict) -> None:
-    """An HF model directory: `config` (a transformers config) and the weights, by HF name."""
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    config.save_pretrained(path)
-    save_file({k: v.contiguous() for k, v in weights.items()}, path / "model.safetensors",
-              metadata={"format": "pt"})
 
 
 def torch_dtype(name: str, key: str = "model.dtype"):

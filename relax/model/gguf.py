@@ -26,6 +26,8 @@ from pathlib import Path
 
 from relax.errors import ConfigError
 from relax.files import sha256
+from relax.model import families
+from relax.model.hf_dir import save_hf_dir
 from relax.model.temp_dirs import remove_stale, temp_dir_beside
 from relax.targets import require_extra
 
@@ -41,8 +43,6 @@ def convert(gguf_path: Path, out_dir: Path) -> dict:
     require_extra("reading a GGUF file (model=smollm2, relax convert-gguf)", *READS_GGUF)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
-
-    from relax.model import families, save_hf_dir
 
     gguf_path = Path(gguf_path)
     header = check_header(gguf_path)

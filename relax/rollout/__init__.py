@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from relax.targets import load_target
+from relax.targets import load_function, load_target
 from relax.errors import ConfigError
 
 
@@ -41,6 +41,8 @@ def torch_cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+GENERATE_FN = "fn(client, prompt, sampling_params) -> Sample (async def or def)"
+FILTER_FN = "keep(group: list[Sample]) -> bool"
 MAX_ROLLOUTS = 10**7  # a run's rollout ids, listed at start-up (1e7 rollouts of 1 s each: 4 months)
 
 
@@ -61,6 +63,20 @@ def check_rollout(r) -> None:
         raise ConfigError(f"rollout.temperature={r.temperature}: expected a number >= 0 (0: greedy)")
     if not 0 < r.top_p <= 1:
         raise ConfigError(f"rollout.top_p={r.top_p}: expected a probability in (0, 1]")
+
+
+def check_functions(rollout_cfg) -> None:
+    """Start-up refusals: the rollout's functions import, the dynamic sampling sizes make sense."""
+    r = rollout_cfg
+    load_function(r.generate_fn, "rollout.generate_fn", GENERATE_FN)
+    if r.dynamic_sampling_filter:
+        load_function(r.dynamic_sampling_filter, "rollout.dynamic_sampling_filter", FILTER_FN)
+    if r.over_sampling_batch_size is not None and r.over_sampling_batch_size < 1:
+        raise ConfigError(f"rollout.over_sampling_batch_size={r.over_sampling_batch_size}: expected a "
+                          f"positive number of prompts, or null (rollout.rollout_batch_size)")
+    if r.max_generation_rounds < 1:
+        raise ConfigError(f"rollout.max_generation_rounds={r.max_generation_rounds}: expected a positive "
+                          f"integer")
 
 
 def engine_dtype(cfg) -> str:
@@ -92,8 +108,6 @@ def check_engine(cfg) -> None:
     torch_dtype(engine_dtype(cfg), "rollout.dtype" if r.dtype else "model.dtype")
     if hasattr(engine, "check_config"):
         engine.check_config(cfg)
-    from relax.rollout.generate import check_functions
-
     check_functions(r)
 
 

@@ -12,17 +12,13 @@ from __future__ import annotations
 
 import math
 from relax.targets import load_function
-from relax.errors import ConfigError, RolloutError
+from relax.errors import RolloutError
 from relax.model import decode_responses
-from relax.rollout import SamplingParams, sample_seeds
+from relax.rollout import FILTER_FN, GENERATE_FN, SamplingParams, sample_seeds
 from relax.rollout.client import Batcher
 from relax.sample import Sample, Samples, routed_experts_fit
 from relax.task import Prompt, check_rewards
 from relax.task.rewards import raised
-
-GENERATE_FN = "fn(client, prompt, sampling_params) -> Sample (async def or def)"
-FILTER_FN = "keep(group: list[Sample]) -> bool"
-
 
 async def single_turn(client, prompt, sampling_params: SamplingParams) -> Sample:
     """The default generate_fn: one engine call; every response token is the model's.
@@ -43,20 +39,6 @@ def rewards_differ(group: list[Sample]) -> bool:
     """The built-in dynamic sampling filter: a group whose rewards are all equal has zero
     advantages under GRPO and teaches nothing."""
     return len({s.reward for s in group}) > 1
-
-
-def check_functions(rollout_cfg) -> None:
-    """Start-up refusals: the rollout's functions import, the dynamic sampling sizes make sense."""
-    r = rollout_cfg
-    load_function(r.generate_fn, "rollout.generate_fn", GENERATE_FN)
-    if r.dynamic_sampling_filter:
-        load_function(r.dynamic_sampling_filter, "rollout.dynamic_sampling_filter", FILTER_FN)
-    if r.over_sampling_batch_size is not None and r.over_sampling_batch_size < 1:
-        raise ConfigError(f"rollout.over_sampling_batch_size={r.over_sampling_batch_size}: expected a "
-                          f"positive number of prompts, or null (rollout.rollout_batch_size)")
-    if r.max_generation_rounds < 1:
-        raise ConfigError(f"rollout.max_generation_rounds={r.max_generation_rounds}: expected a positive "
-                          f"integer")
 
 
 def check_sample(sample, prompt, source: str) -> None:

@@ -16,9 +16,8 @@ from relax import faults
 from relax.errors import ConfigError
 from relax.model import families
 from relax.targets import require_extra
-from relax.train.parallel import full_tensor
+from relax.train.parallel import ADAPTER, full_tensor
 
-ADAPTER = "default"  # peft's name for the one adapter
 ADAPTER_DIR = "adapter"  # <checkpoint>/adapter: peft's save_pretrained files
 PEFT_PREFIX = "base_model.model."  # the model's names in the peft model's state dict
 A, B = f".lora_A.{ADAPTER}.weight", f".lora_B.{ADAPTER}.weight"
@@ -123,23 +122,6 @@ def check_targets(lora, hf_config: dict) -> None:
         raise ConfigError(f"{key}: peft adapts {', '.join(other[:2])} ({type(adapted[other[0]]).__name__}: "
                           f"fused 3-D expert parameters), an adapter Relax does not merge; adapt linear "
                           f"layers, e.g. {key}=[q_proj,k_proj,v_proj,o_proj]")
-
-
-def tp_plan(layer: torch.nn.Module, plan: dict) -> dict:
-    """A decoder layer's TP plan (relax.train.parallel) for the projections peft wrapped: the base layer
-    sharded like the projection, and the adapter factor that meets the sharded dimension sharded the
-    same way (colwise: B, whose rows are outputs; rowwise: A, whose columns are inputs); the other,
-    rank-wide factor is replicated. Unadapted projections keep their plan."""
-    from torch.distributed.tensor.parallel import ColwiseParallel
-
-    modules, out = dict(layer.named_modules()), {}
-    for path, style in plan.items():
-        if path not in modules or not hasattr(modules[path], "base_layer"):
-            out[path] = style
-            continue
-        factor = "lora_B" if isinstance(style, ColwiseParallel) else "lora_A"
-        out |= {f"{path}.base_layer": style, f"{path}.{factor}.{ADAPTER}": style}
-    return out
 
 
 class Adapters:

@@ -21,6 +21,7 @@ from relax.errors import ConfigError
 from relax.model import families
 from relax.model.modules import decoder_layers
 
+ADAPTER = "default"  # peft's name for the one adapter (relax/train/lora.py)
 
 @dataclass
 class Layout:
@@ -84,13 +85,28 @@ def init_layout(p, rank: int, world_size: int) -> Layout:
                   mesh=mesh, dp_group=mesh["dp"].get_group())
 
 
+def tp_plan(layer: torch.nn.Module, plan: dict) -> dict:
+    """A decoder layer's TP plan for the projections peft wrapped (relax.train.lora): the base layer
+    sharded like the projection, and the adapter factor that meets the sharded dimension sharded the
+    same way (colwise: B, whose rows are outputs; rowwise: A, whose columns are inputs); the other,
+    rank-wide factor is replicated. Unadapted projections keep their plan."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    modules, out = dict(layer.named_modules()), {}
+    for path, style in plan.items():
+        if path not in modules or not hasattr(modules[path], "base_layer"):
+            out[path] = style
+            continue
+        factor = "lora_B" if isinstance(style, ColwiseParallel) else "lora_A"
+        out |= {f"{path}.base_layer": style, f"{path}.{factor}.{ADAPTER}": style}
+    return out
+
+
 def apply_layout(model: torch.nn.Module, layout: Layout, trainable: bool) -> torch.nn.Module:
     """Shard `model` in place as the layout says; returns the module to call forward on."""
     if layout.tp_size > 1:
         from torch.distributed.tensor.parallel import (
             ColwiseParallel, RowwiseParallel, parallelize_module)
-
-        from relax.train.lora import tp_plan
 
         plan = {
             "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),

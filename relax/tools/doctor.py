@@ -15,7 +15,7 @@ from dataclasses import asdict, fields
 from pathlib import Path
 
 from relax.debug.checks import FAIL, PASS, SKIP, WARN, Check, Thresholds, as_text, diagnose
-from relax.debug.plots import figure_dir, out_dir, pyplot
+from relax.tools.plots import figure_dir, out_dir, pyplot
 from relax.debug.run_data import RunData, load_run
 from relax.errors import ConfigError, ReplayError
 from relax.files import atomic_write_text, save_figure

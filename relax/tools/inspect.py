@@ -20,13 +20,14 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from relax.debug import token_views
-from relax.debug.plots import figure_dir, out_dir
 from relax.debug.run_data import train_rows
 from relax.errors import ConfigError, ReplayError
-from relax.process import describe, read_status
 from relax.files import safe_load
+from relax.model import load_tokenizer
+from relax.process import describe, read_status
 from relax.replay import read_rollout
+from relax.tools import token_views
+from relax.tools.plots import figure_dir, out_dir
 
 MAX_ROWS = 20  # longer runs: the first and last rollouts (all of them with --json)
 
@@ -110,8 +111,6 @@ def inspect(root: Path, rollout_id: int | None, sample_index: int, worst: int = 
                           f"truncated or from different runs")
     tokenizer = None
     if (Path(root) / "tokenizer").is_dir():  # a dump carries its tokenizer
-        from relax.model import load_tokenizer
-
         tokenizer = load_tokenizer(Path(root) / "tokenizer")
         response = sample["tokens"][len(sample["tokens"]) - sample["response_length"]:]
         sample = {**sample, "response_token_texts": tokenizer.convert_ids_to_tokens(response)}

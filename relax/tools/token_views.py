@@ -11,6 +11,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from relax.files import save_figure
+from relax.tools.plots import pyplot
+
 MAX_LABELS = 120  # tick labels per panel; a longer response labels every n-th token
 
 
@@ -70,9 +73,6 @@ def describe(sample: dict) -> str:
 
 def plot(samples: list[dict], threshold: float, rollout_id: int, path: Path) -> Path:
     """The PNG at `path`, written atomically: a panel per sample of `worst_samples`."""
-    from relax.debug.plots import pyplot
-    from relax.files import save_figure
-
     plt = pyplot()
     longest = max(len(s["log_probs"]) for s in samples)
     width = min(max(7.0, 0.3 * longest), 40.0)

@@ -8,13 +8,10 @@ from __future__ import annotations
 import argparse
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from relax.debug.jobs import EQUIVALENT, Job
+from relax.debug.layers import Departure
 from relax.files import save_figure
-
-if TYPE_CHECKING:
-    from relax.debug.layers import Departure
+from relax.tools.jobs import EQUIVALENT, Job
 
 
 def pyplot():

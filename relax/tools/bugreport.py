@@ -4,7 +4,7 @@ Writes <run dir>/bugreport-<run name>.tar.gz (or -o FILE), atomically, with one 
 bugreport-<run name>/ in it that is laid out like the run dir, so `relax doctor` and
 `relax inspect` read it once extracted:
 
-How it works in detail: docs/debugging.md, "Inside `relax/debug/bugreport.py`".
+How it works in detail: docs/debugging.md, "Inside `relax/tools/bugreport.py`".
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from relax.debug.system_info import environment, machine, source_revision, versions
+import relax
+from relax.errors import ReplayError
+from relax.tools.system_info import environment, machine, source_revision, versions
 
 PROG = "relax bugreport"
 # What a run dir holds that a maintainer can read (checkpoints are left out: weights, GBs).
@@ -108,7 +110,7 @@ def run_settings(run_dir: Path) -> dict[str, str]:
 
 
 def lowest_file(template: str) -> tuple[int, Path] | None:
-    from relax.replay import discover_rollout_ids
+    from relax.replay import discover_rollout_ids  # (imports torch: versions are read without it)
 
     found = discover_rollout_ids(template)
     return next(iter(found.items())) if found else None
@@ -122,8 +124,6 @@ def add_tree(contents: Contents, arcdir: str, folder: Path) -> None:
 
 def collect_run(run_dir: Path, contents: Contents) -> int | None:
     """The run's files into `contents`; returns the first rollout's id (None: no replay data)."""
-    from relax.errors import ReplayError
-
     for name in RUN_FILES:
         contents.add(name, run_dir / name)
     for name in EXPECTED:
@@ -177,7 +177,7 @@ def collect_run(run_dir: Path, contents: Contents) -> int | None:
 def run_doctor(run_dir: Path) -> tuple[bytes, dict]:
     """`relax doctor <run dir>`, in this process, its output captured; whatever goes wrong in it
     is recorded, not raised (a bug report is wanted most when a run is broken)."""
-    from relax.debug import doctor
+    from relax.tools import doctor  # (imports torch: versions are read without it)
 
     out = io.StringIO()
     info: dict = {"command": f"relax doctor {run_dir}"}
@@ -248,7 +248,7 @@ def _info(name: str, size: int, mtime: float) -> tarfile.TarInfo:
 
 def write_archive(out: Path, contents: Contents, manifest: dict, hidden: dict[str, bytes]) -> dict:
     """The archive at `out`, atomically (a temp file in its dir, renamed when complete)."""
-    from relax.files import atomic_open
+    from relax.files import atomic_open  # (imports torch: versions are read without it)
 
     entries, redacted = [], []
     with atomic_open(out) as f, tarfile.open(fileobj=f, mode="w:gz") as tar:
@@ -310,8 +310,6 @@ def bugreport(run_dir: Path, out: Path | None, env_names: list[str]) -> tuple[Pa
     progress("collecting the run's files")
     rollout_id = collect_run(run_dir, contents)
     progress("versions, machine, source revision")
-    import relax
-
     system = {"versions": versions(), "machine": machine(),
               "relax_source": source_revision(Path(relax.__file__).resolve().parent.parent)}
     contents.generated["system.json"] = json.dumps(system, indent=2).encode()

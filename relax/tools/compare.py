@@ -6,7 +6,7 @@ why none is): the per-token log_probs of the first training step on a fixed samp
 sample missing, extra or with another token count is a divergence), and per-step loss and
 grad_norm. A job "departs" at the first step whose difference leaves the step-0 tolerances.
 
-How it works in detail: docs/debugging.md, "Inside `relax/debug/compare.py`".
+How it works in detail: docs/debugging.md, "Inside `relax/tools/compare.py`".
 """
 
 from __future__ import annotations
@@ -21,21 +21,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from relax.debug.jobs import DIVERGED, EQUIVALENT, FAILED, Job, find_jobs, pick_baseline, same_model, unusable
-from relax.debug.plots import draw, figure_dir, out_dir, plot_steps
-from relax.debug.verdicts import over, worst
+from relax.tools.jobs import DIVERGED, EQUIVALENT, FAILED, Job, find_jobs, pick_baseline, same_model, unusable
+from relax.tools.layers import compare_layers
+from relax.tools.plots import draw, figure_dir, out_dir, plot_steps
+from relax.debug.verdicts import Tolerances, over, scaled_floor, worst
 from relax.errors import ConfigError, ReplayError
-
-@dataclass
-class Tolerances:
-    logprob_atol: float = 1e-5
-    grad_norm_rtol: float = 1e-4
-    loss_atol: float = 1e-5
-    strict_steps: int = 2
-    envelope_margin: float = 10.0
-    departure_ratio: float = 4.0
-    layer_eps_multiple: float = 256.0  # --layers without a twin: the floor in units of the dtype's epsilon
-
 
 def rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
@@ -151,12 +141,6 @@ def notes(base: Job, noise: Noise) -> list[str]:
                  f"Replay rollouts whose groups' rewards differ (a reward that varies with every response: "
                  f"task.reward_fn=relax.task.rewards.response_length)"] if idle else []
     return noise.notes(len(base.loss)) + untrained
-
-
-def scaled_floor(fixed: float, twin_diff: float | None, margin: float) -> float:
-    """The noise rule of every comparison (steps here, layers in relax/debug/layers.py): a
-    difference is noise up to max(the fixed tolerance, margin x the twin's difference)."""
-    return fixed if twin_diff is None else max(fixed, margin * twin_diff)
 
 
 def noise_model(base: Job, tol: Tolerances, twins: list[Job] = ()) -> Noise:
@@ -355,8 +339,6 @@ def main(argv: list[str]) -> int:
             return 2
     folder, note = figure_dir(args.out, args.paths[0], "compare")
     if args.layers:
-        from relax.debug.layers import compare_layers
-
         return compare_layers(args, folder, note)
     try:
         jobs = find_jobs(args.paths)
