@@ -73,6 +73,7 @@ class RolloutConfig:
     top_p: float = 1.0  # nucleus sampling threshold
     max_new_tokens: int = 8  # response length cap (longer responses are 'truncated'; >= 1)
     dtype: Optional[str] = None  # engine dtype (null: model.dtype); e.g. bfloat16 against an fp32 trainer
+    true_on_policy: bool = False  # engine and trainer log-probs equal to the bit (relax/model/invariant.py)
     rollout_num_gpus: int = 1  # GPUs for all engines (rollout_num_gpus_per_engine each)
     rollout_num_gpus_per_engine: int = 1  # each engine's tensor-parallel size
     num_engines: Optional[int] = None  # engines per rollout (null: GPU engines rollout_num_gpus/tp, else 1)

@@ -86,11 +86,7 @@ def test_no_file_over_400_lines():
 
 # Circles not broken yet, each with why: remove an entry when its files are done, and the test
 # holds them to the rule.
-KNOWN_CIRCLES: dict[frozenset, str] = {
-    frozenset({"relax.rollout.hf_engine", "relax.rollout.torch_engine"}):
-        "TorchEngine.__new__ picks its subclass TransformersEngine; both files are being rewritten "
-        "(issue 50)",
-}
+KNOWN_CIRCLES: dict[frozenset, str] = {}
 
 
 def module_name(path: Path, package: Path = PACKAGE) -> str:

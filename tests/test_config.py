@@ -63,7 +63,9 @@ ADDED = {"logger._target_": "relax.logger.MetricsLogger",
          # issue 46 (noise model): step noise, off (a twin's: below, in expected_now)
          "parallel.step_noise_ulp": 0,
          # issue 46 (resume is the same experiment): nothing allowed to change
-         "resume_allow_changes": []}
+         "resume_allow_changes": [],
+         # issue 50 (true on-policy): off
+         "rollout.true_on_policy": False}
 RAY = {"cluster._target_": "relax.cluster.ray_cluster.RayCluster", "cluster.address": None,
        "cluster.num_cpus_per_rank": 1.0, "cluster.num_gpus_per_rank": 0.0, "cluster.num_cpus_per_engine": 1.0,
        "cluster.num_gpus_per_engine": 0.0, "cluster.resources_per_rank": {},
@@ -91,12 +93,22 @@ REASONING_GYM = {"task._target_": "relax.task.reasoning_gym.ReasoningGymTask",
                  "task.max_operand": DROPPED, "task.datasets": ["basic_arithmetic"], "task.weights": None,
                  "task.dataset_kwargs": {}, "task.size": 10_000, "task.answer_tag": None, "task.instruction": "",
                  "task.answer_format": None}
+SMOLLM2_RGYM_V1 = {**SMOLLM2, **{k: v for k, v in REASONING_GYM.items() if k != "task.dataset_kwargs"},
+                   **{f"task.dataset_kwargs.basic_arithmetic.{k}": v for k, v in [
+                       ("min_terms", 2), ("max_terms", 2), ("min_digits", 1), ("max_digits", 2),
+                       ("operators", ["+", "-"]), ("allow_negation", False), ("allow_parentheses", False)]},
+                   "task.instruction": "Reply with just the number.", "rollout.num_rollout": 60,
+                   "rollout.rollout_batch_size": 4, "rollout.max_new_tokens": 16, "train.lr": 2e-5,
+                   "train.num_threads": 2, "algo.use_kl_loss": True, "algo.kl_loss_coef": 0.01,
+                   "eval.interval": 20, "eval.datasets": ["task"], "eval.num_prompts": 128,
+                   "checkpoint.save_interval": None, "seed": 11}
 # Options added after the recording: (the recorded option they compose like, what they change).
 NEW_OPTIONS = {"cluster=local": ("algo=grpo", {}), "cluster=ray": ("algo=grpo", RAY),
                "logger=wandb": ("algo=grpo", {"logger.backends": ["wandb"]}),
                "model=smollm2": ("algo=grpo", SMOLLM2), "task=word_problems": ("algo=grpo", WORD_PROBLEMS),
                "experiment=smollm2_arith_v1": ("algo=grpo", SMOLLM2_ARITH_V1),
                "task=reasoning_gym": ("algo=grpo", REASONING_GYM),
+               "experiment=smollm2_rgym_v1": ("algo=grpo", SMOLLM2_RGYM_V1),
                "parallel=tp3": ("parallel=tp2",
                                 {"parallel.name": "tp3", "parallel.tp": 3, "parallel.world_size": 3}),
                **{f"parallel=twin{n}": ("parallel=twin",
@@ -184,11 +196,16 @@ def option_files():
         yield option, CONF_DIR / group / f"{name}.yaml"
 
 
+NO_DEFAULT = object()
+
+
 def schema_default(cfg, dotted: str, raw_value):
     """(the schema's default for `dotted`, `raw_value` converted to the key's type), from the
     dataclass behind the node that holds the key in the composed `cfg`."""
     *path, key = dotted.split(".")
     node = OmegaConf.select(cfg, ".".join(path)) if path else cfg
+    if OmegaConf.get_type(node) is dict:  # inside a free mapping (task.dataset_kwargs): no schema default
+        return NO_DEFAULT, raw_value
     fresh = OmegaConf.structured(OmegaConf.get_type(node))
     default = OmegaConf.to_container(fresh)[key]
     fresh[key] = raw_value

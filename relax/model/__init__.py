@@ -168,13 +168,21 @@ def torch_dtype(name: str, key: str = "model.dtype"):
         raise ConfigError(f"{key}={name!r}: expected float32, bfloat16 or float16") from None
 
 
-def load_causal_lm(path: Path, dtype: str):
+def load_causal_lm(path: Path, dtype: str, invariant: bool = False):
+    """transformers' model; `invariant` (rollout.true_on_policy): with the batch-invariant
+    attention and MoE experts one at a time (relax/model/invariant.py)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # per-load bars are noise (and leak a lock per rank)
-    return AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=torch_dtype(dtype), attn_implementation=attention_implementation(path))
+    if not invariant:
+        return AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=torch_dtype(dtype), attn_implementation=attention_implementation(path))
+    from relax.model import invariant as batch_invariant
+
+    batch_invariant.register()
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype(dtype), experts_implementation="eager",
+                                                attn_implementation=batch_invariant.INVARIANT)
 
 
 def meta_model(hf: dict, where: str = "config.json"):

@@ -2,8 +2,8 @@
 one (relax/model/families/): sliding windows, soft-capping, scaled embeddings, LayerNorm with
 biases, partial rotary, parallel blocks, MQA are whatever transformers computes for the model.
 
-Sampling, seeds, GRPO prefix sharing and the `Generation` fields are TorchEngine's; only the
-forward differs: a transformers `DynamicCache` (which keeps each layer's window), left-padded
+Sampling, seeds, GRPO prefix sharing and the `Generation` fields are relax/rollout/torch_base.py's;
+only the forward differs: a transformers `DynamicCache` (which keeps each layer's window), left-padded
 prompts with explicit position ids, and the last position's logits only.
 """
 
@@ -14,16 +14,35 @@ from pathlib import Path
 import torch
 
 from relax.model import load_causal_lm
+from relax.model.invariant import invariant_ops
 from relax.model.modules import hf_modules, recording
-from relax.rollout.torch_engine import TorchEngine
+from relax.rollout import prompt_seeds
+from relax.rollout.torch_base import TorchEngineBase
 
 
-class TransformersEngine(TorchEngine):
+class TransformersEngine(TorchEngineBase):
     forward_name = "transformers' forward"
 
     def _load_model(self, model_path: Path) -> None:
-        self.model = load_causal_lm(model_path, str(self.dtype).removeprefix("torch.")).eval().requires_grad_(False)
+        self.model = load_causal_lm(model_path, str(self.dtype).removeprefix("torch."),
+                                    invariant=self.true_on_policy).eval().requires_grad_(False)
         self.scattered = self._scattered()
+
+    def _generate(self, prompts, sp, seed, first_index):
+        if not self.true_on_policy:
+            return super()._generate(prompts, sp, seed, first_index)
+        # true on-policy: prompts of one length at a time, so no prompt is padded and every key's
+        # index is its position (relax/model/invariant.py chunks keys from index 0)
+        seeds, out = prompt_seeds(seed, len(prompts), first_index), [None] * len(prompts)
+        by_length: dict[int, list[int]] = {}
+        for i, p in enumerate(prompts):
+            by_length.setdefault(len(p), []).append(i)
+        with invariant_ops():
+            for rows in by_length.values():
+                generations, _ = super()._generate([prompts[i] for i in rows], sp, [seeds[i] for i in rows], 0)
+                for i, generation in zip(rows, generations, strict=True):
+                    out[i] = generation
+        return out, None
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The model's parameters (tied embeddings: one name, the embedding's)."""
@@ -86,7 +105,9 @@ class TransformersEngine(TorchEngine):
 
         U, P = ids.shape
         padded = not bool(valid[:, :P].all())
-        cache = DynamicCache(config=self.model.config)
+        # true on-policy: every layer keeps every key (its window is the mask's), so a key's index
+        # in the cache is its position, as in the trainer's rows
+        cache = DynamicCache() if self.true_on_policy else DynamicCache(config=self.model.config)
         logits = self._logits(ids, valid[:, :P] if padded else None, positions, cache)
         if U < len(row_of):
             logits = logits[row_of]
@@ -99,7 +120,7 @@ class TransformersEngine(TorchEngine):
     @torch.inference_mode()
     def record_layers(self, sequences: list[list[int]]) -> dict[str, list[torch.Tensor]]:
         out: dict[str, list[torch.Tensor]] = {}
-        with recording(hf_modules(self.model), take=lambda t: t[0].detach().float().clone()) as outputs:
+        with invariant_ops(self.true_on_policy), recording(hf_modules(self.model), take=lambda t: t[0].detach().float().clone()) as outputs:
             for tokens in sequences:
                 self.model(input_ids=torch.tensor([tokens]), use_cache=False)
                 for name, tensor in outputs.items():

@@ -130,6 +130,9 @@ class SGLangEngine:
         if not GPU and num_engines(cfg) > 1:
             raise ConfigError(f"rollout=sglang on CPU runs one engine; got rollout.num_engines="
                               f"{cfg.rollout.num_engines} (rollout=torch runs several)")
+        if cfg.rollout.true_on_policy:
+            raise ConfigError("rollout.true_on_policy=true is refused with rollout=sglang: its CPU kernels are "
+                              "not batch-invariant (docs/true-on-policy.md); use rollout=torch")
         families.check(model_config(cfg.model)).refuse_unless_fast(
             "rollout=sglang", "SGLang here (the families tested with it on CPU)", "use rollout=torch")
         require_extra("rollout=sglang", "sglang")  # at start-up, not when the engine is built

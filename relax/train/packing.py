@@ -15,11 +15,16 @@ from relax.model import families
 from relax.train.common import MicroBatch, batch_variant_fault
 
 
-def shares_prompt(shared_prompt: bool | None, hf: dict) -> bool:
+def shares_prompt(shared_prompt: bool | None, hf: dict, true_on_policy: bool = False) -> bool:
     """train.shared_prompt for this model (config.json `hf`): null packs the hand-written
     families, whose attention takes the packed mask exactly; other architectures may not
-    (sliding windows would see the whole packed row, absolute positions come from the mask)."""
-    exact = families.check(hf).family is not None
+    (sliding windows would see the whole packed row, absolute positions come from the mask),
+    nor rollout.true_on_policy (its attention needs a key's index in the row to be its position)."""
+    if true_on_policy and shared_prompt:
+        raise ConfigError("train.shared_prompt=true is refused with rollout.true_on_policy=true: a packed "
+                          "response's keys sit after its group's other responses, not at their positions; "
+                          "use train.shared_prompt=null or false")
+    exact = families.check(hf).family is not None and not true_on_policy
     if shared_prompt and not exact:
         raise ConfigError(f"train.shared_prompt=true packs a group's responses into one row behind one "
                           f"4-D mask, exact only for the hand-written families; this model is "

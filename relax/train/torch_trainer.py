@@ -18,8 +18,10 @@ from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 
 from relax.algo import masked_sum, sequence_loss_scales
+from relax.errors import ConfigError
 from relax import faults
 from relax.model import load_causal_lm, save_hf_dir
+from relax.model.invariant import invariant_ops
 from relax.model.modules import decoder_layers, hf_modules, recording
 from relax.files import atomic_save, safe_load
 from relax.sample import Sample, log_prob_temperature, require_routed_experts
@@ -34,6 +36,20 @@ from relax.train.parallel import (
 log = logging.getLogger(__name__)
 
 
+def check_true_on_policy(parallel, train, algo) -> None:
+    """What rollout.true_on_policy cannot make exact on this trainer, refused with the reason."""
+    why = {f"parallel.tp={parallel.tp}": (parallel.tp > 1, "tensor parallelism sums each output over ranks, "
+                                                           "in another order than the engine's forward"),
+           f"train.lora.rank={train.lora.rank}": (train.lora.rank > 0, "the trainer computes W x + B(A x) and "
+                                                                      "the engine the merged W' x"),
+           f"algo.routing_replay={algo.routing_replay}": (bool(algo.routing_replay), "engine and trainer route "
+                                                                                    "every token identically "
+                                                                                    "already; leave it null")}
+    for setting, (refused, reason) in why.items():
+        if refused:
+            raise ConfigError(f"rollout.true_on_policy=true with {setting} is refused: {reason}")
+
+
 class TorchTrainer(DistributedWeightSync):
     """Trainer interface (relax/train/__init__.py): train / named_weights / save_checkpoint /
     load_checkpoint / shutdown."""
@@ -45,7 +61,9 @@ class TorchTrainer(DistributedWeightSync):
     @staticmethod
     def check_config(cfg, hf_config: dict) -> None:
         check_torch_layout(cfg.parallel, hf_config)
-        packing.shares_prompt(cfg.train.shared_prompt, hf_config)
+        packing.shares_prompt(cfg.train.shared_prompt, hf_config, cfg.rollout.true_on_policy)
+        if cfg.rollout.true_on_policy:
+            check_true_on_policy(cfg.parallel, cfg.train, cfg.algo)
 
     def __init__(self, cfg, model_path: str, ref_model_path: str | None = None,
                  pad_token_id: int = 0, save_train_data: str | None = None,
@@ -56,17 +74,20 @@ class TorchTrainer(DistributedWeightSync):
         torch.manual_seed(cfg.seed)
         base = Path(ref_model_path or model_path)
         # LoRA: adapters on the base, which is the reference (a resumed run loads its adapters later)
-        self.model = load_causal_lm(base if cfg.train.lora.rank else Path(model_path), cfg.model.dtype)
+        self.true_on_policy = cfg.rollout.true_on_policy  # the engine's batch-invariant forward
+        self.model = load_causal_lm(base if cfg.train.lora.rank else Path(model_path), cfg.model.dtype,
+                                    invariant=self.true_on_policy)
         for module in self.model.modules():
             # HF builds nn.Embedding(padding_idx=pad_token_id), whose backward drops the pad
             # row's gradient; the loss weights already mask padding, so a pad token the policy
             # generated mid-response must train like any other token (as in train=megatron).
             if isinstance(module, torch.nn.Embedding):
                 module.padding_idx = None
-        self.shared_prompt = packing.shares_prompt(cfg.train.shared_prompt, self.model.config.to_dict())
+        self.shared_prompt = packing.shares_prompt(cfg.train.shared_prompt, self.model.config.to_dict(),
+                                                   self.true_on_policy)
         common.nudge_ulps(self.model.parameters(), cfg.parallel.noise_ulp, cfg.seed)  # (LoRA: the base's)
         self.lora = lora.Adapters(self.model, cfg.train.lora) if cfg.train.lora.rank else None
-        ref = None if self.lora else load_causal_lm(base, cfg.model.dtype).requires_grad_(False)
+        ref = None if self.lora else load_causal_lm(base, cfg.model.dtype, self.true_on_policy).requires_grad_(False)
         noisy = [layer.self_attn for i, layer in enumerate(decoder_layers(self.model))
                  if faults.active("trainer_dropout") or faults.active(f"trainer_dropout:{i}")]
         if noisy:  # a noisy forward: attention dropout in every layer, or in layer i
@@ -110,7 +131,7 @@ class TorchTrainer(DistributedWeightSync):
         shared = self.shared_prompt if shared_prompt is None else shared_prompt
         fed = packing.packed(mb, self.pad_id, next(model.parameters()).dtype).fed if shared else \
             routing.unpacked_fed(mb.lengths, mb.tokens.shape[1])
-        with routing.routed(model, fed, mb.tokens.numel(), replay) as record:
+        with invariant_ops(self.true_on_policy), routing.routed(model, fed, mb.tokens.numel(), replay) as record:
             if shared:
                 return (*packing.log_probs(model, mb, self.pad_id, self.temperature, entropy_grad), record)
             logits = model(input_ids=mb.tokens).logits

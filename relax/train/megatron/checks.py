@@ -17,6 +17,9 @@ ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 
 
 def check_config(cfg, hf_config: dict) -> None:
+    if cfg.rollout.true_on_policy:
+        raise ConfigError("rollout.true_on_policy=true is refused with train=megatron: its layers reduce in "
+                          "their own order (fused kernels, tensor-parallel sums); use train=torch")
     families.check(hf_config).refuse_unless_fast("train=megatron", "Megatron-core's layer spec (built "
                                                  "from the family's description)", "use train=torch")
     if cfg.train.attention_backend not in ATTENTION_BACKENDS:

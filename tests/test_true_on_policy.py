@@ -1,0 +1,94 @@
+"""rollout.true_on_policy (relax/model/invariant.py): the engine's log-prob of every sampled token
+equals the trainer's to the bit, at every step, on the layouts it covers; what it cannot make
+exact is refused at start-up. The gate: without it, the same runs are only close."""
+
+import json
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from relax.errors import ConfigError
+from relax.model import invariant
+from relax.model.invariant import invariant_attention, invariant_ops
+
+from .conftest import make_cfg, relax_cli
+
+RUN = ["rollout.num_rollout=3", "rollout.rollout_batch_size=8", "rollout.n_samples_per_prompt=4",
+       "rollout.max_new_tokens=12"]
+KEYS = ("train/train_rollout_logprob_abs_diff", "train/mismatch_kl")
+
+
+def mismatch(tmp_path, *overrides) -> list[tuple[float, float]]:
+    proc = relax_cli(*RUN, *overrides, "hydra.run.dir=outputs/run", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "outputs/run/metrics.jsonl").read_text().splitlines()]
+    steps = [tuple(r[k] for k in KEYS) for r in records if "step" in r]
+    assert len(steps) == 3
+    return steps
+
+
+@pytest.mark.parametrize("overrides", [
+    ["parallel=single"], ["parallel=dp2"], ["parallel=fsdp2"], ["model.dtype=bfloat16"],
+    ["model.tiny.num_experts=4"]], ids=["single", "dp2", "fsdp2", "bf16", "moe"])
+def test_engine_and_trainer_log_probs_are_equal_at_every_step(tmp_path, overrides):
+    assert mismatch(tmp_path, "rollout.true_on_policy=true", *overrides) == [(0.0, 0.0)] * 3
+
+
+def test_without_it_the_same_run_is_only_close(tmp_path):
+    steps = mismatch(tmp_path)
+    assert all(0 < diff < 1e-5 and 0 < kl < 1e-9 for diff, kl in steps)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["rollout.top_p=0.9"], "rollout.top_p=0.9 is refused: the trainer scores the whole softmax"),
+    (["rollout.dtype=bfloat16"], "rollout.dtype=bfloat16 is refused: engine and trainer compute in one dtype"),
+    (["parallel=tp2"], "parallel.tp=2 is refused: tensor parallelism sums"),
+    (["train.lora.rank=4"], "train.lora.rank=4 is refused: the trainer computes W x + B(A x)"),
+    (["model.tiny.num_experts=4", "algo.routing_replay=rollout"], "algo.routing_replay=rollout is refused"),
+    (["train=megatron"], "rollout.true_on_policy=true is refused with train=megatron"),
+    (["train.shared_prompt=true"], "train.shared_prompt=true is refused with rollout.true_on_policy=true"),
+    (["rollout=sglang"], "rollout.true_on_policy=true is refused with rollout=sglang"),
+])
+def test_what_it_cannot_make_exact_is_refused_at_start_up(overrides, message):
+    from relax.debug.plan import resolve
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        resolve(make_cfg("rollout.true_on_policy=true", *overrides))
+
+
+def test_a_rows_matmul_result_does_not_depend_on_the_other_rows():
+    torch.manual_seed(0)
+    x, w = torch.randn(203, 96), torch.randn(160, 96)
+    with invariant_ops():
+        whole = F.linear(x, w)
+        alone = [F.linear(x[i:i + 1], w) for i in range(0, 203, 11)]
+        strided = F.linear(x.view(1, 203, 96)[:, ::11], w)  # (a strided 3-D input goes through bmm)
+    assert all(torch.equal(whole[i * 11], row[0]) for i, row in enumerate(alone))
+    assert torch.equal(strided[0], whole[::11])
+    plain = [F.linear(x[i:i + 1], w)[0] for i in range(0, 203, 11)]  # the gate: aten's own kernels differ
+    assert not all(torch.equal(whole[i * 11], row) for i, row in enumerate(plain))
+
+
+def test_attention_decoded_one_token_at_a_time_equals_the_full_causal_forward():
+    torch.manual_seed(0)
+    B, H, Hkv, T, D = 3, 4, 2, 19, 16
+    q, k, v = torch.randn(B, H, T, D), torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D)
+    causal = torch.ones(T, T, dtype=torch.bool).tril().expand(B, 1, T, T)
+    module = None
+    with invariant_ops():
+        full, _ = invariant_attention(module, q, k, v, causal)
+        steps = [invariant_attention(module, q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1],
+                                     causal[:, :, t:t + 1, :t + 1])[0] for t in range(T)]
+    assert torch.equal(full, torch.cat(steps, dim=1))
+    sdpa = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
+    assert (full - sdpa.transpose(1, 2)).abs().max() < 1e-5  # the same attention, summed otherwise
+
+
+def test_the_ops_are_aten_s_own_outside_the_block():
+    x, w = torch.randn(5, 8), torch.randn(3, 8)
+    with invariant_ops():
+        pass
+    assert torch.equal(F.linear(x, w), x @ w.t())
+    assert invariant.INVARIANT == "relax_invariant"
