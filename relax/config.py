@@ -232,6 +232,7 @@ class DebugConfig:  # what each key means: docs/debugging.md; interpreted in rel
     dump_details: Optional[str] = None  # a dir: save rollout + train data, tokenizer and config into it
     check_weight_update_equal: bool = False  # compare the engine's tensors with the checkpoint on disk
     check_weight_update_every_sync: bool = False  # repeat that check after every weight sync
+    check_weight_sync: bool = True  # after every sync, a sample of every tensor sent, engine vs trainer
     strict_checks: bool = False  # the run asserts the doctor's checks 3-5 at the first step
     dump_layers: Optional[str] = None  # a dir: per-layer tensors and gradients for relax compare --layers
     dump_layers_rollouts: Optional[list[int]] = None  # rollouts whose first step is dumped (null: the first)

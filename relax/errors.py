@@ -13,6 +13,11 @@ class CheckFailed(RuntimeError):
     """A precision check failed during a run with debug.strict_checks=true."""
 
 
+class WeightSyncFailed(CheckFailed):
+    """A weight sync did not land: an engine computes with other values than the trainer sent
+    (the always-on check after every sync, relax/debug/sync_check.py); names the tensor."""
+
+
 class NonFiniteError(RuntimeError):
     """A NaN or Inf where training needs finite numbers (a reward, a loss, a grad norm,
     weights about to be checkpointed); the message names the sample or file to look at."""

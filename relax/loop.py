@@ -23,7 +23,7 @@ from relax.checkpoint import (
     reference_model, restore_history, resumed_run, save_checkpoint, scan)
 from relax.checkpoint.experiment import check_same_experiment
 from relax.cluster import check_cluster, open_cluster
-from relax.debug import strict
+from relax.debug import strict, sync_check
 from relax.debug.health import SAMPLES_FILE, response_health, sample_record
 from relax.debug.plan import Plan, check_dump_samples, check_dumps, resolve
 from relax.debug.weights import WeightCheck
@@ -277,7 +277,7 @@ def report_nonfinite(run: Run, rollout_id: int, samples: list[Sample], events: l
 
 def sync_weights(run: Run, trainer, engine, weight_check, rollout_id: int) -> float:
     """The trainer's weights into the engine; returns the seconds it took (perf/weight_sync_time:
-    gathering, merging and pushing, without the engine-weights check)."""
+    gathering, merging and pushing, without the checks: the always-on one, relax/debug/sync_check.py)."""
     t0 = time.perf_counter()
     # what training changed (the trainer class's synced_weights: with LoRA, the merged projections)
     partial = hasattr(load_target(run.cfg, "train"), "synced_weights")
@@ -288,6 +288,7 @@ def sync_weights(run: Run, trainer, engine, weight_check, rollout_id: int) -> fl
         weights = trainer.synced_weights() if partial else trainer.named_weights()
         engine.update_weights(weights)
     seconds = time.perf_counter() - t0
+    sync_check.after_sync(run.cfg, engine, trainer, weights, rollout_id)  # on by default: did it land?
     if weight_check and run.cfg.debug.check_weight_update_every_sync:  # the engine against the whole model
         weight_check.check_sync(engine, trainer.named_weights() if partial or weights is None else weights,
                                 rollout_id)

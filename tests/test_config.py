@@ -65,7 +65,9 @@ ADDED = {"logger._target_": "relax.logger.MetricsLogger",
          # issue 46 (resume is the same experiment): nothing allowed to change
          "resume_allow_changes": [],
          # issue 50 (true on-policy): off
-         "rollout.true_on_policy": False}
+         "rollout.true_on_policy": False,
+         # issue 50 (the always-on weight-sync check): on
+         "debug.check_weight_sync": True}
 RAY = {"cluster._target_": "relax.cluster.ray_cluster.RayCluster", "cluster.address": None,
        "cluster.num_cpus_per_rank": 1.0, "cluster.num_gpus_per_rank": 0.0, "cluster.num_cpus_per_engine": 1.0,
        "cluster.num_gpus_per_engine": 0.0, "cluster.resources_per_rank": {},
@@ -95,8 +97,8 @@ REASONING_GYM = {"task._target_": "relax.task.reasoning_gym.ReasoningGymTask",
                  "task.answer_format": None}
 SMOLLM2_RGYM_V1 = {**SMOLLM2, **{k: v for k, v in REASONING_GYM.items() if k != "task.dataset_kwargs"},
                    **{f"task.dataset_kwargs.basic_arithmetic.{k}": v for k, v in [
-                       ("min_terms", 2), ("max_terms", 2), ("min_digits", 1), ("max_digits", 2),
-                       ("operators", ["+", "-"]), ("allow_negation", False), ("allow_parentheses", False)]},
+                       ("min_terms", 2), ("max_terms", 2), ("max_digits", 1), ("operators", ["+"]),
+                       ("allow_negation", False), ("allow_parentheses", False)]},
                    "task.instruction": "Reply with just the number.", "rollout.num_rollout": 60,
                    "rollout.rollout_batch_size": 4, "rollout.max_new_tokens": 16, "train.lr": 2e-5,
                    "train.num_threads": 2, "algo.use_kl_loss": True, "algo.kl_loss_coef": 0.01,

@@ -184,7 +184,7 @@ task.reward_url task.apply_chat_template task.data_path task.operations task.dat
 task.dataset_kwargs task.size debug.rollout_only
 debug.train_only debug.save_rollout_data debug.load_rollout_data debug.load_rollout_data_subsample
 debug.allow_manifest_mismatch debug.save_train_data debug.check_weight_update_equal
-debug.check_weight_update_every_sync debug.strict_checks debug.dump_layers_rollouts
+debug.check_weight_update_every_sync debug.check_weight_sync debug.strict_checks debug.dump_layers_rollouts
 debug.dump_layers_samples debug.check_batch_invariance debug.profile_rollouts logger._target_
 eval.datasets eval.num_prompts cluster._target_ cluster.address cluster.num_cpus_per_rank
 cluster.num_cpus_per_engine cluster.resources_per_rank cluster.resources_per_engine

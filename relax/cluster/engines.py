@@ -30,6 +30,10 @@ def make_engine_host(cfg, model_path, tokenizer, base_gpu_id: int = 0) -> Engine
     return EngineHost(make_engine(cfg, model_path, tokenizer, base_gpu_id))
 
 
+def sample(engine, names: list[str], salt: int) -> dict | None:
+    return engine.weight_fingerprints(names, salt) if hasattr(engine, "weight_fingerprints") else None
+
+
 class EngineHost:
     """An engine in a process of its own: the engine's methods, and whole rollouts made in
     that process (`generate_rollout`: prompts, the generate_fn's client loop, decoding, rewards),
@@ -41,6 +45,9 @@ class EngineHost:
 
     def __getattr__(self, name: str):
         return getattr(self.engine, name)
+
+    def weight_fingerprints(self, names: list[str], salt: int) -> dict | None:
+        return sample(self.engine, names, salt)
 
     def set_rollout(self, task, tokenizer, rollout_cfg) -> None:
         """What every rollout made here needs; sent once."""
@@ -159,6 +166,13 @@ class EngineGroup:
     def each_named_tensors(self) -> list[dict]:
         """Every engine's tensors by HF name (the engine-weights check compares each)."""
         return self._all("named_tensors")
+
+    def weight_fingerprints(self, names: list[str], salt: int) -> list[dict | None]:
+        """Every engine's sample of `names` (relax/rollout/fingerprint.py), taken in its own
+        process; None from an engine class without `weight_fingerprints` (a user's)."""
+        if isinstance(self.hosts, InDriver):
+            return [sample(e, list(names), salt) for e in self.hosts.engines]
+        return self._all("weight_fingerprints", list(names), salt)
 
     def release_memory_occupation(self) -> None:
         self._all("release_memory_occupation")

@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 GPU = torch.cuda.is_available()
 FINISH = {"stop": "completed", "length": "truncated", "abort": "aborted"}
 EXPORT_TENSORS = f"{__name__}.export_tensors"  # the custom weight loader that reads tensors back
+FINGERPRINT = f"{__name__}.fingerprint_tensors"  # ... and the one that samples them (the sync check)
 
 
 def engine_args(cfg, model_path: Path, base_gpu_id: int = 0) -> dict:
@@ -50,7 +51,7 @@ def engine_args(cfg, model_path: Path, base_gpu_id: int = 0) -> dict:
                       max_total_tokens=r.max_total_tokens, sleep_on_idle=True)
     common.update(dict(r.sglang_server_args))  # anything else, passed through as-is
     # Relax's functions that run inside the scheduler (see export_tensors), kept beside any of yours.
-    common["custom_weight_loader"] = [EXPORT_TENSORS, faults.SGLANG_DROP_BUFFER,
+    common["custom_weight_loader"] = [EXPORT_TENSORS, FINGERPRINT, faults.SGLANG_DROP_BUFFER,
                                       *(common.get("custom_weight_loader") or [])]
     return {**common, "base_gpu_id": base_gpu_id} if GPU else common
 
@@ -203,7 +204,7 @@ class SGLangEngine:
     def update_weights(self, named: dict[str, torch.Tensor]) -> None:
         """Push trainer weights by HF name: tensors in buckets, or via disk
         (`rollout.weight_update_mode=disk`); then drop the prefix cache."""
-        named = faults.perturb_sync(named)
+        named = faults.skip_sync(faults.perturb_sync(named))
         if faults.active("drop_buffer"):
             _run_in_scheduler(self.engine, faults.SGLANG_DROP_BUFFER)
         if self.cfg.rollout.weight_update_mode == "disk":
@@ -254,6 +255,18 @@ class SGLangEngine:
             out.pop("lm_head.weight", None)
         return out
 
+    def weight_fingerprints(self, names: list[str], salt: int) -> dict | None:
+        """The weight-sync check's sample of `names` under HF names, taken in the scheduler process
+        from the served model's own tensors (`fingerprint_tensors`); None for a TP engine, whose
+        shards no HF tensor matches (the check then skips it)."""
+        if self.cfg.rollout.rollout_num_gpus_per_engine > 1:
+            return None
+        with tempfile.TemporaryDirectory(prefix="relax-fingerprint-") as tmp:
+            _run_in_scheduler(self.engine, FINGERPRINT, json.dumps(
+                {"dir": tmp, "salt": salt, "hf_config": self.hf_config}))
+            out = torch.load(f"{tmp}/tp0.pt")
+        return {name: out[name] for name in names if name in out}
+
     def release_memory_occupation(self) -> None:
         self.engine.release_memory_occupation()
 
@@ -298,6 +311,24 @@ def export_tensors(model, named_tensors) -> None:
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     save_file({k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()},
               f"{_argument(named_tensors)}/tp{get_parallel().tp_rank}.safetensors")
+
+
+def fingerprint_tensors(model, named_tensors) -> None:
+    """Runs inside SGLang's scheduler process like export_tensors: relax.rollout.fingerprint's
+    sample of every parameter and buffer of the served model, under HF names (sglang_to_hf's
+    views), to <dir>/tp<rank>.pt; a few KB where export_tensors copies the whole model."""
+    from sglang.srt.runtime_context import get_parallel
+
+    from relax.rollout.fingerprint import fingerprint
+
+    request = json.loads(_argument(named_tensors))
+    tensors = {}
+    for name, tensor in (dict(model.named_parameters()) | dict(model.named_buffers())).items():
+        tensors.update(sglang_to_hf(name, tensor.detach(), request["hf_config"]))
+    if request["hf_config"].get("tie_word_embeddings"):
+        tensors.pop("lm_head.weight", None)
+    torch.save(fingerprint(tensors, salt=request["salt"]),
+               f"{request['dir']}/tp{get_parallel().tp_rank}.pt")
 
 
 def cpu_plugin() -> None:

@@ -14,6 +14,7 @@ from relax import faults
 from relax.errors import ConfigError
 from relax.model import families, read_hf_config, torch_dtype
 from relax.rollout import Generation, SamplingParams, engine_dtype, prompt_seeds
+from relax.rollout.fingerprint import fingerprint
 from relax.sample import log_prob_temperature
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ class TorchEngineBase:
 
     def update_weights(self, named: dict[str, torch.Tensor]) -> None:
         targets = self.named_tensors()
-        named = faults.perturb_sync(named)
+        named = faults.skip_sync(faults.perturb_sync(named))
         if faults.active("drop_buffer"):  # a buffer lost, as release_memory_occupation can do
             for name in targets:
                 if name.endswith("inv_freq"):
@@ -76,6 +77,10 @@ class TorchEngineBase:
 
     def _write(self, name: str, tensor: torch.Tensor, targets: dict[str, torch.Tensor]) -> None:
         targets[name].copy_(tensor)
+
+    def weight_fingerprints(self, names: list[str], salt: int) -> dict:
+        """The weight-sync check's sample of `names`, from what the forward computes with."""
+        return fingerprint(self.named_tensors(), names, salt)
 
     @staticmethod
     def _sample(logits, sp: SamplingParams, uniforms):
