@@ -1,4 +1,4 @@
-"""`relax`: the Hydra app, the debugging guide's `--flags`, and the inspect/compare/doctor/bugreport tools.
+"""`relax`: the Hydra app, the debugging guide's `--flags`, and the inspect/compare/doctor/bugreport/mismatch tools.
 
 `relax [overrides]`, `python -m relax` and `python3 relax/entrypoints/train.py` all land in
 `main()`. The guide's flags (`--debug-rollout-only`, `--load-debug-rollout-data PATH`, ...)
@@ -59,6 +59,7 @@ SUBCOMMANDS = {
     "compare": "relax.tools.compare",
     "doctor": "relax.tools.doctor",
     "bugreport": "relax.tools.bugreport",
+    "mismatch": "relax.tools.mismatch",
     "convert-gguf": "relax.model.gguf",
 }
 

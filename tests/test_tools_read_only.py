@@ -99,6 +99,7 @@ TOOLS = {
     "compare": (["compare", "{a}", "{b}"], {"compare.png"}, r"b .* equivalent"),
     "compare_layers": (["compare", "--layers", "{a}", "{b}"], {"compare_layers.png"},
                        r"(?m)^b: departs nowhere$"),
+    "mismatch": (["mismatch", "{a}", "--rollout", "0"], {"mismatch_0.png"}, r"relax mismatch: rollout 0: mean"),
 }
 
 

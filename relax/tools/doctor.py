@@ -102,6 +102,23 @@ def write_markdown(run: RunData, checks: list[Check], plots: list[str], out_dir:
     return out
 
 
+def mismatch_top_factor(run: RunData, checks: list[Check]) -> str | None:
+    """Where check 5 fails on a run with dumped train data: `relax mismatch`'s top factor, one line."""
+    if not run.dump_dir or not any(c.id == 5 and c.verdict == FAIL for c in checks):
+        return None
+    from relax.tools.mismatch import explain
+
+    try:
+        report = explain(run.path)
+    except Exception as e:  # noqa: BLE001 - the checklist stands without it
+        return f"could not run ({type(e).__name__}: {e})"
+    f = report.factors[0]
+    if not f.share:
+        return f"no factor explains the mismatch of rollout {report.rollout_id} (relax mismatch {run.path})"
+    return (f"top factor at rollout {report.rollout_id}: {f.name}, {100 * f.share:.0f}% of it "
+            f"({f.key}: engine {f.engine}, trainer {f.trainer}); relax mismatch {run.path}")
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="relax doctor", description=DESCRIPTION,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -134,10 +151,12 @@ def main(argv: list[str]) -> int:
     folder, note = figure_dir(args.out, run.path, "doctor", "doctor.md or plots")
     th = Thresholds(**{f.name: getattr(args, f.name) for f in fields(Thresholds)})
     checks = diagnose(run, th)
+    top = mismatch_top_factor(run, checks)
     report = write_markdown(run, checks, write_plots(run, folder), folder) if folder else None
     if args.json:
         print(json.dumps({"run": str(run.path), "run_status": state, "report": report and str(report),
-                          "note": note, "checks": [asdict(c) for c in checks]}, default=str))
+                          "note": note, "checks": [asdict(c) for c in checks],
+                          **({"mismatch": top} if top else {})}, default=str))
     else:
         from rich.console import Console
 
@@ -149,5 +168,7 @@ def main(argv: list[str]) -> int:
             console.print(f"[{color[c.verdict]}]{text.splitlines()[0]}[/]", highlight=False)
             for line in text.splitlines()[1:]:
                 console.print(line, highlight=False)
+            if c.id == 5 and top:
+                console.print(f"    relax mismatch: {top}", highlight=False)
         console.print(f"report: {report}" if report else note, highlight=False)
     return 1 if any(c.verdict == FAIL for c in checks) else 0
