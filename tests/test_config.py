@@ -97,8 +97,8 @@ REASONING_GYM = {"task._target_": "relax.task.reasoning_gym.ReasoningGymTask",
                  "task.answer_format": None}
 SMOLLM2_RGYM_V1 = {**SMOLLM2, **{k: v for k, v in REASONING_GYM.items() if k != "task.dataset_kwargs"},
                    **{f"task.dataset_kwargs.basic_arithmetic.{k}": v for k, v in [
-                       ("min_terms", 2), ("max_terms", 2), ("max_digits", 1), ("operators", ["+"]),
-                       ("allow_negation", False), ("allow_parentheses", False)]},
+                       ("min_terms", 2), ("max_terms", 2), ("min_digits", 1), ("max_digits", 2),
+                       ("operators", ["+", "-"]), ("allow_negation", False), ("allow_parentheses", False)]},
                    "task.instruction": "Reply with just the number.", "rollout.num_rollout": 60,
                    "rollout.rollout_batch_size": 4, "rollout.max_new_tokens": 16, "train.lr": 2e-5,
                    "train.num_threads": 2, "algo.use_kl_loss": True, "algo.kl_loss_coef": 0.01,
