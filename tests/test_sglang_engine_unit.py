@@ -66,7 +66,7 @@ def test_engine_args_on_cpu(tiny_path):
     assert args["disable_cuda_graph"] is True and args["sleep_on_idle"] is True
     assert args["max_total_tokens"] == 1024
     assert args["enable_return_routed_experts"] is False  # a dense model
-    assert args["custom_weight_loader"] == [se.EXPORT_TENSORS, se.faults.SGLANG_DROP_BUFFER]
+    assert args["custom_weight_loader"] == [se.EXPORT_TENSORS, se.FINGERPRINT, se.faults.SGLANG_DROP_BUFFER]
     assert "base_gpu_id" not in args and "enable_memory_saver" not in args
 
 
@@ -91,7 +91,7 @@ def test_sglang_server_args_override_relaxs_and_keep_its_weight_loaders(tiny_pat
                    "+rollout.sglang_server_args.custom_weight_loader=[my.loader]")
     args = se.engine_args(cfg, tiny_path)
     assert args["attention_backend"] == "intel_amx" and args["sleep_on_idle"] is False
-    assert args["custom_weight_loader"] == [se.EXPORT_TENSORS, se.faults.SGLANG_DROP_BUFFER, "my.loader"]
+    assert args["custom_weight_loader"] == [se.EXPORT_TENSORS, se.FINGERPRINT, se.faults.SGLANG_DROP_BUFFER, "my.loader"]
 
 
 def test_engine_args_refuse_tensor_parallelism_on_cpu(tiny_path):

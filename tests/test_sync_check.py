@@ -11,7 +11,7 @@ import torch
 
 from relax.debug.sync_check import check_sync_landed, differences
 from relax.errors import CheckFailed, WeightSyncFailed
-from relax.rollout.fingerprint import SAMPLE, fingerprint
+from relax.rollout.fingerprint import SAMPLE, fingerprint, samples
 
 from .conftest import run_loop
 
@@ -26,14 +26,16 @@ def weights(seed=0) -> dict[str, torch.Tensor]:
 
 def test_the_sample_is_strided_fixed_by_the_salt_and_small():
     w = weights()
-    (shape, sample), = fingerprint(w, ["a.weight"], salt=0).values()
+    (shape, sample), = samples(fingerprint(w, ["a.weight"], salt=0)).values()
     assert shape == (300, 70) and len(sample) == SAMPLE
     stride = 300 * 70 // SAMPLE
     assert torch.equal(sample, w["a.weight"].reshape(-1)[::stride][:SAMPLE])
-    moved = fingerprint(w, ["a.weight"], salt=5)["a.weight"][1]
+    moved = samples(fingerprint(w, ["a.weight"], salt=5))["a.weight"][1]
     assert torch.equal(moved, w["a.weight"].reshape(-1)[5::stride][:SAMPLE])
-    assert torch.equal(fingerprint(w)["b.bias"][1], w["b.bias"])  # small tensors: every element
-    assert fingerprint(w, ["nope"]) == {}
+    assert torch.equal(samples(fingerprint(w))["b.bias"][1], w["b.bias"])  # small tensors: every element
+    assert fingerprint(w, ["nope"])["names"] == []
+    mixed = fingerprint({**w, "c": torch.ones(3, dtype=torch.bfloat16)})  # one sample tensor per dtype
+    assert {k: len(v) for k, v in mixed["samples"].items()} == {"float32": SAMPLE + 5, "bfloat16": 3}
 
 
 def test_differences_name_each_tensor_that_did_not_land():
@@ -45,7 +47,7 @@ def test_differences_name_each_tensor_that_did_not_land():
     one = {**sent, "b.bias": sent["b.bias"].clone()}
     one["b.bias"][3] = float("nan")
     assert differences(fingerprint(one), fingerprint(sent)) == ["b.bias: 1 of 5 sampled elements differ (max |Δ| nan)"]
-    assert differences({}, fingerprint(sent, ["b.bias"])) == ["b.bias: not in the engine"]
+    assert differences(fingerprint({}), fingerprint(sent, ["b.bias"])) == ["b.bias: not in the engine"]
     shaped = {**sent, "b.bias": torch.zeros(6)}
     assert differences(fingerprint(shaped), fingerprint(sent, ["b.bias"])) == [
         "b.bias: shape [6] in the engine, [5] sent"]
@@ -55,6 +57,8 @@ def test_a_bf16_engine_holds_the_fp32_weights_rounded_as_the_sync_copies_them():
     sent = weights()
     engine = {k: torch.empty_like(v, dtype=torch.bfloat16).copy_(v) for k, v in sent.items()}
     assert differences(fingerprint(engine), fingerprint(sent)) == []
+    engine["model.rotary_emb.inv_freq"] = sent["b.bias"]  # an fp32 buffer beside bf16 weights
+    assert differences(fingerprint(engine), fingerprint({**sent, "model.rotary_emb.inv_freq": sent["b.bias"]})) == []
     engine["a.weight"].view(-1)[0] += 1  # the first sampled element
     assert differences(fingerprint(engine), fingerprint(sent))[0].startswith("a.weight: 1 of")
 

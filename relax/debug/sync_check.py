@@ -12,17 +12,23 @@ from collections.abc import Mapping
 import torch
 
 from relax.errors import WeightSyncFailed
-from relax.rollout.fingerprint import SAMPLE, fingerprint
+from relax.rollout.fingerprint import SAMPLE, fingerprint, samples
 
 log = logging.getLogger(__name__)
 _unchecked: set[int] = set()  # engines already reported as not checked (once per process)
 
 
 def differences(engine: dict, trainer: dict) -> list[str]:
-    """What differs, per tensor: the trainer's sample cast to the engine's dtype (as the sync's
-    copy casts it) must equal the engine's exactly (NaN where NaN)."""
-    out = []
-    for name, (shape, sent) in trainer.items():
+    """What differs, per tensor, between two fingerprints: the trainer's sample cast to the
+    engine's dtype (as the sync's copy casts it) must equal the engine's exactly (NaN where NaN).
+    Where both hold the same tensors in one dtype each (the usual case), one comparison."""
+    if (engine["names"] == trainer["names"] and engine["shapes"] == trainer["shapes"]
+            and len(engine["samples"]) == len(trainer["samples"]) == 1):
+        (held,), (sent,) = engine["samples"].values(), trainer["samples"].values()
+        if torch.equal(held, sent.to(held.dtype)):
+            return []
+    out, engine = [], samples(engine)
+    for name, (shape, sent) in samples(trainer).items():
         if name not in engine:
             out.append(f"{name}: not in the engine")
             continue
@@ -52,7 +58,7 @@ def check_sync_landed(engines, sent: Mapping[str, torch.Tensor], rollout_id: int
     if not hasattr(engines, "weight_fingerprints"):  # (a test's stand-in for the engine group)
         return 0
     expected = fingerprint(sent, salt=rollout_id)
-    for i, held in enumerate(engines.weight_fingerprints(list(expected), rollout_id)):
+    for i, held in enumerate(engines.weight_fingerprints(expected["names"], rollout_id)):
         if held is None:  # SGLang with TP (no HF tensor in a shard), a user's engine class without it
             if i not in _unchecked:
                 _unchecked.add(i)
@@ -66,4 +72,4 @@ def check_sync_landed(engines, sent: Mapping[str, torch.Tensor], rollout_id: int
                 f"rollout {rollout_id}: the weight sync did not land in {where}: {shown} ({SAMPLE} "
                 f"elements per tensor compared; the full comparison: debug.check_weight_update_equal=true "
                 f"debug.check_weight_update_every_sync=true; docs/debugging.md)")
-    return len(expected)
+    return len(expected["names"])

@@ -11,17 +11,34 @@ import torch
 SAMPLE = 64  # elements per tensor (what that costs: docs/debugging.md, "The weight-sync check")
 
 
-def fingerprint(named: Mapping[str, torch.Tensor], names: Iterable[str] | None = None,
-                salt: int = 0) -> dict[str, tuple[tuple[int, ...], torch.Tensor]]:
-    """name -> (shape, sample): elements offset, offset + stride, ... of the flattened tensor
-    (stride numel // SAMPLE; offset `salt` mod stride, so successive syncs sample other elements),
-    copied to CPU in the tensor's own dtype. `names`: only these (those missing are left out)."""
-    out = {}
-    for name in named if names is None else names:
-        if name not in named:
-            continue
-        t = named[name].detach()
-        flat = t.reshape(-1)  # (a view when contiguous, as every engine's weights are)
-        stride = max(1, flat.numel() // SAMPLE)
-        out[name] = (tuple(t.shape), flat[salt % stride::stride][:SAMPLE].to("cpu", copy=True))
+def fingerprint(named: Mapping[str, torch.Tensor], names: Iterable[str] | None = None, salt: int = 0) -> dict:
+    """Of each tensor (`names`: only these, those missing left out): elements offset, offset +
+    stride, ... of it flattened (stride numel // SAMPLE; offset `salt` mod stride, so successive
+    syncs sample other elements), in its own dtype, on CPU. The samples of one dtype are one
+    tensor (`samples[dtype]`; tensor i's are `spans[i]` of it), so that sampling costs one view
+    per tensor and comparing one op per dtype."""
+    out = {"names": [], "shapes": [], "spans": [], "samples": {}}
+    views: dict[str, list[torch.Tensor]] = {}
+    sizes: dict[str, int] = {}
+    with torch.no_grad():
+        for name in named if names is None else names:
+            if name not in named:
+                continue
+            t = named[name]
+            stride = max(1, t.numel() // SAMPLE)
+            count, offset, dtype = min(SAMPLE, t.numel()), salt % stride, str(t.dtype).removeprefix("torch.")
+            out["names"].append(name)
+            out["shapes"].append(tuple(t.shape))
+            out["spans"].append((dtype, sizes.get(dtype, 0), count))
+            sizes[dtype] = sizes.get(dtype, 0) + count
+            views.setdefault(dtype, []).append(
+                t.as_strided((count,), (stride,), t.storage_offset() + offset) if t.is_contiguous()
+                else t.reshape(-1)[offset::stride][:count])
+        out["samples"] = {dtype: torch.cat(group).cpu() for dtype, group in views.items()}
     return out
+
+
+def samples(fp: dict) -> dict[str, tuple[tuple[int, ...], torch.Tensor]]:
+    """name -> (shape, sample) of a fingerprint."""
+    return {name: (shape, fp["samples"][dtype][start:start + count])
+            for name, shape, (dtype, start, count) in zip(fp["names"], fp["shapes"], fp["spans"], strict=True)}

@@ -263,9 +263,8 @@ class SGLangEngine:
             return None
         with tempfile.TemporaryDirectory(prefix="relax-fingerprint-") as tmp:
             _run_in_scheduler(self.engine, FINGERPRINT, json.dumps(
-                {"dir": tmp, "salt": salt, "hf_config": self.hf_config}))
-            out = torch.load(f"{tmp}/tp0.pt")
-        return {name: out[name] for name in names if name in out}
+                {"dir": tmp, "names": names, "salt": salt, "hf_config": self.hf_config}))
+            return torch.load(f"{tmp}/tp0.pt")
 
     def release_memory_occupation(self) -> None:
         self.engine.release_memory_occupation()
@@ -327,7 +326,7 @@ def fingerprint_tensors(model, named_tensors) -> None:
         tensors.update(sglang_to_hf(name, tensor.detach(), request["hf_config"]))
     if request["hf_config"].get("tie_word_embeddings"):
         tensors.pop("lm_head.weight", None)
-    torch.save(fingerprint(tensors, salt=request["salt"]),
+    torch.save(fingerprint(tensors, request["names"], request["salt"]),
                f"{request['dir']}/tp{get_parallel().tp_rank}.pt")
 
 
