@@ -20,23 +20,53 @@ LINEAR_TILE = 64  # rows per tile of a linear layer's: larger tiles pack the wei
 CHUNK = 32  # keys per attention product
 
 
-def _tiled_bmm(a: torch.Tensor, b: torch.Tensor, tile: int = TILE) -> torch.Tensor:
-    """a [B, n, k] @ b [B, k, m] with every row in a tile of TILE rows, each tile one product of
+def _tiles(a: torch.Tensor, b: torch.Tensor, tile: int) -> torch.Tensor:
+    """a [B, n, k] @ b [B, k, m] with every row in a tile of `tile` rows, each tile one product of
     one shape (by baddbmm, which invariant_ops leaves as it is: aten's own batched kernel)."""
     batch, n, k = a.shape
     if not a.numel() or not b.numel():  # (an empty layer: a zero-width shared expert)
         return a.new_zeros(batch, n, b.shape[2])
-    if b.stride(0) == 0 and batch > 1:  # one weight for every batch (a linear layer on a strided input)
-        return _tiled_mm(a.reshape(-1, k), b[0]).view(batch, n, -1)
-    tiles = torch.nn.functional.pad(a, (0, 0, 0, (-n) % tile)).reshape(batch, -1, tile, k)
-    per_tile = b.unsqueeze(1).expand(batch, tiles.shape[1], k, b.shape[2]).reshape(-1, k, b.shape[2])
-    out = torch.baddbmm(a.new_zeros(()).expand(per_tile.shape[0], tile, b.shape[2]), tiles.reshape(-1, tile, k),
-                        per_tile, beta=0)
-    return out.reshape(batch, -1, b.shape[2])[:, :n]
+    a = torch.nn.functional.pad(a, (0, 0, 0, (-n) % tile))
+    if batch == 1:  # every tile against the one matrix, in one call (b's expansion is a view)
+        tiles = a.view(-1, tile, k)
+        out = torch.baddbmm(a.new_zeros(()).expand(tiles.shape[0], tile, b.shape[2]), tiles,
+                            b.expand(tiles.shape[0], k, b.shape[2]), beta=0)
+        return out.view(1, -1, b.shape[2])[:, :n]
+    zeros = a.new_zeros(()).expand(batch, tile, b.shape[2])  # one call per tile: b is not copied per tile
+    out = [torch.baddbmm(zeros, a[:, i:i + tile], b, beta=0) for i in range(0, a.shape[1], tile)]
+    return torch.cat(out, dim=1)[:, :n]
 
 
 def _tiled_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return _tiled_bmm(a.unsqueeze(0), b.unsqueeze(0), LINEAR_TILE)[0]
+    """A linear layer's product: LINEAR_TILE rows a tile."""
+    return _tiles(a.unsqueeze(0), b.unsqueeze(0), LINEAR_TILE)[0]
+
+
+def _tiled_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Attention's products, TILE rows a tile; one matrix for the whole batch is a linear layer's
+    (matmul on a strided input), computed as that layer's is anywhere else."""
+    if b.stride(0) == 0:
+        return _tiled_mm(a.reshape(-1, a.shape[2]), b[0]).view(a.shape[0], a.shape[1], -1)
+    return _tiles(a, b, TILE)
+
+
+def _tiled_mv(a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A @ x for one vector (matmul's route for a single row without autograd) as that row's
+    linear layer: x^T @ A^T."""
+    return _tiled_mm(x.unsqueeze(0), a.t())[0]
+
+
+def _tiled_addmv(bias, a, x, beta=1, alpha=1):
+    out = _tiled_mv(a, x)
+    out = out if alpha == 1 else out * alpha
+    return out + (bias if beta == 1 else bias * beta)
+
+
+def _tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, whose CPU kernel may skip mm for inputs without autograd."""
+    rows = x.reshape(x.shape[:-1].numel(), x.shape[-1])
+    out = _tiled_mm(rows, weight.t()).view(*x.shape[:-1], weight.shape[0])
+    return out if bias is None else out + bias
 
 
 def _tiled_addmm(bias, a, b, beta=1, alpha=1):
@@ -47,7 +77,8 @@ def _tiled_addmm(bias, a, b, beta=1, alpha=1):
 
 @contextmanager
 def invariant_ops(enabled: bool = True):
-    """aten's mm, addmm and bmm on CPU as row tiles while the block runs (if `enabled`)."""
+    """aten's mm, addmm, bmm, mv and addmv (and linear, without autograd) on CPU as row tiles while
+    the block runs (if `enabled`)."""
     if not enabled:
         yield
         return
@@ -55,6 +86,10 @@ def invariant_ops(enabled: bool = True):
     library.impl("mm", _tiled_mm, "CPU")
     library.impl("addmm", _tiled_addmm, "CPU")
     library.impl("bmm", _tiled_bmm, "CPU")
+    library.impl("mv", _tiled_mv, "CPU")
+    if not torch.is_grad_enabled():  # (with autograd, linear goes through addmm/mm; its backward needs that)
+        library.impl("linear", _tiled_linear, "CPU")
+    library.impl("addmv", _tiled_addmv, "CPU")
     try:
         yield
     finally:
