@@ -89,6 +89,14 @@ def only_run_dir(cwd: Path, kind: str = "runs") -> Path:
     return dirs[0]
 
 
+def first_step_exact(run_dir) -> dict:
+    """The first step's record, after checking its log_probs equal ref_log_probs bit for bit."""
+    rows = torch.load(next((run_dir / "train_data").glob("0_*.pt")), weights_only=True)["samples"]
+    assert all(torch.equal(torch.tensor(s["log_probs"]), torch.tensor(s["ref_log_probs"])) for s in rows)
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return next(s for s in steps if s.get("step") == 0)
+
+
 def status_of(run_dir: Path) -> dict:
     return json.loads((run_dir / "status.json").read_text())
 

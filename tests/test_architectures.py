@@ -17,7 +17,7 @@ from relax.rollout import SamplingParams
 from relax.rollout.hf_engine import TransformersEngine
 from relax.rollout.torch_engine import TorchEngine
 
-from .conftest import make_cfg, relax_cli
+from .conftest import first_step_exact, make_cfg, relax_cli
 from .families import ARCHITECTURES
 
 RUN = ["model=hf", "rollout.num_rollout=2", "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4",
@@ -42,13 +42,9 @@ def test_architecture_trains_exactly_and_dp2_matches_single(arch, family_model, 
         assert proc.returncode == 0, proc.stderr[-3000:]
     single = tmp_path / "outputs/single"
     assert "on transformers' forward" in (single / "relax.log").read_text()
-    steps = [json.loads(line) for line in (single / "metrics.jsonl").read_text().splitlines()]
-    first = next(s for s in steps if s.get("step") == 0)
+    first = first_step_exact(single)  # first step: log_probs == ref_log_probs bit for bit
     assert first["train/ppo_kl"] == 0.0 and first["train/grad_norm"] > 0  # a real step
     assert first["train/train_rollout_logprob_abs_diff"] < 1e-5  # engine and trainer: one forward, two ways
-    rows = torch.load(next((single / "train_data").glob("0_*.pt")), weights_only=True)
-    assert all(torch.equal(torch.tensor(s["log_probs"]), torch.tensor(s["ref_log_probs"]))
-               for s in rows["samples"])  # first step: bit for bit
     check = json.loads((single / "weight_check.json").read_text())
     assert check["passed"] and [c["stage"] for c in check["checks"]] == ["load", "sync", "sync", "sync"]
     proc = relax_cli("compare", str(single), str(tmp_path / "outputs/dp2"), "--json", cwd=tmp_path)

@@ -16,21 +16,11 @@ from relax.rollout import SamplingParams
 from relax.rollout.hf_engine import TransformersEngine
 from relax.rollout.torch_engine import TorchEngine
 
-from .conftest import make_cfg, relax_cli
+from .conftest import first_step_exact, make_cfg, relax_cli
 
 STRICT = ["rollout.num_rollout=2", "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4",
           "rollout.max_new_tokens=16", "debug.strict_checks=true", "debug.check_weight_update_equal=true",
           "debug.check_weight_update_every_sync=true", "debug.save_train_data=train_data/{rollout_id}_{rank}.pt"]
-
-
-def first_step_exact(run_dir) -> dict:
-    """The first step's record, after checking its log_probs equal ref_log_probs bit for bit."""
-    import torch
-
-    rows = torch.load(next((run_dir / "train_data").glob("0_*.pt")), weights_only=True)["samples"]
-    assert all(torch.equal(torch.tensor(s["log_probs"]), torch.tensor(s["ref_log_probs"])) for s in rows)
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return next(s for s in steps if s.get("step") == 0)
 
 
 @pytest.mark.slow

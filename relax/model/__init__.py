@@ -47,9 +47,9 @@ def resolve_model_path(model_cfg) -> Path:
     if not (path / "config.json").is_file():
         raise ConfigError(f"model.path={model_cfg.path!r}: no config.json there; expected a "
                           f"Hugging Face model directory")
-    where = f"model.path={model_cfg.path!r} (config.json)"
-    families.check(read_hf_config(path), where)
-    meta_model(read_hf_config(path), where)
+    where, hf = f"model.path={model_cfg.path!r} (config.json)", read_hf_config(path)
+    families.check(hf, where)
+    meta_model(hf, where)
     return check_model_dir(path)
 
 
@@ -175,14 +175,13 @@ def load_causal_lm(path: Path, dtype: str, invariant: bool = False):
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # per-load bars are noise (and leak a lock per rank)
-    if not invariant:
-        return AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=torch_dtype(dtype), attn_implementation=attention_implementation(path))
-    from relax.model import invariant as batch_invariant
+    implementations = {"attn_implementation": attention_implementation(path)}
+    if invariant:
+        from relax.model import invariant as batch_invariant
 
-    batch_invariant.register()
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype(dtype), experts_implementation="eager",
-                                                attn_implementation=batch_invariant.INVARIANT)
+        batch_invariant.register()
+        implementations = {"attn_implementation": batch_invariant.INVARIANT, "experts_implementation": "eager"}
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype(dtype), **implementations)
 
 
 def meta_model(hf: dict, where: str = "config.json"):

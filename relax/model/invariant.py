@@ -56,10 +56,14 @@ def _tiled_mv(a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return _tiled_mm(x.unsqueeze(0), a.t())[0]
 
 
+def _scaled_sum(bias, product, beta, alpha):
+    """beta * bias + alpha * product, as aten's addmm and addmv define it."""
+    product = product if alpha == 1 else product * alpha
+    return product + (bias if beta == 1 else bias * beta)
+
+
 def _tiled_addmv(bias, a, x, beta=1, alpha=1):
-    out = _tiled_mv(a, x)
-    out = out if alpha == 1 else out * alpha
-    return out + (bias if beta == 1 else bias * beta)
+    return _scaled_sum(bias, _tiled_mv(a, x), beta, alpha)
 
 
 def _tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -70,9 +74,7 @@ def _tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def _tiled_addmm(bias, a, b, beta=1, alpha=1):
-    out = _tiled_mm(a, b)
-    out = out if alpha == 1 else out * alpha
-    return out + (bias if beta == 1 else bias * beta)
+    return _scaled_sum(bias, _tiled_mm(a, b), beta, alpha)
 
 
 @contextmanager

@@ -24,11 +24,12 @@ def shares_prompt(shared_prompt: bool | None, hf: dict, true_on_policy: bool = F
         raise ConfigError("train.shared_prompt=true is refused with rollout.true_on_policy=true: a packed "
                           "response's keys sit after its group's other responses, not at their positions; "
                           "use train.shared_prompt=null or false")
-    exact = families.check(hf).family is not None and not true_on_policy
+    support = families.check(hf)
+    exact = support.family is not None and not true_on_policy
     if shared_prompt and not exact:
         raise ConfigError(f"train.shared_prompt=true packs a group's responses into one row behind one "
                           f"4-D mask, exact only for the hand-written families; this model is "
-                          f"{families.check(hf).architecture}: use train.shared_prompt=false or null")
+                          f"{support.architecture}: use train.shared_prompt=false or null")
     return exact if shared_prompt is None else shared_prompt
 
 
