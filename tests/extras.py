@@ -30,3 +30,13 @@ def require(module: str, install: str):
         return importlib.import_module(module)
     except ImportError as e:
         pytest.fail(f"CI installs {install}, but {module!r} does not import: {e}", pytrace=False)
+
+
+def needs(module: str, install: str, name: str):
+    """A test module's autouse fixture `name`: `module`, required when one of the module's tests
+    runs. Not at import: a tier that deselects the module (the SGLang tier, in an environment
+    without the extra) must still collect it."""
+    @pytest.fixture(scope="module", autouse=True, name=name)
+    def imported():
+        return require(module, install)
+    return imported

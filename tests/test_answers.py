@@ -14,7 +14,7 @@ from relax.task import answers, build_task, word_problems
 from . import extras
 from .conftest import make_cfg
 
-extras.require("math_verify", extras.REAL)
+math_verify = extras.needs("math_verify", extras.REAL, name="math_verify")
 
 
 @pytest.mark.parametrize("fn, response, label, expected", [

@@ -24,7 +24,7 @@ from .conftest import make_cfg, run_loop
 from .test_layouts import compare, replay_dir, sweep  # noqa: F401 (replay_dir: a fixture)
 from .test_startup import relax_without
 
-extras.require("peft", extras.LORA)
+peft = extras.needs("peft", extras.LORA, name="peft")
 
 LORA = ["train.lora.rank=8"]
 SHORT = ["rollout.rollout_batch_size=8", "checkpoint.save_interval=null"]

@@ -19,7 +19,7 @@ from relax.task import build_task
 from . import extras
 from .conftest import make_cfg, only_run_dir, relax_cli
 
-rg = extras.require("reasoning_gym", extras.RGYM)
+rg = extras.needs("reasoning_gym", extras.RGYM, name="rg")
 
 TWO = ["task=reasoning_gym", "task.datasets=[basic_arithmetic,leg_counting]"]
 
@@ -28,7 +28,7 @@ def entries(prompts) -> list[dict]:
     return [p.metadata["reasoning_gym"]["entry"] for p in prompts]
 
 
-def test_prompts_are_the_librarys_items_and_the_same_seed_gives_the_same_prompts(tokenizer):
+def test_prompts_are_the_librarys_items_and_the_same_seed_gives_the_same_prompts(tokenizer, rg):
     task = build_task(make_cfg(*TWO, "seed=1"))
     first = task.prompts(0, 32, tokenizer)
     again = build_task(make_cfg(*TWO, "seed=1")).prompts(0, 32, tokenizer)
@@ -62,7 +62,7 @@ def scored(task, responses: list[str], prompt) -> list[float]:
     return [s.reward for s in samples]
 
 
-def test_the_reward_is_the_librarys_score_answer(tokenizer):
+def test_the_reward_is_the_librarys_score_answer(tokenizer, rg):
     task = build_task(make_cfg(*TWO))
     for prompt in task.prompts(0, 8, tokenizer):
         entry = prompt.metadata["reasoning_gym"]["entry"]
@@ -80,7 +80,7 @@ def test_the_reward_is_the_librarys_score_answer(tokenizer):
                          label, f"<answer>{int(label) + 1}</answer>"], prompt) == [1.0, 1.0, 0.0, 0.0]
 
 
-def test_eval_draws_seeds_training_never_draws(tokenizer):
+def test_eval_draws_seeds_training_never_draws(tokenizer, rg):
     from relax.eval import questions
 
     cfg = make_cfg(*TWO, "eval.datasets=[task]", "eval.num_prompts=40")
@@ -138,7 +138,7 @@ def test_too_long_prompts_are_refused_at_start_up_naming_the_dataset(tmp_path):
     assert not list(tmp_path.glob("outputs/runs/*/metrics.jsonl"))  # refused before the run started
 
 
-def test_a_short_run_end_to_end_with_eval_on_held_out_seeds(tmp_path):
+def test_a_short_run_end_to_end_with_eval_on_held_out_seeds(tmp_path, rg):
     proc = relax_cli("task=reasoning_gym", "task.datasets=[basic_arithmetic]", "rollout.num_rollout=2",
                      "eval.interval=1", "eval.datasets=[task]", "eval.num_prompts=4",
                      "debug.save_rollout_data=rollouts/{rollout_id}.pt", cwd=tmp_path)
