@@ -272,20 +272,25 @@ def test_megatron_skips_a_nonfinite_step_on_every_rank(tmp_path, tiny_path, monk
     assert (tmp_path / "nonfinite" / "0.pt").is_file()
 
 
-@pytest.mark.parametrize("family,layout", [
-    ("llama", ["parallel=tp2"]), ("qwen2", ["parallel=tp2"]), ("qwen3", ["parallel=tp2"]),
-    ("qwen2_moe", ["parallel=tp2sp", "parallel.ep=2"]), ("qwen3_moe", ["parallel=tp2sp", "parallel.ep=2"])])
-def test_each_family_round_trips_and_matches_the_torch_trainer(family_model, tokenizer, family, layout):
+@pytest.mark.parametrize("family,layout,config", [
+    ("llama", ["parallel=tp2"], {}), ("qwen2", ["parallel=tp2"], {}), ("qwen3", ["parallel=tp2"], {}),
+    ("qwen2_moe", ["parallel=tp2sp", "parallel.ep=2"], {}), ("qwen3_moe", ["parallel=tp2sp", "parallel.ep=2"], {}),
+    # Megatron only (transformers' forward on the engine): Mistral as from v0.2, without a window
+    ("mistral", ["parallel=tp2"], {"sliding_window": None}), ("mixtral", ["parallel=tp2sp", "parallel.ep=2"], {})])
+def test_each_family_round_trips_and_matches_the_torch_trainer(family_model, tokenizer, family, layout, config,
+                                                               tmp_path):
     """Per family (tests/families.py: Llama-3 RoPE scaling and tied embeddings, Qwen3's q/k
-    norm and head_dim, both MoE layouts), under TP (and EP for MoE): HF -> Megatron -> HF
-    is bit-identical, and Megatron's first-step log-probs and grad norm are the torch trainer's."""
+    norm and head_dim, both MoE layouts; Mistral, and Mixtral's `block_sparse_moe` names), under
+    TP (and EP for MoE): HF -> Megatron -> HF is bit-identical, and Megatron's first-step
+    log-probs and grad norm are the torch trainer's. `config`: config.json values over the
+    tests' model."""
     from relax.model import load_safetensors_dir
     from relax.rollout.torch_engine import TorchEngine
     from relax.train import make_trainer
 
     from .test_trainer import rollout
 
-    path = family_model(family)
+    path = build_family_model(tmp_path / "model", family, **config) if config else family_model(family)
     common = ["rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4", "train.micro_batch_size=8"]
     cfg = make_cfg(*common)
     engine = TorchEngine(cfg, path, [tokenizer.eos_token_id], tokenizer.pad_token_id)

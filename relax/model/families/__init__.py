@@ -3,9 +3,10 @@
 Any causal LM transformers implements runs on the torch trainer and the torch engine (the
 engine through transformers' own forward, relax/rollout/hf_engine.py). The families in this
 package (one file each, `FAMILY = Family(...)`) also have a hand-written forward: the torch
-engine's fast path, SGLang's parameter names and Megatron's layer spec. `support(hf)` says which
-runs a given config.json; docs/models.md's support matrix is generated from it (`matrix()`).
-Functions here take config.json as a dict (relax.model.read_hf_config).
+engine's fast path, SGLang's parameter names and Megatron's layer spec; one with
+`hand_written=False` (the same parts, other checkpoint names) Megatron's layer spec only
+(`megatron_family`). `check(hf)` says which forward runs a config.json; docs/models.md's support
+matrix is `runs_on`'s (`matrix()`). Functions here take config.json as a dict (read_hf_config).
 """
 
 from __future__ import annotations
@@ -22,6 +23,15 @@ from relax.errors import ConfigError
 ROPE_TYPES = ("default", "linear", "llama3")
 # config.json settings the hand-written forward lacks, for several families (Family.refused)
 SLIDING_WINDOW = {"use_sliding_window": (True, "sliding-window attention")}
+
+
+def _window_shorter_than_context(window, hf: dict) -> bool:
+    return window is not None and window < hf["max_position_embeddings"]
+
+
+# Mistral's and Mixtral's window (null: none): one that covers every position masks nothing
+SHORT_WINDOW = {"sliding_window": (_window_shorter_than_context, "sliding-window attention over fewer "
+                                   "positions than max_position_embeddings")}
 O_PROJ_BIAS = {"attention_bias": (True, "an o_proj bias")}
 # What every family's layers name their attention and MLP projections (HF's names; an MoE
 # layer's shared expert and dense layers too): LoRA's default targets (Family.lora_targets)
@@ -33,6 +43,8 @@ PROJECTIONS = (*ATTENTION_PROJECTIONS, "gate_proj", "up_proj", "down_proj")
 class MoE:
     """A softmax top-k MoE layer: router `mlp.gate`, experts `mlp.experts.<e>.{gate,up,down}_proj`."""
     shared_expert: bool = False  # plus sigmoid(x @ mlp.shared_expert_gate) * mlp.shared_expert(x)
+    expert_size_key: str = "moe_intermediate_size"  # config.json key of an expert's MLP width
+    norm_topk_key: str | None = "norm_topk_prob"  # renormalise the top-k weights; None: always
 
 
 @dataclass(frozen=True)
@@ -43,9 +55,14 @@ class Family:
     qkv_bias_key: str | None = None  # ...unless this config.json key says otherwise
     qk_norm: bool = False        # per-head RMSNorm of q and k before RoPE (`self_attn.{q,k}_norm`)
     moe: MoE | None = None       # None: a dense SwiGLU MLP in every layer
-    # config.json settings its hand-written forward lacks: key -> (value, what it is)
+    # config.json settings its hand-written forward lacks: key -> (value, what it is); the value
+    # may be a test `value(config.json's value, config.json) -> bool`
     refused: dict = field(default_factory=dict)
     lora_targets: tuple[str, ...] = PROJECTIONS  # train.lora.target_modules=null: the modules adapted
+    hand_written: bool = True    # False: Megatron's layer spec only (no torch-engine forward, no SGLang)
+    # checkpoint names within a layer that differ from the families' (Llama's): Llama's -> this
+    # architecture's, `{e}` an expert's index (relax/train/megatron/convert.py renames both ways)
+    checkpoint_names: dict = field(default_factory=dict)
 
     @property
     def hf_prefix(self) -> str:
@@ -61,8 +78,10 @@ def _discover() -> dict[str, Family]:
     return families
 
 
-FAMILIES: dict[str, Family] = _discover()
+LAYER_FAMILIES: dict[str, Family] = _discover()  # what Megatron's layer spec is built from
+FAMILIES: dict[str, Family] = {a: f for a, f in LAYER_FAMILIES.items() if f.hand_written}
 SUPPORTED_ARCHITECTURES = tuple(sorted(FAMILIES))
+MEGATRON_ARCHITECTURES = tuple(sorted(LAYER_FAMILIES))
 
 
 def family_of(hf: dict, where: str = "config.json") -> Family:
@@ -88,7 +107,7 @@ def head_dim(hf: dict) -> int:
 
 
 def qkv_bias(hf: dict) -> bool:
-    family = family_of(hf)
+    family = layer_family(hf)
     return bool(hf.get(family.qkv_bias_key, family.qkv_bias)) if family.qkv_bias_key else family.qkv_bias
 
 
@@ -152,8 +171,8 @@ def fast_path_blocker(hf: dict, family: Family | None) -> str | None:
     if family is None:
         return "no hand-written forward for this architecture"
     for key, (value, why) in family.refused.items():
-        if hf.get(key) == value:
-            return f"{key}={value!r}: {why}"
+        if value(hf.get(key), hf) if callable(value) else hf.get(key) == value:
+            return f"{key}={hf.get(key)!r}: {why}"
     windowed = [t for t in hf.get("layer_types") or [] if t != "full_attention"]
     if windowed:
         return f"layer_types has {windowed[0]!r} layers: only full attention is hand-written"
@@ -168,6 +187,36 @@ def fast_path_blocker(hf: dict, family: Family | None) -> str | None:
     return None
 
 
+def layer_family(hf: dict) -> Family:
+    """The family whose parts build this architecture's layers, hand-written forward or not
+    (start-up has checked the config: `check`, `megatron_family`)."""
+    return LAYER_FAMILIES[hf["architectures"][0]]
+
+
+def megatron_blocker(hf: dict) -> str | None:
+    """Why Megatron's layer spec cannot run this config.json (None: it can)."""
+    support = check(hf)
+    family = LAYER_FAMILIES.get(support.architecture)
+    if family is None:
+        return ("no description in relax/model/families/; docs/models.md, \"Megatron beyond the "
+                "families\", says what it would take")
+    return fast_path_blocker(hf, family)
+
+
+def megatron_family(hf: dict, where: str) -> Family:
+    """The family Megatron's layer spec builds this config.json from, or a ConfigError naming
+    the setting it lacks (`where`: the option that asked, train=megatron)."""
+    why = megatron_blocker(hf)
+    if why is None:
+        return layer_family(hf)
+    architecture = hf["architectures"][0]
+    what = f"{where}: Megatron-core's layer spec (built from the family's description) runs"
+    if architecture in LAYER_FAMILIES:
+        raise ConfigError(f"{what} {architecture} without this model's {why}: use train=torch")
+    raise ConfigError(f"{what} {', '.join(MEGATRON_ARCHITECTURES)} only, and this model is "
+                      f"{architecture} ({why}): use train=torch")
+
+
 MATRIX_COLUMNS = ("torch engine", "SGLang", "torch trainer", "Megatron", "train.shared_prompt",
                   "routing replay", "LoRA default targets")
 
@@ -177,12 +226,15 @@ def runs_on(hf: dict) -> dict[str, str]:
     support matrix in docs/models.md is these rows)."""
     support = check(hf)
     family, moe = support.family, bool(num_experts(hf))
+    megatron = megatron_blocker(hf)
+    megatron = "tp, pp, vpp, cp, dp" + (", ep" if moe else "") if megatron is None else \
+        "refused" + (f" ({megatron.split(':')[0]})" if support.architecture in LAYER_FAMILIES else "")
     if family is None:
         return dict(zip(MATRIX_COLUMNS, ("transformers' forward", "refused", "single, dp, fsdp (tp refused)",
-                                         "refused", "off (true refused)", "refused" if moe else "-",
+                                         megatron, "off (true refused)", "refused" if moe else "-",
                                          "every linear layer")))
     return dict(zip(MATRIX_COLUMNS, ("hand-written forward", "runs", "single, dp, fsdp, tp",
-                                     "tp, pp, vpp, cp, dp" + (", ep" if moe else ""), "on", "R2, R3" if moe else "-",
+                                     megatron, "on", "R2, R3" if moe else "-",
                                      ", ".join(family.lora_targets))))
 
 
@@ -196,6 +248,6 @@ def matrix(configs: list[dict]) -> str:
 def hf_rotary(config):
     """transformers' rotary embedding module for a transformers config object: the one source
     of RoPE frequencies (and their scaling) for every engine and backend."""
-    family = family_of(config.to_dict())
+    family = layer_family(config.to_dict())
     module = importlib.import_module(f"transformers.models.{family.model_type}.modeling_{family.model_type}")
     return getattr(module, f"{family.hf_prefix}RotaryEmbedding")(config)

@@ -20,8 +20,7 @@ def check_config(cfg, hf_config: dict) -> None:
     if cfg.rollout.true_on_policy:
         raise ConfigError("rollout.true_on_policy=true is refused with train=megatron: its layers reduce in "
                           "their own order (fused kernels, tensor-parallel sums); use train=torch")
-    families.check(hf_config).refuse_unless_fast("train=megatron", "Megatron-core's layer spec (built "
-                                                 "from the family's description)", "use train=torch")
+    families.megatron_family(hf_config, "train=megatron")
     if cfg.train.attention_backend not in ATTENTION_BACKENDS:
         raise ConfigError(f"train.attention_backend={cfg.train.attention_backend!r}: expected one "
                           f"of {', '.join(ATTENTION_BACKENDS)}")
@@ -66,7 +65,7 @@ def check_layout(p, hf: dict) -> None:
     check_divides(p, "tp", hf, ("num_attention_heads", "num_key_value_heads", "vocab_size",
                                 "shared_expert_intermediate_size" if experts else "intermediate_size"))
     if experts:
-        check_divides(p, "etp", hf, ("moe_intermediate_size",))
+        check_divides(p, "etp", hf, (families.layer_family(hf).moe.expert_size_key,))
 
 
 def checkpoint_layout(cfg) -> dict:

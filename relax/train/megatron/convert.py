@@ -1,5 +1,6 @@
 """HF <-> Megatron-core parameter conversion for every family of relax/model/families/
-(Llama, Qwen2, Qwen3 dense; Qwen2-MoE with its gated shared expert, Qwen3-MoE).
+(Llama, Qwen2, Qwen3, Mistral dense; Qwen2-MoE with its gated shared expert, Qwen3-MoE, Mixtral
+under Llama's names after `rename`).
 
 How it works in detail: docs/backends.md, "Inside `relax/train/megatron/convert.py`".
 """
@@ -29,6 +30,34 @@ FC1 = {"mlp.linear_fc1.weight": "mlp.", "mlp.shared_experts.linear_fc1.weight": 
 TOP = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
        "decoder.final_layernorm.weight": "model.norm.weight",
        "output_layer.weight": "lm_head.weight"}
+
+
+def checkpoint_renames(family) -> tuple[list, list]:
+    """(to Llama's names, to the checkpoint's): (pattern, replacement) pairs over a layer's
+    checkpoint names, from `family.checkpoint_names` (Llama's -> the checkpoint's, `{e}` an
+    expert's index). The conversion below speaks Llama's names; Weights renames on the way in
+    and out."""
+    def pattern(template: str) -> str:
+        return r"^(model\.layers\.\d+\.)" + re.escape(template).replace(r"\{e\}", r"(?P<e>\d+)") + "$"
+
+    def replacement(template: str) -> str:
+        return r"\g<1>" + template.replace("{e}", r"\g<e>")
+
+    names = family.checkpoint_names.items()
+    return ([(re.compile(pattern(theirs)), replacement(ours)) for ours, theirs in names],
+            [(re.compile(pattern(ours)), replacement(theirs)) for ours, theirs in names])
+
+
+def rename(tensors: dict[str, torch.Tensor], renames: list) -> dict[str, torch.Tensor]:
+    """`tensors` under the names `renames` (from checkpoint_renames) gives them."""
+    out = {}
+    for name, tensor in tensors.items():
+        for regex, replacement in renames:
+            name, hits = regex.subn(replacement, name)
+            if hits:
+                break
+        out[name] = tensor
+    return out
 
 
 class Heads:

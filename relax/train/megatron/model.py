@@ -1,4 +1,4 @@
-"""The Megatron-core model of an HF config of a supported family (relax/model/families/).
+"""The Megatron-core model of an HF config of a family in relax/model/families/.
 
 `transformer_config` maps the HF config (through its family: biases, q/k norm, head_dim,
 MoE layout) and the layout onto Megatron's TransformerConfig;
@@ -40,11 +40,13 @@ def moe_config(hf, family, train_cfg) -> dict:
         return {}
     # Qwen2-MoE's shared expert: sigmoid(x @ gate) * MLP(x), added to the experts'
     shared = hf.shared_expert_intermediate_size if family.moe.shared_expert else 0
+    key = family.moe.norm_topk_key
     return dict(num_moe_experts=num_experts(hf), moe_router_topk=hf.num_experts_per_tok,
-                # HF: softmax over all experts, top-k, renormalise if norm_topk_prob;
-                # Megatron's default top-k-then-softmax is the renormalised case.
-                moe_router_pre_softmax=not hf.norm_topk_prob,
-                moe_ffn_hidden_size=hf.moe_intermediate_size, moe_router_load_balancing_type="none",
+                # HF: softmax over all experts, top-k, renormalise if norm_topk_prob (Mixtral:
+                # always); Megatron's default top-k-then-softmax is the renormalised case.
+                moe_router_pre_softmax=not getattr(hf, key) if key else False,
+                moe_ffn_hidden_size=getattr(hf, family.moe.expert_size_key),
+                moe_router_load_balancing_type="none",
                 moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="alltoall",
                 moe_permute_fusion=train_cfg.moe_permute_fusion, moe_grouped_gemm=False,
                 moe_shared_expert_intermediate_size=shared or None, moe_shared_expert_gate=bool(shared))
@@ -55,7 +57,7 @@ def transformer_config(hf, layout: Layout, train_cfg, dtype_name: str):
     from megatron.core.transformer.enums import AttnBackend
 
     dtype, t, config_json = torch_dtype(dtype_name), train_cfg, hf.to_dict()
-    family = families.family_of(config_json)
+    family = families.layer_family(config_json)
     return TransformerConfig(
         num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size,
         num_attention_heads=hf.num_attention_heads, num_query_groups=hf.num_key_value_heads,

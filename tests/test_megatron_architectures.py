@@ -1,0 +1,102 @@
+"""train=megatron beyond the hand-written families, fast: what runs on Megatron's layer spec
+(Mistral without a window, Mixtral under its own checkpoint names) and what is refused at start-up,
+naming the setting or the architecture. The slow tier (tests/test_megatron.py,
+test_each_family_round_trips_and_matches_the_torch_trainer) trains both against the torch trainer."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from relax.errors import ConfigError
+from relax.model import families, load_safetensors_dir, read_hf_config
+
+from .conftest import make_cfg
+from .families import ARCHITECTURES, build_family_model
+
+# tests/families.py's architectures train=megatron runs as the tests build them (Mistral there
+# has a 6-token window: refused; without one it runs, below)
+RUNS = {"mixtral"}
+
+
+def plan(path, *overrides):
+    from relax.debug.plan import resolve
+
+    return resolve(make_cfg("model=hf", f"model.path={path}", "train=megatron", *overrides))
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_megatron_runs_or_refuses_each_architecture_at_start_up(arch, family_model):
+    path = family_model(arch)
+    architecture = read_hf_config(path)["architectures"][0]
+    if arch in RUNS:
+        plan(path)
+        return
+    with pytest.raises(ConfigError) as refusal:
+        plan(path)
+    message = str(refusal.value)
+    assert message.startswith("train=megatron: Megatron-core's layer spec") and message.endswith("use train=torch")
+    if arch == "mistral":
+        assert "runs MistralForCausalLM without this model's sliding_window=6: sliding-window" in message
+    else:
+        assert f"this model is {architecture} (no description in relax/model/families/" in message
+
+
+@pytest.mark.parametrize("arch,config,refused", [
+    ("mistral", {"sliding_window": None}, None),
+    ("mistral", {"sliding_window": 128}, None),  # = max_position_embeddings: no position is masked
+    ("mistral", {"sliding_window": 127}, "sliding_window=127: sliding-window attention over fewer positions"),
+    ("mixtral", {"sliding_window": 32}, "sliding_window=32: sliding-window attention"),
+    ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise=0.1: random noise on the router's input"),
+])
+def test_windows_and_router_noise_are_refused_by_their_setting(arch, config, refused, tmp_path):
+    hf = read_hf_config(build_family_model(tmp_path / arch, arch, **config))
+    assert hf["max_position_embeddings"] == 128
+    if refused is None:
+        assert families.megatron_family(hf, "train=megatron").architecture == hf["architectures"][0]
+        assert families.runs_on(hf)["Megatron"] == "tp, pp, vpp, cp, dp"
+        return
+    with pytest.raises(ConfigError, match=re.escape(refused)):
+        families.megatron_family(hf, "train=megatron")
+    assert families.runs_on(hf)["Megatron"] == f"refused ({refused.split(':')[0]})"
+
+
+def test_mixtral_checkpoint_names_convert_to_llamas_and_back(family_model):
+    """Every Mixtral tensor gets the name the conversion reads (Llama's and Qwen3-MoE's), and
+    the inverse gives the checkpoint's names back."""
+    from relax.train.megatron import convert
+
+    checkpoint = load_safetensors_dir(family_model("mixtral"))
+    to_llama, to_checkpoint = convert.checkpoint_renames(families.LAYER_FAMILIES["MixtralForCausalLM"])
+    llama = convert.rename(checkpoint, to_llama)
+    layer = {re.sub(r"^model\.layers\.0\.", "", n) for n in llama if n.startswith("model.layers.0.")}
+    assert layer == {"input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate.weight",
+                     *(f"self_attn.{x}_proj.weight" for x in "qkvo"),
+                     *(f"mlp.experts.{e}.{p}_proj.weight" for e in range(4) for p in ("gate", "up", "down"))}
+    assert llama["model.layers.1.mlp.experts.3.up_proj.weight"] is \
+        checkpoint["model.layers.1.block_sparse_moe.experts.3.w3.weight"]
+    back = convert.rename(llama, to_checkpoint)
+    assert list(back) == list(checkpoint) and all(back[n] is checkpoint[n] for n in checkpoint)
+    # the hand-written families' names are the conversion's own
+    assert convert.checkpoint_renames(families.FAMILIES["Qwen3MoeForCausalLM"]) == ([], [])
+
+
+def test_mixtral_maps_to_megatrons_moe_fields_and_its_expert_width(family_model):
+    """Mixtral's experts are intermediate_size wide and always renormalise their top-k weights
+    (Megatron's top-k-then-softmax); etp must divide that width."""
+    from transformers import AutoConfig
+
+    from relax.train.megatron import checks
+    from relax.train.megatron.model import transformer_config
+
+    from .test_megatron_convert import layout
+
+    hf = AutoConfig.from_pretrained(family_model("mixtral"))
+    config = transformer_config(hf, layout(), make_cfg("train=megatron").train, "float32")
+    assert (config.num_moe_experts, config.moe_router_topk, config.moe_ffn_hidden_size, config.moe_router_pre_softmax,
+            config.moe_shared_expert_intermediate_size, config.add_qkv_bias, config.qk_layernorm) == (
+        4, 2, 128, False, None, False, False)
+    with pytest.raises(ConfigError, match=re.escape("parallel.etp=2 must divide the model's intermediate_size=33")):
+        checks.check_layout(make_cfg("train=megatron", "parallel=tp2", "parallel.etp=2").parallel,
+                            {**hf.to_dict(), "intermediate_size": 33, "architectures": ["MixtralForCausalLM"]})
