@@ -1,7 +1,8 @@
 """train=megatron beyond the hand-written families, fast: what runs on Megatron's layer spec
-(Mistral without a window, Mixtral under its own checkpoint names) and what is refused at start-up,
+(Mistral without a window, Mixtral and Phi-3 under their own checkpoint names, SmolLM3) and what
+is refused at start-up,
 naming the setting or the architecture. The slow tier (tests/test_megatron.py,
-test_each_family_round_trips_and_matches_the_torch_trainer) trains both against the torch trainer."""
+test_each_family_round_trips_and_matches_the_torch_trainer) trains each against the torch trainer."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from .families import ARCHITECTURES, build_family_model
 
 # tests/families.py's architectures train=megatron runs as the tests build them (Mistral there
 # has a 6-token window: refused; without one it runs, below)
-RUNS = {"mixtral"}
+RUNS = {"mixtral", "phi3", "smollm3"}
 
 
 def plan(path, *overrides):
@@ -49,6 +50,9 @@ def test_megatron_runs_or_refuses_each_architecture_at_start_up(arch, family_mod
     ("mistral", {"sliding_window": 127}, "sliding_window=127: sliding-window attention over fewer positions"),
     ("mixtral", {"sliding_window": 32}, "sliding_window=32: sliding-window attention"),
     ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise=0.1: random noise on the router's input"),
+    ("phi3", {"sliding_window": 64}, "sliding_window=64: sliding-window attention"),  # as Phi-3-mini-4k's
+    ("smollm3", {"mlp_bias": True}, "mlp_bias=True: MLP biases"),
+    ("smollm3", {"use_sliding_window": True, "sliding_window": 6}, "layer_types has 'sliding_attention' layers"),
 ])
 def test_windows_and_router_noise_are_refused_by_their_setting(arch, config, refused, tmp_path):
     hf = read_hf_config(build_family_model(tmp_path / arch, arch, **config))
@@ -62,24 +66,56 @@ def test_windows_and_router_noise_are_refused_by_their_setting(arch, config, ref
     assert families.runs_on(hf)["Megatron"] == f"refused ({refused.split(':')[0]})"
 
 
+def llama_names(family_model, arch: str):
+    """(the checkpoint's tensors, under Llama's names, and back) through convert.CheckpointNames."""
+    from transformers import AutoConfig
+
+    from relax.train.megatron import convert
+
+    path = family_model(arch)
+    hf = AutoConfig.from_pretrained(path)
+    names = convert.CheckpointNames(families.layer_family(hf.to_dict()), convert.Heads(hf))
+    checkpoint = load_safetensors_dir(path)
+    llama = names.to_llama(checkpoint)
+    return checkpoint, llama, names.to_checkpoint(llama)
+
+
+def layer_names(tensors) -> set[str]:
+    return {re.sub(r"^model\.layers\.0\.", "", n) for n in tensors if n.startswith("model.layers.0.")}
+
+
+DENSE = {"input_layernorm.weight", "post_attention_layernorm.weight", *(f"self_attn.{x}_proj.weight" for x in "qkvo")}
+
+
 def test_mixtral_checkpoint_names_convert_to_llamas_and_back(family_model):
     """Every Mixtral tensor gets the name the conversion reads (Llama's and Qwen3-MoE's), and
     the inverse gives the checkpoint's names back."""
-    from relax.train.megatron import convert
-
-    checkpoint = load_safetensors_dir(family_model("mixtral"))
-    to_llama, to_checkpoint = convert.checkpoint_renames(families.LAYER_FAMILIES["MixtralForCausalLM"])
-    llama = convert.rename(checkpoint, to_llama)
-    layer = {re.sub(r"^model\.layers\.0\.", "", n) for n in llama if n.startswith("model.layers.0.")}
-    assert layer == {"input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate.weight",
-                     *(f"self_attn.{x}_proj.weight" for x in "qkvo"),
-                     *(f"mlp.experts.{e}.{p}_proj.weight" for e in range(4) for p in ("gate", "up", "down"))}
+    checkpoint, llama, back = llama_names(family_model, "mixtral")
+    assert layer_names(llama) == {*DENSE, "mlp.gate.weight", *(f"mlp.experts.{e}.{p}_proj.weight"
+                                                            for e in range(4) for p in ("gate", "up", "down"))}
     assert llama["model.layers.1.mlp.experts.3.up_proj.weight"] is \
         checkpoint["model.layers.1.block_sparse_moe.experts.3.w3.weight"]
-    back = convert.rename(llama, to_checkpoint)
     assert list(back) == list(checkpoint) and all(back[n] is checkpoint[n] for n in checkpoint)
     # the hand-written families' names are the conversion's own
-    assert convert.checkpoint_renames(families.FAMILIES["Qwen3MoeForCausalLM"]) == ([], [])
+    assert convert_names_of("Qwen3MoeForCausalLM") == ([], [])
+
+
+def convert_names_of(architecture: str):
+    from relax.train.megatron import convert
+
+    return convert.checkpoint_renames(families.LAYER_FAMILIES[architecture])
+
+
+def test_phi3_fused_projections_split_into_llamas_and_join_back(family_model):
+    """qkv_proj is [q; k; v] (4 query heads, 2 KV heads of 16), gate_up_proj [gate; up]: split on
+    load into the tensors the conversion fuses its own way, joined bit for bit on the way back."""
+    checkpoint, llama, back = llama_names(family_model, "phi3")
+    assert layer_names(llama) == {*DENSE, *(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down"))}
+    qkv = checkpoint["model.layers.0.self_attn.qkv_proj.weight"]
+    assert [llama[f"model.layers.0.self_attn.{x}_proj.weight"].shape[0] for x in "qkv"] == [64, 32, 32]
+    assert llama["model.layers.0.self_attn.k_proj.weight"].equal(qkv[64:96])
+    assert llama["model.layers.0.mlp.up_proj.weight"].equal(checkpoint["model.layers.0.mlp.gate_up_proj.weight"][128:])
+    assert sorted(back) == sorted(checkpoint) and all(back[n].equal(checkpoint[n]) for n in checkpoint)
 
 
 def test_mixtral_maps_to_megatrons_moe_fields_and_its_expert_width(family_model):
@@ -100,3 +136,22 @@ def test_mixtral_maps_to_megatrons_moe_fields_and_its_expert_width(family_model)
     with pytest.raises(ConfigError, match=re.escape("parallel.etp=2 must divide the model's intermediate_size=33")):
         checks.check_layout(make_cfg("train=megatron", "parallel=tp2", "parallel.etp=2").parallel,
                             {**hf.to_dict(), "intermediate_size": 33, "architectures": ["MixtralForCausalLM"]})
+
+
+def test_smollm3_layers_without_rope_and_phi3_partial_rotary_reach_megatron(family_model):
+    """SmolLM3's no_rope_layers (1: RoPE) become no_rope_freq (1: none); Phi-3's
+    partial_rotary_factor is the GPTModel's rotary_percent (half of each 16-wide head here)."""
+    from transformers import AutoConfig
+
+    from relax.train.megatron.model import rotary_fraction, transformer_config
+
+    from .test_megatron_convert import layout
+
+    train = make_cfg("train=megatron").train
+    smollm3 = AutoConfig.from_pretrained(family_model("smollm3"))
+    assert smollm3.no_rope_layers == [1, 0]
+    assert transformer_config(smollm3, layout(), train, "float32").no_rope_freq == [0, 1]
+    phi3 = read_hf_config(family_model("phi3"))
+    assert (rotary_fraction(phi3), rotary_fraction(read_hf_config(family_model("mixtral")))) == (0.5, 1.0)
+    assert transformer_config(AutoConfig.from_pretrained(family_model("mixtral")), layout(), train,
+                              "float32").no_rope_freq is None

@@ -63,6 +63,9 @@ class Family:
     # checkpoint names within a layer that differ from the families' (Llama's): Llama's -> this
     # architecture's, `{e}` an expert's index (relax/train/megatron/convert.py renames both ways)
     checkpoint_names: dict = field(default_factory=dict)
+    # checkpoint tensors within a layer that stack Llama's along dim 0 (convert.FUSED): Phi-3's
+    # `self_attn.qkv_proj.weight` (q, k, v) and `mlp.gate_up_proj.weight` (gate, up)
+    fused: tuple[str, ...] = ()
 
     @property
     def hf_prefix(self) -> str:

@@ -1,6 +1,6 @@
 """HF <-> Megatron-core parameter conversion for every family of relax/model/families/
-(Llama, Qwen2, Qwen3, Mistral dense; Qwen2-MoE with its gated shared expert, Qwen3-MoE, Mixtral
-under Llama's names after `rename`).
+(Llama, Qwen2, Qwen3, Mistral, SmolLM3 dense; Qwen2-MoE with its gated shared expert, Qwen3-MoE;
+Mixtral and Phi-3 under Llama's names through `CheckpointNames`).
 
 How it works in detail: docs/backends.md, "Inside `relax/train/megatron/convert.py`".
 """
@@ -58,6 +58,44 @@ def rename(tensors: dict[str, torch.Tensor], renames: list) -> dict[str, torch.T
                 break
         out[name] = tensor
     return out
+
+
+# a fused checkpoint tensor (within a layer) -> the Llama tensors it stacks along dim 0
+FUSED = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                       "self_attn.v_proj.weight"),
+         "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
+
+
+class CheckpointNames:
+    """A family's checkpoint tensors under Llama's names (what the conversion reads) and back:
+    renamed (`checkpoint_names`) and split or joined (`fused`)."""
+
+    def __init__(self, family, heads: "Heads"):
+        self.fused, self.heads = family.fused, heads
+        self.renames_in, self.renames_out = checkpoint_renames(family)
+
+    def to_llama(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, tensor in rename(tensors, self.renames_in).items():
+            layer = re.match(r"^(model\.layers\.\d+\.)(.+)$", name)
+            if layer and layer.group(2) in self.fused:
+                parts = FUSED[layer.group(2)]
+                h = self.heads
+                sizes = [h.heads * h.head_dim, h.groups * h.head_dim, h.groups * h.head_dim] \
+                    if len(parts) == 3 else [tensor.shape[0] // 2] * 2
+                out.update({layer.group(1) + p: t for p, t in zip(parts, tensor.split(sizes))})
+            else:
+                out[name] = tensor
+        return out
+
+    def to_checkpoint(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        tensors = dict(tensors)
+        for fused in self.fused:
+            first = FUSED[fused][0]
+            for name in [n for n in tensors if n.endswith("." + first)]:
+                pre = name.removesuffix(first)
+                tensors[pre + fused] = torch.cat([tensors.pop(pre + p) for p in FUSED[fused]])
+        return rename(tensors, self.renames_out)
 
 
 class Heads:

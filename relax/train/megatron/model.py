@@ -52,12 +52,20 @@ def moe_config(hf, family, train_cfg) -> dict:
                 moe_shared_expert_intermediate_size=shared or None, moe_shared_expert_gate=bool(shared))
 
 
+def rotary_fraction(config_json: dict) -> float:
+    """The part of each head RoPE turns (Phi-3's partial_rotary_factor; 1: all of it)."""
+    return families.rope_parameters(config_json).get("partial_rotary_factor") \
+        or config_json.get("partial_rotary_factor") or 1.0
+
+
 def transformer_config(hf, layout: Layout, train_cfg, dtype_name: str):
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnBackend
 
     dtype, t, config_json = torch_dtype(dtype_name), train_cfg, hf.to_dict()
     family = families.layer_family(config_json)
+    # SmolLM3's layers without RoPE: no_rope_layers has 1 where RoPE applies, no_rope_freq where not
+    no_rope = [int(not r) for r in config_json.get("no_rope_layers") or []]
     return TransformerConfig(
         num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size,
         num_attention_heads=hf.num_attention_heads, num_query_groups=hf.num_key_value_heads,
@@ -74,7 +82,7 @@ def transformer_config(hf, layout: Layout, train_cfg, dtype_name: str):
         use_cpu_initialization=not GPU,  # initialisation sets the TP attributes grad-norm needs
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
-        calculate_per_token_loss=True,
+        calculate_per_token_loss=True, no_rope_freq=no_rope if any(no_rope) else None,
         batch_p2p_comm=False,  # gloo trap: batched p2p pairs VPP activations with wrong grads
         deterministic_mode=t.deterministic,
         # no Transformer Engine on CPU
@@ -129,7 +137,8 @@ def build_chunks(config, hf, layout: Layout) -> list:
             vocab_size=hf.vocab_size, max_sequence_length=hf.max_position_embeddings,
             pre_process=layout.pre_process(chunk), post_process=layout.post_process(chunk),
             parallel_output=False, share_embeddings_and_output_weights=hf.tie_word_embeddings,
-            position_embedding_type="rope", vp_stage=vp_stage))
+            position_embedding_type="rope", rotary_percent=rotary_fraction(hf.to_dict()),
+            vp_stage=vp_stage))
         chunks[-1].rotary_pos_emb.inv_freq.copy_(inv_freq)
     return chunks
 

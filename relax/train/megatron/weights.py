@@ -28,8 +28,7 @@ class Weights:
         self.hf_config, self.layout = hf_config, layout
         self.heads = convert.Heads(hf_config)
         # the conversion speaks Llama's names: the checkpoint's own, renamed in and out
-        self.to_llama, self.to_checkpoint = convert.checkpoint_renames(
-            families.layer_family(hf_config.to_dict()))
+        self.names = convert.CheckpointNames(families.layer_family(hf_config.to_dict()), self.heads)
         self.partition_dims: dict[str, int | None] = {}  # global name -> TP split dim
         self.passthrough: dict[str, torch.Tensor] = {}
 
@@ -57,7 +56,7 @@ class Weights:
     def load(self, chunks: list, path: str) -> list:
         """Copy this rank's shard of the HF directory `path` into `chunks`; records each
         tensor's TP split dimension (where full and local shapes differ) for `gather`."""
-        hf = convert.rename(load_safetensors_dir(Path(path)), self.to_llama)
+        hf = self.names.to_llama(load_safetensors_dir(Path(path)))
         for chunk in chunks:
             names = self.global_names(chunk)
             for name, param in chunk.named_parameters():
@@ -74,8 +73,8 @@ class Weights:
         # HF tensors no Megatron parameter stands for (a zero-width Qwen2-MoE shared expert
         # and its gate) are carried through unchanged, so weight sync and checkpoints stay whole.
         zero_width = not getattr(self.hf_config, "shared_expert_intermediate_size", 0)
-        self.passthrough = convert.rename({k: v for k, v in hf.items() if "shared_expert" in k},
-                                          self.to_checkpoint) if zero_width else {}
+        self.passthrough = self.names.to_checkpoint({k: v for k, v in hf.items() if "shared_expert" in k}) \
+            if zero_width else {}
         return chunks
 
     def gather(self, chunks: list, read=torch.Tensor.detach) -> dict[str, torch.Tensor]:
@@ -96,8 +95,7 @@ class Weights:
                     data = convert.unshard(global_name, parts, dim)
                 if self.layout.owns(param):
                     mine.update(convert.megatron_to_hf(global_name, data.clone(), self.heads))
-        weights = gather_tensors(convert.rename(mine, self.to_checkpoint), self.layout.rank,
-                                 self.layout.world_size)
+        weights = gather_tensors(self.names.to_checkpoint(mine), self.layout.rank, self.layout.world_size)
         if self.layout.rank != 0:
             return {}
         if self.hf_config.tie_word_embeddings:
