@@ -277,12 +277,12 @@ def test_megatron_skips_a_nonfinite_step_on_every_rank(tmp_path, tiny_path, monk
     ("qwen2_moe", ["parallel=tp2sp", "parallel.ep=2"], {}), ("qwen3_moe", ["parallel=tp2sp", "parallel.ep=2"], {}),
     # Megatron only (transformers' forward on the engine): Mistral as from v0.2, without a window
     ("mistral", ["parallel=tp2"], {"sliding_window": None}), ("mixtral", ["parallel=tp2sp", "parallel.ep=2"], {}),
-    ("phi3", ["parallel=tp2"], {}), ("smollm3", ["parallel=tp2"], {})])
+    ("phi3", ["parallel=tp2"], {}), ("smollm3", ["parallel=tp2"], {}), ("glm", ["parallel=tp2"], {})])
 def test_each_family_round_trips_and_matches_the_torch_trainer(family_model, tokenizer, family, layout, config,
                                                                tmp_path):
     """Per family (tests/families.py: Llama-3 RoPE scaling and tied embeddings, Qwen3's q/k
     norm and head_dim, both MoE layouts; Mistral, Mixtral's `block_sparse_moe` names, Phi-3's fused
-    projections and partial rotary, SmolLM3's layers without RoPE), under
+    projections and partial rotary, SmolLM3's layers without RoPE, GLM's interleaved RoPE), under
     TP (and EP for MoE): HF -> Megatron -> HF is bit-identical, and Megatron's first-step
     log-probs and grad norm are the torch trainer's. `config`: config.json values over the
     tests' model."""

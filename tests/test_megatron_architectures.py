@@ -1,5 +1,5 @@
 """train=megatron beyond the hand-written families, fast: what runs on Megatron's layer spec
-(Mistral without a window, Mixtral and Phi-3 under their own checkpoint names, SmolLM3) and what
+(Mistral without a window, Mixtral, Phi-3 and GLM under their own checkpoint names, SmolLM3) and what
 is refused at start-up,
 naming the setting or the architecture. The slow tier (tests/test_megatron.py,
 test_each_family_round_trips_and_matches_the_torch_trainer) trains each against the torch trainer."""
@@ -18,7 +18,7 @@ from .families import ARCHITECTURES, build_family_model
 
 # tests/families.py's architectures train=megatron runs as the tests build them (Mistral there
 # has a 6-token window: refused; without one it runs, below)
-RUNS = {"mixtral", "phi3", "smollm3"}
+RUNS = {"mixtral", "phi3", "smollm3", "glm"}
 
 
 def plan(path, *overrides):
@@ -138,9 +138,10 @@ def test_mixtral_maps_to_megatrons_moe_fields_and_its_expert_width(family_model)
                             {**hf.to_dict(), "intermediate_size": 33, "architectures": ["MixtralForCausalLM"]})
 
 
-def test_smollm3_layers_without_rope_and_phi3_partial_rotary_reach_megatron(family_model):
-    """SmolLM3's no_rope_layers (1: RoPE) become no_rope_freq (1: none); Phi-3's
-    partial_rotary_factor is the GPTModel's rotary_percent (half of each 16-wide head here)."""
+def test_smollm3_layers_without_rope_and_phi3_and_glm_rotary_reach_megatron(family_model):
+    """SmolLM3's no_rope_layers (1: RoPE) become no_rope_freq (1: none); Phi-3's and GLM's
+    partial_rotary_factor is the GPTModel's rotary_percent (half of each 16-wide head here); GLM
+    turns interleaved pairs, with q/k/v biases unless attention_bias=false."""
     from transformers import AutoConfig
 
     from relax.train.megatron.model import rotary_fraction, transformer_config
@@ -155,3 +156,8 @@ def test_smollm3_layers_without_rope_and_phi3_partial_rotary_reach_megatron(fami
     assert (rotary_fraction(phi3), rotary_fraction(read_hf_config(family_model("mixtral")))) == (0.5, 1.0)
     assert transformer_config(AutoConfig.from_pretrained(family_model("mixtral")), layout(), train,
                               "float32").no_rope_freq is None
+    glm = AutoConfig.from_pretrained(family_model("glm"))
+    config = transformer_config(glm, layout(), train, "float32")
+    assert (rotary_fraction(glm.to_dict()), config.rotary_interleaved, config.add_qkv_bias) == (0.5, True, True)
+    glm.attention_bias = False
+    assert transformer_config(glm, layout(), train, "float32").add_qkv_bias is False

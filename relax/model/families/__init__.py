@@ -66,6 +66,7 @@ class Family:
     # checkpoint tensors within a layer that stack Llama's along dim 0 (convert.FUSED): Phi-3's
     # `self_attn.qkv_proj.weight` (q, k, v) and `mlp.gate_up_proj.weight` (gate, up)
     fused: tuple[str, ...] = ()
+    rotary_interleaved: bool = False  # RoPE turns pairs of adjacent dims (GLM), not the two halves
 
     @property
     def hf_prefix(self) -> str:

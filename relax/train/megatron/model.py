@@ -73,6 +73,7 @@ def transformer_config(hf, layout: Layout, train_cfg, dtype_name: str):
         normalization="RMSNorm", layernorm_epsilon=hf.rms_norm_eps, gated_linear_unit=True,
         activation_func=F.silu, add_bias_linear=False,
         add_qkv_bias=families.qkv_bias(config_json), qk_layernorm=family.qk_norm,
+        rotary_interleaved=family.rotary_interleaved,
         hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype, pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16, tensor_model_parallel_size=layout.tp_size,
         pipeline_model_parallel_size=layout.pp_size,
