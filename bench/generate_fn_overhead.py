@@ -50,7 +50,7 @@ def main() -> None:
         cfg = compose("config", overrides=args.overrides)
     path = resolve_model_path(cfg.model)
     tokenizer = load_tokenizer(path)
-    engine, task, r = build_engine(cfg, path, tokenizer), build_task(cfg), cfg.rollout
+    engine, task, r = build_engine(cfg, path, tokenizer), build_task(cfg.task, cfg.seed), cfg.rollout
     prompts = [p.tokens for p in task.prompts(0, r.rollout_batch_size, tokenizer)
                for _ in range(r.n_samples_per_prompt)]
 

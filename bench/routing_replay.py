@@ -43,8 +43,7 @@ def main() -> None:
     from relax.rollout.torch_engine import TorchEngine
     from relax.sample import Sample
     from relax.train import routing
-    from relax.train.torch_trainer import TorchTrainer
-    from tests.conftest import make_cfg
+    from tests.conftest import local_trainer, make_cfg
 
     torch.set_num_threads(1)
     cfg = make_cfg(*MOE)
@@ -67,7 +66,7 @@ def main() -> None:
                       routed_experts=g.routed_experts)
                for i, (p, g) in enumerate(zip(prompts, gens, strict=True))]
     bare = [dataclasses.replace(s, routed_experts=None) for s in samples]
-    trainers = {mode: TorchTrainer(make_cfg(*MOE, f"algo.routing_replay={mode}",
+    trainers = {mode: local_trainer(make_cfg(*MOE, f"algo.routing_replay={mode}",
                                             "rollout.rollout_batch_size=32", "train.num_steps_per_rollout=2"),
                                    str(path), pad_token_id=tokenizer.pad_token_id)
                 for mode in ("null", "rollout", "train")}

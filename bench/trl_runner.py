@@ -145,7 +145,7 @@ def main() -> None:
     model_path = resolve_model_path(cfg.model)
     tokenizer = load_tokenizer(model_path)
     tokenizer.padding_side = "left"  # GRPOTrainer left-pads prompts for generate()
-    task = build_task(cfg)
+    task = build_task(cfg.task, cfg.seed)
     t0 = time.perf_counter()
     train_dataset = dataset(cfg, task, tokenizer)
     dataset_s = time.perf_counter() - t0  # the prompt work Relax does inside its loop

@@ -42,6 +42,7 @@ from relax.rollout.prefetch import Rollouts
 from relax.sample import Sample
 from relax.task import Task, build_task, check_rewards
 from relax.train import check_batch_split, check_train_keys, checkpoint_layout
+from relax.train.spec import TrainerSpec
 
 log = logging.getLogger("relax")
 
@@ -118,13 +119,11 @@ def prepare(cfg, run_dir: Path, accept=lambda: None) -> Run:
         raise ConfigError(f"resume: {checkpoint} holds a LoRA adapter without the merged model, which only "
                           f"a trainer merges, and debug.rollout_only builds none: resume with the trainer, "
                           f"or from a checkpoint saved with train.lora.save_merged=true")
-    if plan.profile_dir:  # as resolved: the trainers read them, maybe in other processes and working dirs
-        cfg.debug.profile_dir, cfg.debug.profile_rollouts = plan.profile_dir, plan.profile_rollouts
     if saved and plan.builds_train:
-        check_layout(checkpoint, saved, checkpoint_layout(cfg))
+        check_layout(checkpoint, saved, checkpoint_layout(cfg.train, cfg.parallel))
     check_dumps(plan, source)
-    task = build_task(cfg) if plan.builds_rollout else None
-    load_target(cfg, "logger")  # a logger._target_ that does not import stops the run here
+    task = build_task(cfg.task, cfg.seed) if plan.builds_rollout else None
+    load_target(cfg.logger, "logger")  # a logger._target_ that does not import stops the run here
     check_backends(cfg.logger.backends)
     model_path = ref_model or resolve_model_path(cfg.model)
     tokenizer = load_tokenizer(model_path)
@@ -136,7 +135,7 @@ def prepare(cfg, run_dir: Path, accept=lambda: None) -> Run:
         counts = check_replay_files(plan.replay_files, manifest, cfg.debug.allow_manifest_mismatch,
                                     cfg.debug.load_rollout_data_subsample, cfg.seed, cfg.algo.routing_replay)
         for rollout_id, n in counts.items():
-            check_batch_split(cfg, n, f"the replay file {plan.replay_files[rollout_id]}")
+            check_batch_split(cfg.train, cfg.parallel, n, f"the replay file {plan.replay_files[rollout_id]}")
             if rollout_id in plan.dump_layers_rollouts:
                 check_dump_samples(cfg.debug, n, f"the replay file {plan.replay_files[rollout_id]}")
     evaluator = build_evaluator(cfg, task, tokenizer, plan)
@@ -165,10 +164,12 @@ def build(run: Run, cluster, parts: ExitStack):
              "model_fingerprint": run.manifest["model_fingerprint"]}  # (relax compare: the same model?)
     log.info("Building %s", ", ".join(f"{k}={v}" for k, v in built.items() if v is not None))
     write_json(run.dir / "built.json", built)
-    engine, trainer = cluster.build(
-        (run.actor_path, run.tokenizer) if plan.builds_rollout else None,
-        (run.actor_path, run.model_path, run.tokenizer.pad_token_id, plan.save_train_data)
-        if plan.builds_train else None)
+    spec = TrainerSpec.of(cfg.model, cfg.rollout, cfg.debug, cfg.seed, model_path=str(run.actor_path),
+                          ref_model_path=str(run.model_path), pad_token_id=run.tokenizer.pad_token_id,
+                          save_train_data=plan.save_train_data, profile_dir=plan.profile_dir,
+                          profile_rollouts=tuple(plan.profile_rollouts))
+    engine, trainer = cluster.build((run.actor_path, run.tokenizer) if plan.builds_rollout else None,
+                                    spec if plan.builds_train else None)
     close_on_exit(parts, engine, "shutdown")  # (closed after the trainer: last in, first out)
     close_on_exit(parts, trainer, "shutdown")
     write_json(run.dir / "built.json", {**built, "placement": cluster.placement()})
@@ -238,8 +239,7 @@ def dump_layers(run: Run, trainer, engine, rollout_id: int, samples: list[Sample
                         {**manifest, "backend": cfg.train._target_, "dtype": cfg.model.dtype})
     if engine:
         chosen = [samples[i] for i in indices]
-        records = hasattr(load_target(cfg, "rollout"), "record_layers")  # (rollout=sglang: log-probs only)
-        forward = engine.record_layers([s.tokens for s in chosen]) if records else {}
+        forward = engine.record_layers([s.tokens for s in chosen]) if run.plan.engine_records_layers else {}
         generated = [torch.tensor([lp for lp, m in zip(s.rollout_log_probs, s.loss_mask, strict=True) if m])
                      for s in chosen]
         layer_dump.save_dump(run.plan.dump_layers, rollout_id, "engine",
@@ -279,8 +279,7 @@ def sync_weights(run: Run, trainer, engine, weight_check, rollout_id: int) -> fl
     """The trainer's weights into the engine; returns the seconds it took (perf/weight_sync_time:
     gathering, merging and pushing, without the checks: the always-on one, relax/debug/sync_check.py)."""
     t0 = time.perf_counter()
-    # what training changed (the trainer class's synced_weights: with LoRA, the merged projections)
-    partial = hasattr(load_target(run.cfg, "train"), "synced_weights")
+    partial = run.plan.partial_sync  # what training changed (with LoRA: the merged projections)
     weights = None
     if run.cfg.rollout.weight_update_mode == "distributed":  # NCCL, trainer -> engine directly
         engine.update_weights_from_trainer(trainer)
@@ -288,7 +287,8 @@ def sync_weights(run: Run, trainer, engine, weight_check, rollout_id: int) -> fl
         weights = trainer.synced_weights() if partial else trainer.named_weights()
         engine.update_weights(weights)
     seconds = time.perf_counter() - t0
-    sync_check.after_sync(run.cfg, engine, trainer, weights, rollout_id)  # on by default: did it land?
+    if run.cfg.debug.check_weight_sync:  # on by default: did it land?
+        sync_check.after_sync(engine, trainer, weights, rollout_id)
     if weight_check and run.cfg.debug.check_weight_update_every_sync:  # the engine against the whole model
         weight_check.check_sync(engine, trainer.named_weights() if partial or weights is None else weights,
                                 rollout_id)
@@ -302,12 +302,11 @@ def first_step(run: Run, rollout_id: int, samples, record: dict, out: dict) -> N
     if rollout_id != run.plan.rollout_ids[0] or run.checkpoint:
         return
     atomic_save(out["first_step_log_probs"], run.dir / "first_step_log_probs.pt")
-    found = (record, out["steps"], run.cfg, [s.prompt for s in samples], run.tokenizer,
-             read_hf_config(run.model_path)["vocab_size"])
-    if run.cfg.debug.strict_checks:
-        strict.strict_first_step(*found)
-    elif warning := strict.first_step_warning(*found, run.dir):
-        log.warning("%s", warning)
+    cfg = run.cfg
+    found = strict.first_step_run(record, out["steps"], cfg.train, cfg.algo, cfg.rollout,
+                                  [s.prompt for s in samples], run.tokenizer,
+                                  read_hf_config(run.model_path)["vocab_size"])
+    strict.judge_first_step(found, cfg.debug.strict_checks, run.dir)
 
 
 def checkpoint_on_schedule(run: Run, trainer, rollout_id: int, stopping: bool) -> None:
@@ -316,8 +315,8 @@ def checkpoint_on_schedule(run: Run, trainer, rollout_id: int, stopping: bool) -
     cfg = run.cfg
     interval = cfg.checkpoint.save_interval
     if interval and ((rollout_id + 1) % interval == 0 or rollout_id == run.plan.rollout_ids[-1] or stopping):
-        save_checkpoint(trainer, run.tokenizer, run.dir, rollout_id, run.model_path,
-                        cfg.checkpoint.keep_last, checkpoint_layout(cfg), (cfg, run.overrides))
+        save_checkpoint(trainer, run.tokenizer, run.dir, rollout_id, run.model_path, cfg.checkpoint.keep_last,
+                        checkpoint_layout(cfg.train, cfg.parallel), (cfg, run.overrides))
 
 
 def rl_loop(cfg, run_dir: Path, stop: Stop | None = None, accept=lambda: None) -> None:
@@ -328,7 +327,8 @@ def rl_loop(cfg, run_dir: Path, stop: Stop | None = None, accept=lambda: None) -
     with ExitStack() as parts:  # closed last in, first out: each even when one before it raises
         cluster = close_on_exit(parts, open_cluster(cfg, run_dir), "close")
         engine, trainer, weight_check = build(run, cluster, parts)
-        metrics = close_on_exit(parts, instantiate(cfg, "logger", run_dir=run_dir, resume_from=run.start,
+        metrics = close_on_exit(parts, instantiate(cfg.logger, "logger", run_dir=run_dir,
+                                                   resume_from=run.start,
                                                    run_config=OmegaConf.to_container(cfg, resolve=True)),
                                 "close")
         log_setup.restore()  # an engine or library that reconfigured logging keeps relax.log

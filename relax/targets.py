@@ -13,23 +13,25 @@ from relax.errors import ConfigError
 # instantiate, which also passes the group's other keys as keywords.
 CALLS = {
     "rollout": (("cfg", "model_path", "eos_token_ids", "pad_token_id"), ()),
-    "train": (("cfg", "model_path"),
-              ("ref_model_path", "pad_token_id", "save_train_data", "rank", "world_size")),
+    "train": (("train", "algo", "parallel", "spec"), ("rank", "world_size")),
     "task": ((), ("seed",)),
     "logger": ((), ("run_dir", "resume_from", "run_config")),
     "cluster": (("cfg", "run_dir"), ()),
 }
 INSTANTIATED = ("task", "logger")
+# Parameters of an earlier interface, then what replaced them: a class that still takes them
+# would bind the new call to the wrong names, so it is refused naming them.
+RETIRED = {"train": ("cfg", "model_path", "relax.train.spec.TrainerSpec")}
 
 
-def load_target(cfg, group: str):
-    """What `<group>._target_` names, imported, and able to take the call the loop makes
-    (CALLS): a ConfigError naming the key when it does not import or its signature lacks a
-    parameter, so a typo in a user's class path stops the run before anything is built. A
-    module that refuses to import (require_extra: an extra that is not installed) says so."""
+def load_target(group_cfg, group: str):
+    """What `<group>._target_` names (`group_cfg`: that group), imported, and able to take the
+    call the loop makes (CALLS): a ConfigError naming the key when it does not import or its
+    signature lacks a parameter, so a typo in a user's class path stops the run before anything
+    is built. A module that refuses to import (require_extra: an extra that is not installed) says so."""
     from hydra._internal.utils import _locate  # get_method's lookup, without its own ERROR log line
 
-    path = cfg[group]._target_
+    path = group_cfg._target_
     try:
         target = _locate(path)
         if not callable(target):
@@ -41,7 +43,7 @@ def load_target(cfg, group: str):
                           f"a dotted path to a class on the Python path, e.g. "
                           f"{group}._target_=my_package.module.MyClass") from None
     if group in CALLS:
-        check_signature(target, group, path, cfg[group])
+        check_signature(target, group, path, group_cfg)
     return target
 
 
@@ -56,10 +58,14 @@ def check_signature(target, group: str, path: str, group_cfg) -> None:
         signature = inspect.signature(target)
     except (TypeError, ValueError):  # a builtin or C type: nothing to check against
         return
+    call = ", ".join([*positional, *(f"{k}=" for k in keywords)])
+    if retired := [name for name in RETIRED.get(group, ())[:-1] if name in signature.parameters]:
+        raise ConfigError(f"{group}._target_={path!r}: its signature {signature} takes {', '.join(retired)}, "
+                          f"as the interface before {RETIRED[group][-1]} did; the loop calls it as "
+                          f"{target.__name__}({call}) (docs/backends.md describes the interface)")
     try:
         signature.bind(*positional, **dict.fromkeys(keywords))
     except TypeError as e:
-        call = ", ".join([*positional, *(f"{k}=" for k in keywords)])
         raise ConfigError(f"{group}._target_={path!r}: the loop calls it as {target.__name__}({call}), "
                           f"which its signature {signature} refuses: {e}. Make its signature take that "
                           f"call (relax/{group}/__init__.py describes the interface)") from None
@@ -107,15 +113,15 @@ def load_function(path: str, key: str, expected: str):
                           f"to a function {expected}") from None
 
 
-def instantiate(cfg, group: str, **kwargs):
+def instantiate(group_cfg, group: str, **kwargs):
     """Hydra's instantiate for a group whose class needs only its own keys (task, logger):
     `_target_` called with the group's other keys as keyword arguments, plus `kwargs`."""
     from hydra.errors import InstantiationException
     from hydra.utils import instantiate as hydra_instantiate
 
-    load_target(cfg, group)
+    load_target(group_cfg, group)
     try:
-        return hydra_instantiate(cfg[group], _recursive_=False, _convert_="all", **kwargs)
+        return hydra_instantiate(group_cfg, _recursive_=False, _convert_="all", **kwargs)
     except InstantiationException as e:
         if isinstance(e.__cause__, ConfigError):  # the class refused its input: say so plainly
             raise e.__cause__ from None

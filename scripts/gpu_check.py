@@ -164,7 +164,7 @@ def used_gib() -> float:
 def chat_prompts(cfg, tokenizer, n: int) -> list[list[int]]:
     from relax.task import build_task
 
-    return [p.tokens for p in build_task(cfg).prompts(0, n, tokenizer)]
+    return [p.tokens for p in build_task(cfg.task, cfg.seed).prompts(0, n, tokenizer)]
 
 
 def check_deterministic(model: Path) -> dict:

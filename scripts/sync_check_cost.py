@@ -40,15 +40,18 @@ def main(n: int, overrides: list[str]) -> None:
     from relax.cluster import open_cluster
     from relax.debug import sync_check
     from relax.model import load_tokenizer, resolve_model_path
+    from relax.train.spec import TrainerSpec
 
     cfg = config(overrides or ["experiment=smollm2_arith_v1"])
     torch.set_num_threads(cfg.train.num_threads)
     path = resolve_model_path(cfg.model)
     tokenizer = load_tokenizer(path)
-    run = SimpleNamespace(cfg=cfg)
+    run = SimpleNamespace(cfg=cfg, plan=SimpleNamespace(partial_sync=False))
     with tempfile.TemporaryDirectory() as tmp:
         cluster = open_cluster(cfg, Path(tmp))
-        engine, trainer = cluster.build((path, tokenizer), (path, path, tokenizer.pad_token_id, None))
+        spec = TrainerSpec.of(cfg.model, cfg.rollout, cfg.debug, cfg.seed, model_path=str(path),
+                              pad_token_id=tokenizer.pad_token_id)
+        engine, trainer = cluster.build((path, tokenizer), spec)
         try:
             checks, times = [], {True: [], False: []}
             timed = sync_check.check_sync_landed

@@ -41,6 +41,38 @@ def make_cfg(*overrides: str, run_dir: Path | None = None):
     return cfg
 
 
+def trainer_spec(cfg, model_path, ref_model_path=None, pad_token_id: int = 0, **resolved):
+    """The TrainerSpec a run of `cfg` gives its trainer (`resolved`: the rest, e.g. save_train_data)."""
+    from relax.train.spec import TrainerSpec
+
+    return TrainerSpec.of(cfg.model, cfg.rollout, cfg.debug, cfg.seed, model_path=str(model_path),
+                          ref_model_path=None if ref_model_path is None else str(ref_model_path),
+                          pad_token_id=pad_token_id, **resolved)
+
+
+def local_trainer(cfg, model_path, ref_model_path=None, pad_token_id: int = 0, **resolved):
+    """The trainer `cfg` configures, in this process, as rank 0 of 1."""
+    from relax.train import make_trainer
+
+    spec = trainer_spec(cfg, model_path, ref_model_path, pad_token_id, **resolved)
+    return make_trainer(cfg.train, cfg.algo, cfg.parallel, spec)
+
+
+def trainer_checks(cfg, hf_config: dict) -> None:
+    """The trainer's start-up refusals for `cfg` and a model's config.json."""
+    from relax.train import check_trainer
+
+    check_trainer(cfg.train, cfg.algo, cfg.parallel, cfg.rollout, cfg.model.dtype, hf_config)
+
+
+def make_task(*overrides: str):
+    """The task `relax <overrides>` would build."""
+    from relax.task import build_task
+
+    cfg = make_cfg(*overrides)
+    return build_task(cfg.task, cfg.seed)
+
+
 def run_loop(run_dir: Path, *overrides: str):
     """Run the RL loop in-process (no subprocess start-up); returns the run's metrics."""
     from relax.logger import read_metrics
@@ -56,7 +88,7 @@ def build_trainer(cfg, model_path, log_dir=None, pad_token_id=0):
     """The trainer a run of `cfg` builds (in the driver, or its rank processes / actors)."""
     from relax.cluster import open_cluster
 
-    return open_cluster(cfg, log_dir).build(None, (model_path, model_path, pad_token_id, None))[1]
+    return open_cluster(cfg, log_dir).build(None, trainer_spec(cfg, model_path, model_path, pad_token_id))[1]
 
 
 def relax_cli(*args: str, cwd: Path, entry: list[str] | None = None, env: dict | None = None,

@@ -12,7 +12,7 @@ from relax.sample import Sample
 from relax.task import answers, build_task, word_problems
 
 from . import extras
-from .conftest import make_cfg
+from .conftest import make_cfg, make_task
 
 math_verify = extras.needs("math_verify", extras.REAL, name="math_verify")
 
@@ -53,7 +53,7 @@ def test_rewards_work_outside_the_main_thread():
 
 
 def test_word_problems_have_exact_labels_and_a_held_out_share_training_never_draws():
-    task = build_task(make_cfg("task=word_problems", "task.operations=[add,sub,mul,plus,minus]"))
+    task = make_task("task=word_problems", "task.operations=[add,sub,mul,plus,minus]")
     train = task.questions(random.Random(0), 400)
     held = task.held_out(random.Random(1), 40)
     assert len(train) == 400 and len(held) == 40
@@ -80,11 +80,11 @@ def test_word_problems_have_exact_labels_and_a_held_out_share_training_never_dra
 ])
 def test_bad_word_problem_keys_are_named(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        build_task(make_cfg("task=word_problems", *overrides))
+        make_task("task=word_problems", *overrides)
 
 
 def test_format_reward_adds_to_well_formed_responses_only():
-    task = build_task(make_cfg("task=word_problems", "task.format_reward=0.1", "task.answer_format='\\d+'"))
+    task = make_task("task=word_problems", "task.format_reward=0.1", "task.answer_format='\\d+'")
     samples = [Sample(i, 0, "q", [1], 1, response=r, label="9") for i, r in enumerate(["9", "it is 9", "8"])]
     task.score(samples, 3)
     assert [s.reward for s in samples] == [1.1, 1.0, 0.1]
@@ -92,17 +92,17 @@ def test_format_reward_adds_to_well_formed_responses_only():
     task.score(padded, 1)
     assert padded[0].reward == pytest.approx(1.1)
     with pytest.raises(ConfigError, match="task.format_reward=0.1 needs task.answer_format"):
-        build_task(make_cfg("task=word_problems", "task.format_reward=0.1", "task.answer_format=null"))
+        make_task("task=word_problems", "task.format_reward=0.1", "task.answer_format=null")
 
 
 def test_eval_on_the_task_needs_a_task_with_held_out_questions(tmp_path):
     from relax.eval import questions
 
     cfg = make_cfg("task=word_problems", "eval.datasets=[task]", "eval.num_prompts=7")
-    assert len(questions("task", cfg, build_task(cfg))) == 7
+    assert len(questions("task", cfg, build_task(cfg.task, cfg.seed))) == 7
     cfg = make_cfg("eval.datasets=[task]")
     with pytest.raises(ConfigError, match="eval.datasets entry 'task': task=ArithmeticTask has no held-out"):
-        questions("task", cfg, build_task(cfg))
+        questions("task", cfg, build_task(cfg.task, cfg.seed))
 
 
 def test_one_word_problem_in_ten_is_held_out_and_every_problem_ends_with_the_instruction():
@@ -131,7 +131,7 @@ def test_prompts_depend_on_the_seed_the_rollout_and_the_round_and_end_with_the_a
     the next rollout and for each dynamic-sampling round (else a round redraws the groups it
     just dropped)."""
     cfg = make_cfg()
-    task = build_task(cfg)
+    task = build_task(cfg.task, cfg.seed)
 
     def labels(rollout_id, round=0, seed=cfg.seed):
         task.seed = seed
@@ -157,7 +157,7 @@ def test_jsonl_task_draws_every_row_with_its_metadata_and_refuses_a_boolean_labe
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"q{i}", "label": i, "metadata": {"row": i}}) + "\n"
                             for i in range(3)))
-    task = build_task(make_cfg("task=jsonl", f"task.data_path={data}", "task.apply_chat_template=false"))
+    task = make_task("task=jsonl", f"task.data_path={data}", "task.apply_chat_template=false")
     prompts = [p for r in range(20) for p in task.prompts(r, 4, WordCounter())]
     assert {p.label for p in prompts} == {"0", "1", "2"}  # the last row too
     assert all(p.metadata == {"row": int(p.label)} and p.text == f"q{p.label}" for p in prompts)
@@ -172,7 +172,7 @@ def test_a_prompt_may_fill_exactly_the_positions_max_new_tokens_leaves(tmp_path)
 
     def check(words, max_new_tokens):
         data.write_text(json.dumps({"prompt": " ".join(["w"] * words), "label": ""}) + "\n")
-        task = build_task(make_cfg("task=jsonl", f"task.data_path={data}", "task.apply_chat_template=false"))
+        task = make_task("task=jsonl", f"task.data_path={data}", "task.apply_chat_template=false")
         task.check_prompts(WordCounter(), 10, max_new_tokens)
         return task.max_prompt_tokens
     assert check(4, 6) == 4 and check(1, 9) == 1

@@ -10,9 +10,8 @@ import json
 from relax.files import safe_load
 from relax.model import load_tokenizer
 from relax.rollout.calculator import CALL, calculate, tool_turn
-from relax.task import build_task
 
-from .conftest import make_cfg, run_loop
+from .conftest import make_cfg, make_task, run_loop
 from .test_model_inputs import model_copy, without_chat_template
 
 BASE = ["task.apply_chat_template=false", "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4",
@@ -26,7 +25,7 @@ def test_a_base_model_trains_with_its_prompts_as_they_are(tiny_path, tmp_path):
     assert [r["rollout_id"] for r in rollouts] == [0, 1] and len(steps) == 2
     assert all(0 <= s["train/grad_norm"] < 10 and s["train/train_rollout_logprob_abs_diff"] < 1e-4 for s in steps)
     tokenizer = load_tokenizer(model)
-    (expected,) = build_task(make_cfg(*BASE)).prompts(0, 1, tokenizer)
+    (expected,) = make_task(*BASE).prompts(0, 1, tokenizer)
     first = json.loads((tmp_path / "run" / "samples.jsonl").read_text().splitlines()[0])
     assert first["prompt"] == expected.text and "<|" not in first["prompt"] and "+" in first["prompt"]
 
@@ -40,9 +39,9 @@ def test_the_calculator_writes_plain_tool_turns_for_a_base_model(tiny_path, tmp_
                                                                            add_special_tokens=False)["input_ids"]
     chat = load_tokenizer(tiny_path)
     assert tool_turn(chat, "1+2=3") != tool_turn(chat, "1+2=3", chat_template=False)  # the template's turn
-    (prompt,) = build_task(make_cfg(*BASE)).prompts(0, 1, tokenizer)
+    (prompt,) = make_task(*BASE).prompts(0, 1, tokenizer)
     assert prompt.chat_template is False
-    assert build_task(make_cfg()).prompts(0, 1, chat)[0].chat_template is True
+    assert make_task().prompts(0, 1, chat)[0].chat_template is True
     run_loop(tmp_path / "run", "model=hf", f"model.path={model}", *BASE, *CALC, "rollout.num_rollout=1",
              f"debug.dump_details={tmp_path / 'dump'}")
     samples = safe_load(tmp_path / "dump" / "rollout_data" / "0.pt")["samples"]

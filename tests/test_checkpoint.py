@@ -16,14 +16,13 @@ from relax import checkpoint as ckpt
 from relax.errors import ConfigError, DiskFull
 from relax.model import load_tokenizer
 
-from .conftest import make_cfg, run_loop
+from .conftest import local_trainer, make_cfg, run_loop
 
 
 @pytest.fixture(scope="module")
 def trainer(tiny_path):
-    from relax.train.torch_trainer import TorchTrainer
 
-    return TorchTrainer(make_cfg(), str(tiny_path))
+    return local_trainer(make_cfg(), str(tiny_path))
 
 
 def save(trainer, tiny_path, run_dir: Path, rollout_id: int, keep_last=2) -> Path:
@@ -49,7 +48,6 @@ def test_a_loaded_checkpoint_restores_rng_skipped_steps_and_ends_the_first_step(
     import torch
 
     from relax.sample import Sample
-    from relax.train.torch_trainer import TorchTrainer
 
     trainer.skipped_steps = 3
     try:
@@ -58,7 +56,7 @@ def test_a_loaded_checkpoint_restores_rng_skipped_steps_and_ends_the_first_step(
         trainer.save_checkpoint(str(tmp_path))
     finally:
         trainer.skipped_steps = 0
-    resumed = TorchTrainer(make_cfg(), str(tiny_path))
+    resumed = local_trainer(make_cfg(), str(tiny_path))
     assert resumed.first_step and not torch.equal(torch.get_rng_state(), saved_rng)
     resumed.load_checkpoint(str(tmp_path))
     assert torch.equal(torch.get_rng_state(), saved_rng)

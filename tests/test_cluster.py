@@ -23,7 +23,7 @@ import torch
 from relax.logger import read_metrics
 from relax.sample import Sample, Samples
 
-from .conftest import REPO, make_cfg, only_run_dir, relax_cli, run_loop
+from .conftest import REPO, make_cfg, only_run_dir, relax_cli, run_loop, trainer_spec
 from .extras import RAY, require
 
 TINY = ["rollout.num_rollout=2", "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4",
@@ -188,7 +188,7 @@ def test_samples_do_not_depend_on_the_engine_count(tiny_path, tokenizer):
     from relax.task import build_task
 
     cfg = make_cfg(*TINY, "rollout.rollout_batch_size=6")
-    task = build_task(cfg)
+    task = build_task(cfg.task, cfg.seed)
 
     def rollout(n):
         engines = [TorchEngine(cfg, tiny_path, [tokenizer.eos_token_id], tokenizer.pad_token_id)
@@ -312,7 +312,7 @@ def test_a_rollouts_samples_cross_processes_field_by_field_and_arrive_equal(tiny
     cfg = make_cfg(*TINY)
     engine = TorchEngine(cfg, tiny_path, [tokenizer.eos_token_id], tokenizer.pad_token_id)
     group = EngineGroup(InDriver([engine], ["cpu"]), cfg.rollout)
-    samples, _ = generate_rollout(group, build_task(cfg), tokenizer, cfg.rollout, 0, cfg.seed)
+    samples, _ = generate_rollout(group, build_task(cfg.task, cfg.seed), tokenizer, cfg.rollout, 0, cfg.seed)
     assert type(samples) is Samples and len(samples) == 16
     samples[0].metadata["turns"] = [{"role": "tool", "content": "4"}]
     samples[1].routed_experts = list(range(len(samples[1].tokens) - 1))
@@ -1047,7 +1047,7 @@ def test_errors_name_the_rank_or_engine_node_and_traceback(two_nodes, tiny_path,
     cfg = make_cfg(*on(two_nodes, *ROLES), "parallel=dp2", "rollout.num_engines=2")
     cluster = open_cluster(cfg, tmp_path)
     try:
-        engines, trainer = cluster.build((tiny_path, tokenizer), (tiny_path, tiny_path, 0, None))
+        engines, trainer = cluster.build((tiny_path, tokenizer), trainer_spec(cfg, tiny_path, tiny_path))
         where = cluster.placement()
         rank_pids = [r["pid"] for r in where["trainer_ranks"]]
         node = where["trainer_ranks"][0]["node_ip"]

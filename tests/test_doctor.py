@@ -9,7 +9,7 @@ import torch
 
 from relax.debug.checks import Check, Thresholds, diagnose
 from relax.debug.run_data import RunData, load_run
-from relax.debug.strict import strict_first_step
+from relax.debug.strict import first_step_run, strict_first_step
 from relax.debug.weights import compare_tensors
 from relax.errors import CheckFailed, ReplayError
 from relax.logger import read_metrics
@@ -451,8 +451,9 @@ def test_nan_step_metrics_fail_the_doctor_naming_the_metric(tmp_path, monkeypatc
     proc = relax_cli("doctor", str(tmp_path), "--json", cwd=tmp_path)
     assert proc.returncode == 1
     rollouts, steps = read_metrics(tmp_path)  # the in-run strict checks judge NaN the same way
+    cfg = make_cfg()
     with pytest.raises(CheckFailed, match="train/loss = nan"):
-        strict_first_step(rollouts[0], steps[:1], make_cfg(), [], None, None)
+        strict_first_step(first_step_run(rollouts[0], steps[:1], cfg.train, cfg.algo, cfg.rollout, [], None, None))
 
 
 def healthy_run(rollouts: int = 6) -> RunData:

@@ -62,7 +62,7 @@ def test_greedy_eval_is_the_policys_answers(runs, tiny_path, tokenizer):
     cfg = make_cfg(*SMALL)
     model = AutoModelForCausalLM.from_pretrained(tiny_path, torch_dtype=torch.float32).eval()
     rewards, lengths = [], []
-    for question in build_task(cfg).to_prompts(questions("arithmetic", cfg, task=None), tokenizer, "test"):
+    for question in build_task(cfg.task, cfg.seed).to_prompts(questions("arithmetic", cfg, task=None), tokenizer, "test"):
         with torch.no_grad():
             out = model.generate(torch.tensor([question.tokens]), do_sample=False, max_new_tokens=8,
                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
@@ -127,7 +127,7 @@ def test_evaluate_samples_each_prompt_n_times_at_eval_temperature_with_its_own_s
                        reward=float(k == 0)) for k in range(len(prompts) * n)]
 
     monkeypatch.setattr(ev, "generate_samples", fake_generate)
-    evaluator = ev.Evaluator(cfg, build_task(cfg), tokenizer, last_rollout_id=9)
+    evaluator = ev.Evaluator(cfg, build_task(cfg.task, cfg.seed), tokenizer, last_rollout_id=9)
     metrics = [evaluator.evaluate(None, rollout_id) for rollout_id in (2, 4)]
     (prompts, n, sp, seed2), (_, _, _, seed4) = calls
     assert (prompts, n) == (4, 3)

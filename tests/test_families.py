@@ -15,7 +15,7 @@ from relax.model import SUPPORTED_ARCHITECTURES, load_causal_lm, load_tokenizer
 from relax.rollout import SamplingParams
 from relax.rollout.torch_engine import TorchEngine
 
-from .conftest import make_cfg
+from .conftest import local_trainer, make_cfg
 from .families import FAMILIES
 from .test_engine import chat_prompts, hf_greedy
 
@@ -127,14 +127,13 @@ def test_torch_trainer_first_step_and_weight_sync(family_model, tokenizer, famil
     come back under the checkpoint's names and values (MoE experts per expert, not fused),
     so the engine takes them and a saved checkpoint has the same layout."""
     from relax.model import load_safetensors_dir
-    from relax.train import make_trainer
 
     from .test_trainer import rollout
 
     path = family_model(family)
     cfg = make_cfg("rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4", "train.lr=0.01")
     engine = engine_for(path, tokenizer)
-    trainer = make_trainer(cfg, str(path), ref_model_path=str(path), pad_token_id=tokenizer.pad_token_id)
+    trainer = local_trainer(cfg, str(path), ref_model_path=str(path), pad_token_id=tokenizer.pad_token_id)
     checkpoint = load_safetensors_dir(path)
     weights = trainer.named_weights()
     assert sorted(weights) == sorted(checkpoint)

@@ -9,7 +9,7 @@ import logging
 
 from relax.debug.checks import diagnose
 from relax.debug.run_data import load_run
-from relax.debug.strict import first_step_warning
+from relax.debug.strict import first_step_run, first_step_warning
 from relax.debug.verdicts import Thresholds
 
 from .conftest import make_cfg, run_loop
@@ -24,6 +24,11 @@ def warnings_of(caplog) -> list[str]:
             if r.levelno == logging.WARNING and "relax doctor" in r.getMessage()]
 
 
+def warning(record: dict, steps: list[dict], cfg, run_dir):
+    return first_step_warning(first_step_run(record, steps, cfg.train, cfg.algo, cfg.rollout, [], None, None),
+                              run_dir)
+
+
 def step(diff: float) -> dict:
     return {"rollout_id": 0, "step": 0, "train/grad_norm": 1.0, "train/train_rollout_logprob_abs_diff": diff}
 
@@ -33,15 +38,15 @@ def test_the_warning_uses_the_doctors_levels(tmp_path):
     at the level no warning, just past it one, naming the check, the value and the run dir."""
     th, cfg = Thresholds(), make_cfg()
     level = th.train_rollout_diff_max
-    assert first_step_warning(HEALTHY, [step(level)], cfg, [], None, None, tmp_path) is None
-    line = first_step_warning(HEALTHY, [step(level * 1.01)], cfg, [], None, None, tmp_path)
+    assert warning(HEALTHY, [step(level)], cfg, tmp_path) is None
+    line = warning(HEALTHY, [step(level * 1.01)], cfg, tmp_path)
     assert line.startswith("the first step is far outside the healthy range: check 5 (train vs rollout "
                            f"log-prob mismatch): abs diff reaches {level * 1.01:.3g} > {level:g}. ")
     assert f"`relax doctor {tmp_path}`" in line and "\n" not in line
     garbage = {**HEALTHY, "rollout/invalid_token_ratio": th.invalid_token_ratio}
-    assert first_step_warning(garbage, [step(0.0)], cfg, [], None, None, tmp_path) is None
+    assert warning(garbage, [step(0.0)], cfg, tmp_path) is None
     garbage["rollout/invalid_token_ratio"] = th.invalid_token_ratio + 0.01
-    line = first_step_warning(garbage, [step(float("nan"))], cfg, [], None, None, tmp_path)
+    line = warning(garbage, [step(float("nan"))], cfg, tmp_path)
     assert "check 1 (responses at the first rollout): rollout 0: garbage responses (21% of tokens" in line
     assert "check 5 (train vs rollout log-prob mismatch): abs diff reaches nan" in line  # NaN never passes
 

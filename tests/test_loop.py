@@ -163,9 +163,9 @@ def test_the_weight_sync_time_leaves_out_the_engine_weights_check(every_sync):
     """perf/weight_sync_time is the push alone; the check runs at every sync only when asked."""
     trainer = SimpleNamespace(named_weights=lambda: {"w": torch.zeros(1)})
     trainer.synced_weights = trainer.named_weights
-    run = SimpleNamespace(cfg=make_cfg(f"debug.check_weight_update_every_sync={str(every_sync).lower()}"))
+    run = SimpleNamespace(cfg=make_cfg(f"debug.check_weight_update_every_sync={str(every_sync).lower()}"),
+                          plan=SimpleNamespace(partial_sync=True))
     check, engine = SlowCheck(), SyncedEngine()
-    loop.load_target(run.cfg, "train")  # the trainer's module imported before, not timed (~0.5 s alone)
     seconds = loop.sync_weights(run, trainer, engine, check, 4)
     assert seconds < 0.4 and list(engine.weights) == ["w"]
     assert check.checked == ([4] if every_sync else [])
@@ -191,7 +191,8 @@ def test_a_distributed_sync_is_checked_too_against_the_trainers_whole_model():
     trainer = SimpleNamespace(named_weights=lambda: {"w": torch.ones(1)})
     trainer.synced_weights = trainer.named_weights
     run = SimpleNamespace(cfg=make_cfg("rollout.weight_update_mode=distributed",
-                                       "debug.check_weight_update_every_sync=true"))
+                                       "debug.check_weight_update_every_sync=true"),
+                          plan=SimpleNamespace(partial_sync=True))
     checked = []
     check = SimpleNamespace(
         check_sync=lambda engine, weights, rollout_id: checked.append((dict(weights), rollout_id)))
@@ -361,6 +362,7 @@ def test_a_layer_dump_gives_the_engine_the_chosen_samples_and_their_model_tokens
     engine = SimpleNamespace(record_layers=lambda tokens: {"tokens": tokens})
     run = hand_run(tmp_path, None, cfg=make_cfg("debug.dump_layers_samples=[2,0]"))
     run.plan.dump_layers, run.manifest = tmp_path / "layers", {"model_fingerprint": "fp"}
+    run.plan.engine_records_layers = True
     loop.dump_layers(run, trainer, engine, 4, hand_samples())
     assert (saved["path"], saved["rollout_id"], saved["side"], saved["indices"]) == (tmp_path / "layers", 4,
                                                                                      "engine", [2, 0])

@@ -17,10 +17,9 @@ from relax.files import safe_load
 from relax.rollout.generate import generate_rollout
 from relax.rollout.torch_engine import TorchEngine
 from relax.task import build_task
-from relax.train import make_trainer
 
 from . import extras
-from .conftest import make_cfg, run_loop
+from .conftest import local_trainer, make_cfg, run_loop, trainer_checks
 from .test_layouts import compare, replay_dir, sweep  # noqa: F401 (replay_dir: a fixture)
 from .test_startup import relax_without
 
@@ -36,7 +35,7 @@ PROJECTIONS = {f"model.layers.{i}.{'self_attn' if p[0] in 'qkvo' else 'mlp'}.{p}
 def test_only_the_adapters_train_and_the_first_step_is_the_frozen_base(tiny_path, tokenizer):
     cfg = make_cfg("rollout.rollout_batch_size=8", "algo.use_kl_loss=true", "algo.kl_loss_coef=0.1", *LORA)
     engine = TorchEngine(cfg, tiny_path, [tokenizer.eos_token_id], tokenizer.pad_token_id)
-    trainer = make_trainer(cfg, str(tiny_path), ref_model_path=str(tiny_path),
+    trainer = local_trainer(cfg, str(tiny_path), ref_model_path=str(tiny_path),
                            pad_token_id=tokenizer.pad_token_id)
     assert trainer.ref is None  # the reference is the actor with its adapters off: one copy of the weights
     adapters = dict(trainer.lora.parameters())
@@ -47,7 +46,7 @@ def test_only_the_adapters_train_and_the_first_step_is_the_frozen_base(tiny_path
     def changed():
         return {n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])}
 
-    task = build_task(cfg)
+    task = build_task(cfg.task, cfg.seed)
     out = trainer.train(0, generate_rollout(engine, task, tokenizer, cfg.rollout, 0, cfg.seed)[0])
     r, step = out["rollout"], out["steps"][0]
     assert r["rollout/log_probs"] == r["rollout/ref_log_probs"] and r["rollout/kl"] == 0.0
@@ -81,7 +80,7 @@ def test_a_lora_twin_moves_the_base_by_one_ulp_and_its_reference_with_it(tiny_pa
     it: the first step's log_probs are its ref_log_probs, KL 0 (without LoRA the reference is a
     copy loaded unmoved)."""
     cfg = make_cfg("parallel=twin", "rollout.rollout_batch_size=8", *LORA)
-    trainer = make_trainer(cfg, str(tiny_path), ref_model_path=str(tiny_path),
+    trainer = local_trainer(cfg, str(tiny_path), ref_model_path=str(tiny_path),
                            pad_token_id=tokenizer.pad_token_id)
     checkpoint, merged = load_file(tiny_path / "model.safetensors"), trainer.named_weights()
     assert merged.keys() == checkpoint.keys()
@@ -91,7 +90,7 @@ def test_a_lora_twin_moves_the_base_by_one_ulp_and_its_reference_with_it(tiny_pa
         assert (merged[name] > w).any() and (merged[name] < w).any(), name  # random directions
     assert all(not p.any() for n, p in trainer.lora.parameters() if ".lora_B." in n)
     engine = TorchEngine(cfg, tiny_path, [tokenizer.eos_token_id], tokenizer.pad_token_id)
-    out = trainer.train(0, generate_rollout(engine, build_task(cfg), tokenizer, cfg.rollout, 0, cfg.seed)[0])
+    out = trainer.train(0, generate_rollout(engine, build_task(cfg.task, cfg.seed), tokenizer, cfg.rollout, 0, cfg.seed)[0])
     assert out["rollout"]["rollout/log_probs"] == out["rollout"]["rollout/ref_log_probs"]
     assert out["rollout"]["rollout/kl"] == 0.0 and out["steps"][0]["train/ppo_kl"] == 0.0
 
@@ -99,7 +98,7 @@ def test_a_lora_twin_moves_the_base_by_one_ulp_and_its_reference_with_it(tiny_pa
 def test_adapter_dropout_runs_in_the_actors_forward_and_not_in_the_references(tiny_path):
     """The trainer keeps the model in eval mode (a deterministic forward), which would silently switch
     train.lora.dropout off."""
-    trainer = make_trainer(make_cfg(*LORA, "train.lora.dropout=0.5"), str(tiny_path))
+    trainer = local_trainer(make_cfg(*LORA, "train.lora.dropout=0.5"), str(tiny_path))
     tokens = torch.tensor([[2, 11, 12, 13, 14, 15, 3]])
     with torch.no_grad():
         for name, p in trainer.lora.parameters():
@@ -288,12 +287,11 @@ def test_an_adapter_peft_puts_on_fused_experts_is_refused(family_model):
     the MoE layers' fused experts too (3-D parameters, transformers 5's layout), which no merge here
     handles; the family's default (attention) passes."""
     from relax.model import read_hf_config
-    from relax.train import check_trainer
 
     hf = {**read_hf_config(family_model("qwen3_moe")), "mlp_only_layers": [0]}
-    check_trainer(make_cfg(*LORA), hf)
+    trainer_checks(make_cfg(*LORA), hf)
     with pytest.raises(ConfigError, match=r"peft adapts model\.layers\.1\.mlp\.experts.* \(ParamWrapper: "):
-        check_trainer(make_cfg(*LORA, "train.lora.target_modules=[q_proj,gate_proj,up_proj,down_proj]"), hf)
+        trainer_checks(make_cfg(*LORA, "train.lora.target_modules=[q_proj,gate_proj,up_proj,down_proj]"), hf)
 
 
 def test_lora_without_peft_names_the_extra(tmp_path):

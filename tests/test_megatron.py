@@ -13,7 +13,7 @@ from relax.errors import ConfigError
 from relax.model import resolve_model_path
 
 from . import test_layers
-from .conftest import build_trainer, make_cfg, only_run_dir, relax_cli, run_loop
+from .conftest import build_trainer, local_trainer, make_cfg, only_run_dir, relax_cli, run_loop
 from .families import build_family_model
 
 pytestmark = pytest.mark.slow
@@ -288,7 +288,6 @@ def test_each_family_round_trips_and_matches_the_torch_trainer(family_model, tok
     tests' model."""
     from relax.model import load_safetensors_dir
     from relax.rollout.torch_engine import TorchEngine
-    from relax.train import make_trainer
 
     from .test_trainer import rollout
 
@@ -299,7 +298,7 @@ def test_each_family_round_trips_and_matches_the_torch_trainer(family_model, tok
     samples = rollout(cfg, engine, tokenizer)
     for s in samples:  # rewards that vary within groups (a random model earns none): gradients
         s.reward = float(s.index % 3 == 0)
-    reference = make_trainer(cfg, str(path), ref_model_path=str(path), pad_token_id=tokenizer.pad_token_id)
+    reference = local_trainer(cfg, str(path), ref_model_path=str(path), pad_token_id=tokenizer.pad_token_id)
     expected = reference.train(0, samples)
 
     trainer = build_trainer(make_cfg(*common, "train=megatron", *layout), path,

@@ -43,19 +43,24 @@ def test_the_checkpoint_layout_names_every_parallel_size_and_the_distributed_opt
     """A resume with another vpp or cp, or without the distributed optimizer, would load
     optimizer shards that do not fit: each is part of the layout a checkpoint is tied to."""
     cfg = make_cfg("train=megatron", "parallel=vpp2", "train.use_distributed_optimizer=false")
-    assert checks.checkpoint_layout(cfg) == {
+    assert checks.checkpoint_layout(cfg.train, cfg.parallel) == {
         "parallel.tp": 1, "parallel.pp": 2, "parallel.vpp": 2, "parallel.ep": 1, "parallel.etp": 1,
         "parallel.cp": 1, "parallel.dp": 1, "train.use_distributed_optimizer": False}
-    assert checks.checkpoint_layout(make_cfg("train=megatron", "parallel=cp2"))["parallel.cp"] == 2
+    cfg = make_cfg("train=megatron", "parallel=cp2")
+    assert checks.checkpoint_layout(cfg.train, cfg.parallel)["parallel.cp"] == 2
+
+
+def check_config(cfg, hf: dict) -> None:
+    checks.check_config(cfg.train, cfg.algo, cfg.parallel, cfg.rollout, hf)
 
 
 def test_check_config_refuses_an_unknown_attention_backend_and_another_megatron_version(monkeypatch):
     hf = {**MOE, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_experts": 0}
-    checks.check_config(make_cfg("train=megatron"), hf)
+    check_config(make_cfg("train=megatron"), hf)
     with pytest.raises(ConfigError, match=r"train.attention_backend='flsh': expected one of auto, flash"):
-        checks.check_config(make_cfg("train=megatron", "train.attention_backend=flsh"), hf)
+        check_config(make_cfg("train=megatron", "train.attention_backend=flsh"), hf)
     from relax.train.megatron import cpu_compat
 
     monkeypatch.setattr(cpu_compat.importlib.metadata, "version", lambda name: "0.17.0")
     with pytest.raises(ConfigError, match=r"megatron-core==0\.16\.1"):
-        checks.check_config(make_cfg("train=megatron"), hf)
+        check_config(make_cfg("train=megatron"), hf)

@@ -11,10 +11,9 @@ import torch.multiprocessing as mp
 
 from relax.model import load_safetensors_dir
 from relax.rollout.torch_engine import TorchEngine
-from relax.train import make_trainer
 from relax.train.megatron.trainer import MegatronTrainer
 
-from .conftest import build_trainer, make_cfg
+from .conftest import build_trainer, local_trainer, make_cfg
 from .test_trainer import rollout
 
 # every setting off its default, and a clip far below the grad norm (~1): two steps apart
@@ -32,7 +31,7 @@ def test_megatron_steps_with_the_configured_adam_and_clipping_as_train_torch_doe
     samples = rollout(cfg, engine, tokenizer)
     for s in samples:  # rewards that vary within groups (a random model earns none): gradients
         s.reward = float(s.index % 3 == 0)
-    reference = make_trainer(cfg, str(tiny_path), ref_model_path=str(tiny_path),
+    reference = local_trainer(cfg, str(tiny_path), ref_model_path=str(tiny_path),
                              pad_token_id=tokenizer.pad_token_id)
     expected_out = reference.train(0, samples)
     expected = reference.named_weights()

@@ -12,7 +12,7 @@ from tokenizers import Tokenizer
 from relax.errors import ConfigError
 from relax.model import load_tokenizer, model_fingerprint, resolve_model_path, tiny, tokenizer_fingerprint
 
-from .conftest import make_cfg, only_run_dir, relax_cli, status_of
+from .conftest import make_cfg, make_task, only_run_dir, relax_cli, status_of
 from .extras import REAL, require
 
 
@@ -181,9 +181,8 @@ def test_responses_decode_as_batch_decode_does_in_one_call(tokenizer, monkeypatc
 def test_prompts_are_rendered_and_encoded_as_one_by_one_calls_would(tokenizer, chat):
     import random
 
-    from relax.task import build_task
-
-    task = build_task(make_cfg(f"task.apply_chat_template={chat}"))
+    
+    task = make_task(f"task.apply_chat_template={chat}")
     questions = task.questions(random.Random(0), 16)
     prompts = task.to_prompts(questions, tokenizer, "test")
     one_by_one = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,

@@ -19,9 +19,8 @@ from relax.errors import ConfigError
 from relax.model import load_tokenizer, resolve_model_path
 from relax.model.temp_dirs import MARK, remove_stale, temp_dir_beside
 from relax.process import HOST, start_time
-from relax.task import build_task
 
-from .conftest import make_cfg, relax_cli
+from .conftest import make_cfg, make_task, relax_cli
 from .extras import REAL, require
 from .test_model import write_tiny_gguf
 
@@ -79,7 +78,7 @@ def test_a_tokenizer_without_a_chat_template_is_refused_at_start_up_naming_the_k
     assert "set task.apply_chat_template=false to send the prompts as they are" in line
     nothing_built(tmp_path)
     tokenizer = load_tokenizer(model)
-    task = build_task(make_cfg("task.apply_chat_template=false"))
+    task = make_task("task.apply_chat_template=false")
     task.check_prompts(tokenizer, 128, 8)  # opted out: accepted, and the first rollout's prompts are plain
     prompts = task.prompts(0, 2, tokenizer)
     assert [p.tokens for p in prompts] == [tokenizer(p.text, add_special_tokens=False)["input_ids"]
@@ -99,7 +98,7 @@ def test_jsonl_prompts_the_tokenizer_encodes_to_no_token_are_refused_naming_the_
     nothing_built(tmp_path)
     tokenizer = load_tokenizer(model)
     for chat in ("true", "false"):  # the template's own tokens do not count as the prompt's
-        task = build_task(make_cfg("task=jsonl", f"task.data_path={data}", f"task.apply_chat_template={chat}"))
+        task = make_task("task=jsonl", f"task.data_path={data}", f"task.apply_chat_template={chat}")
         with pytest.raises(ConfigError, match=f"{data}:3: the tokenizer encodes the prompt to no token"):
             task.check_prompts(tokenizer, None, 8)
         with pytest.raises(ConfigError, match=r"^eval.datasets 'x.jsonl', question '\\u200b\\u200b': the "
@@ -107,7 +106,7 @@ def test_jsonl_prompts_the_tokenizer_encodes_to_no_token_are_refused_naming_the_
             task.to_prompts([(INVISIBLE, "0")], tokenizer, "eval.datasets 'x.jsonl'")
         assert len(task.to_prompts([("1+2=", "3")], tokenizer, "rollout 0")[0].tokens) > 0
     data.write_text(json.dumps({"prompt": "1+2=\u200b", "label": 3}) + "\n")  # something is left: fine
-    build_task(make_cfg("task=jsonl", f"task.data_path={data}")).check_prompts(tokenizer, None, 8)
+    make_task("task=jsonl", f"task.data_path={data}").check_prompts(tokenizer, None, 8)
 
 
 # -- GGUF files (relax/model/gguf.py, gguf_header.py) --------------------------------------------

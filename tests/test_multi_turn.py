@@ -138,7 +138,7 @@ def engine(tiny_path, tokenizer):
 
 def samples_of(engine, fn, tokenizer, *overrides, n=4):
     cfg = make_cfg(*overrides)
-    task = build_task(cfg)
+    task = build_task(cfg.task, cfg.seed)
     return generate_samples(engine, task, tokenizer, task.prompts(0, 4, tokenizer), n,
                             SamplingParams.of(cfg.rollout), 7, fn, "in a test")
 
@@ -210,7 +210,7 @@ def test_each_rollout_draws_its_own_samples(engine, tokenizer):
     from relax.rollout.generate import generate_rollout
 
     cfg = make_cfg("rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4")
-    task = build_task(cfg)
+    task = build_task(cfg.task, cfg.seed)
     prompts = task.prompts
     task.prompts = lambda rollout_id, *args: prompts(0, *args)  # every rollout asks the same questions
 

@@ -10,7 +10,7 @@ from relax.errors import ConfigError, NonFiniteError
 from relax.files import safe_load
 from relax.logger import read_metrics
 
-from .conftest import make_cfg, run_loop
+from .conftest import local_trainer, make_cfg, run_loop
 
 SMALL = ["rollout.rollout_batch_size=4", "train.micro_batch_size=8"]
 
@@ -80,16 +80,15 @@ def test_the_trainer_stops_at_the_nonfinite_step_or_skips_it_naming_its_samples(
     """Two steps of 4 samples, sample 3's forward NaN (step 0): on_nonfinite=error trains no later
     step; skip names sample 3's micro-batch and trains step 1."""
     from relax.sample import Sample
-    from relax.train import make_trainer
 
     monkeypatch.setenv("RELAX_FAULT", "nan_log_probs")
     samples = [Sample(index=i, group_index=i // 4, prompt="", tokens=[5, 6, 7 + i, 8], response_length=2,
                       reward=float(i % 2), loss_mask=[1, 1], rollout_log_probs=[-1.0, -1.0])
                for i in range(8)]
     cfg = make_cfg("train.num_steps_per_rollout=2", "train.micro_batch_size=2", "train.on_nonfinite=error")
-    trainer = make_trainer(cfg, str(tiny_path), ref_model_path=str(tiny_path), pad_token_id=0)
+    trainer = local_trainer(cfg, str(tiny_path), ref_model_path=str(tiny_path), pad_token_id=0)
     for rollout_id, (mode, steps) in enumerate((("error", 1), ("skip", 2))):
-        trainer.cfg.train.on_nonfinite = mode
+        trainer.train_cfg.on_nonfinite = mode
         out = trainer.train(rollout_id, samples)
         assert len(out["steps"]) == steps and [e["indices"] for e in out["nonfinite"]] == [[2, 3]]
         assert out["steps"][0]["train/skipped_steps"] == rollout_id + 1
@@ -105,9 +104,8 @@ def test_a_step_with_finite_losses_but_a_nonfinite_grad_norm_names_all_its_sampl
 
 def test_a_checkpoint_is_never_written_from_nonfinite_weights(tmp_path, tiny_path, tokenizer):
     from relax.checkpoint import save_checkpoint
-    from relax.train import make_trainer
 
-    trainer = make_trainer(make_cfg(), str(tiny_path), ref_model_path=str(tiny_path), pad_token_id=0)
+    trainer = local_trainer(make_cfg(), str(tiny_path), ref_model_path=str(tiny_path), pad_token_id=0)
     with torch.no_grad():
         trainer.model.model.layers[1].mlp.up_proj.weight[0, 0] = float("inf")
     with pytest.raises(NonFiniteError, match="model.layers.1.mlp.up_proj.weight is not finite"):

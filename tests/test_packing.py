@@ -9,9 +9,9 @@ import torch
 from relax.errors import ConfigError
 from relax.model import read_hf_config
 from relax.sample import Sample
-from relax.train import check_trainer, common, make_trainer, packing
+from relax.train import common, packing
 
-from .conftest import make_cfg
+from .conftest import local_trainer, make_cfg, trainer_checks
 
 PAD = 0
 
@@ -111,7 +111,7 @@ def assert_packing_matches(trainer, mb, atol: float, grad_rtol: float):
 
 def test_log_probs_entropy_and_gradients_equal_one_row_per_sample(tiny_path):
     cfg = make_cfg("algo.entropy_coef=0.01")
-    trainer = make_trainer(cfg, str(tiny_path), ref_model_path=str(tiny_path), pad_token_id=PAD)
+    trainer = local_trainer(cfg, str(tiny_path), ref_model_path=str(tiny_path), pad_token_id=PAD)
     vocab = read_hf_config(tiny_path)["vocab_size"]
     mb = micro_batch(samples(vocab, [(8, [3, 6, 1, 4]), (11, [5, 2]), (6, [7])]))
     # measured: 1e-6 (log-probs), 1e-6 (gradients, relative): tolerances of a few fp32 roundings
@@ -121,9 +121,9 @@ def test_log_probs_entropy_and_gradients_equal_one_row_per_sample(tiny_path):
 def test_megatron_refuses_shared_prompt():
     hf = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "num_hidden_layers": 2,
           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 32, "intermediate_size": 64}
-    check_trainer(make_cfg("train=megatron"), hf)  # its default is off
+    trainer_checks(make_cfg("train=megatron"), hf)  # its default is off
     with pytest.raises(ConfigError, match=r"train.shared_prompt=true is train=torch's.*RoPE"):
-        check_trainer(make_cfg("train=megatron", "train.shared_prompt=true"), hf)
+        trainer_checks(make_cfg("train=megatron", "train.shared_prompt=true"), hf)
 
 
 @pytest.mark.slow
@@ -131,7 +131,7 @@ def test_the_real_model_packs_within_fp32_rounding(smollm2_path):
     """SmolLM2 (30 layers, GQA, tied embeddings, rope theta 1e5) on a GRPO-shaped micro-batch:
     4 prompts of the chat template's length x 4 responses."""
     cfg = make_cfg("model=smollm2", "algo.entropy_coef=0.01")
-    trainer = make_trainer(cfg, str(smollm2_path), ref_model_path=str(smollm2_path), pad_token_id=2)
+    trainer = local_trainer(cfg, str(smollm2_path), ref_model_path=str(smollm2_path), pad_token_id=2)
     mb = micro_batch(samples(49152, [(46, [24, 9, 17, 24]), (44, [3, 24, 24, 12]), (47, [24] * 4),
                                      (45, [1, 2, 24, 24])]))
     # measured 1.9e-5 on 30 layers (the tiny model's 2 give 1e-6): rounding grows with depth

@@ -10,9 +10,8 @@ from relax.errors import ConfigError
 from relax.rollout import build_engine
 from relax.rollout.generate import generate_rollout
 from relax.task import build_task
-from relax.train import make_trainer
 
-from .conftest import build_trainer, make_cfg, run_loop
+from .conftest import build_trainer, local_trainer, make_cfg, run_loop
 
 BATCH = ["rollout.rollout_batch_size=8", "train.micro_batch_size=16"]  # 64 samples, 4 micro-batches
 PERF = ("perf/step_time", "perf/peak_memory_mb")  # timings and memory: not numbers of the run
@@ -24,7 +23,7 @@ def rollouts(tiny_path, tokenizer):
     """Three rollouts of fixed data (the engine is never synced: each trainer sees the same)."""
     cfg = make_cfg(*BATCH)
     engine = build_engine(cfg, tiny_path, tokenizer)
-    task = build_task(cfg)
+    task = build_task(cfg.task, cfg.seed)
     return [generate_rollout(engine, task, tokenizer, cfg.rollout, i, cfg.seed)[0] for i in range(3)]
 
 
@@ -62,7 +61,7 @@ def test_reused_old_log_probs_change_no_number(tiny_path, rollouts, algo):
     """Against a trainer that runs every pass at every rollout (as before): the same losses,
     metrics and weights, bit for bit; the importance weights come from the same log-probs."""
     cfg = make_cfg(*BATCH, *algo)
-    full, lean = (make_trainer(cfg, str(tiny_path), ref_model_path=str(tiny_path), pad_token_id=0)
+    full, lean = (local_trainer(cfg, str(tiny_path), ref_model_path=str(tiny_path), pad_token_id=0)
                   for _ in range(2))
     outs = train_both(full, lean, rollouts)
     assert_same_numbers(outs)
@@ -94,7 +93,7 @@ def count_forwards(trainer) -> list[str]:
      [["ref", "old", "actor"], ["actor"], ["actor"]]),
 ], ids=["default", "kl_loss", "interval", "two_steps", "rollout_log_probs"])
 def test_each_pass_runs_only_where_it_is_read(tiny_path, rollouts, overrides, per_rollout):
-    trainer = make_trainer(make_cfg(*BATCH, *overrides), str(tiny_path), ref_model_path=str(tiny_path),
+    trainer = local_trainer(make_cfg(*BATCH, *overrides), str(tiny_path), ref_model_path=str(tiny_path),
                            pad_token_id=0)
     calls = count_forwards(trainer)
     for rollout_id, samples in enumerate(rollouts):
@@ -111,13 +110,13 @@ def test_rollout_log_probs_are_the_old_policy(tiny_path, tokenizer):
     ppo_kl is the engine/trainer mismatch (a bf16 engine: clearly not 0), and algo.mis still
     masks on pi_train / pi_rollout."""
     cfg = make_cfg(*BATCH, "rollout.dtype=bfloat16")
-    samples, _ = generate_rollout(build_engine(cfg, tiny_path, tokenizer), build_task(cfg), tokenizer,
+    samples, _ = generate_rollout(build_engine(cfg, tiny_path, tokenizer), build_task(cfg.task, cfg.seed), tokenizer,
                                   cfg.rollout, 0, cfg.seed)
     steps = {}
     for name, overrides in (("recomputed", []), ("engine", ["algo.use_rollout_log_probs=true"]),
                             ("engine+mis", ["algo.use_rollout_log_probs=true", "algo.mis=token",
                                             "algo.mis_low=0.999", "algo.mis_high=1.001"])):
-        trainer = make_trainer(make_cfg(*BATCH, *overrides), str(tiny_path), ref_model_path=str(tiny_path),
+        trainer = local_trainer(make_cfg(*BATCH, *overrides), str(tiny_path), ref_model_path=str(tiny_path),
                                pad_token_id=0)
         steps[name] = trainer.train(0, samples)["steps"][0]
     # k1 of the rollout vs the trainer, token mean: what the mismatch metrics measure too

@@ -68,7 +68,7 @@ def test_bad_profile_settings_are_refused_at_start_up(overrides, message):
 
 class Unprofiled:
     """A custom trainer whose train() is not decorated."""
-    def __init__(self, cfg, model_path, **kwargs):
+    def __init__(self, train, algo, parallel, spec, **kwargs):
         raise AssertionError("never built")
 
     def train(self, rollout_id, samples):

@@ -17,7 +17,7 @@ import torch
 from relax.debug.checks import diagnose
 from relax.debug.run_data import load_run
 
-from .conftest import REPO, relax_cli, run_loop
+from .conftest import REPO, make_task, relax_cli, run_loop
 from .extras import RAY, require
 
 pytestmark = pytest.mark.slow
@@ -48,9 +48,8 @@ def test_smollm2_is_a_real_checkpoint_obtained_and_checked(smollm2_path):
     assert tok.eos_token_id == tok.pad_token_id == 2
     # the rollout's prompts and responses, made in batches, are what one-by-one calls make
     from relax.model import decode_responses
-    from relax.task import build_task
-
-    task = build_task(make_cfg(*REAL))
+    
+    task = make_task(*REAL)
     questions = ["What is 2 + 3?", "  Tom has 4 apples.\n", "¿Cuántos? 🍎"]
     assert task.texts(questions, tok) == [tok.apply_chat_template([{"role": "user", "content": q}],
                                                                   add_generation_prompt=True, tokenize=False)

@@ -17,7 +17,7 @@ from relax.sample import Sample
 from relax.train import routing
 from relax.train.common import make_micro_batch
 
-from .conftest import build_trainer, make_cfg, relax_cli, run_loop
+from .conftest import build_trainer, make_cfg, relax_cli, run_loop, trainer_checks
 from .test_engine import chat_prompts, engine_for
 
 MOE = ["model.tiny.num_experts=4", "model.tiny.warmup_max_steps=0",
@@ -236,17 +236,16 @@ def test_r2_replays_the_old_passs_routing_in_later_steps(tmp_path, replay):
 def test_routing_replay_is_refused_where_it_cannot_work(tmp_path, tiny_path, moe_path, near_tie,
                                                         bf16_rollout):
     from relax.loop import prepare
-    from relax.train import check_trainer
 
     moe = read_hf_config(moe_path)
     with pytest.raises(ConfigError, match="routing_replay='R3'.*expected null, rollout"):
-        check_trainer(make_cfg(*MOE, "algo.routing_replay=R3"), moe)
+        trainer_checks(make_cfg(*MOE, "algo.routing_replay=R3"), moe)
     with pytest.raises(ConfigError, match="the model is dense"):
-        check_trainer(make_cfg("algo.routing_replay=rollout"), read_hf_config(tiny_path))
+        trainer_checks(make_cfg("algo.routing_replay=rollout"), read_hf_config(tiny_path))
     with pytest.raises(ConfigError, match="num_steps_per_rollout=1 .* no such pass"):
-        check_trainer(make_cfg(*MOE, "algo.routing_replay=train"), moe)
+        trainer_checks(make_cfg(*MOE, "algo.routing_replay=train"), moe)
     with pytest.raises(ConfigError, match="use_rollout_log_probs=True"):
-        check_trainer(make_cfg(*MOE, "algo.routing_replay=train", "train.num_steps_per_rollout=2",
+        trainer_checks(make_cfg(*MOE, "algo.routing_replay=train", "train.num_steps_per_rollout=2",
                                "algo.use_rollout_log_probs=true"), moe)
     # rollout data without the engine's experts (saved before Relax recorded them): named at start-up
     data, samples = read_rollout(bf16_rollout)

@@ -21,9 +21,8 @@ from relax.rollout.generate import generate_rollout  # noqa: E402
 from relax.rollout.sglang_engine import SGLangEngine  # noqa: E402
 from relax.rollout.torch_engine import TorchEngine  # noqa: E402
 from relax.task import build_task  # noqa: E402
-from relax.train import make_trainer  # noqa: E402
 
-from .conftest import FRESH, make_cfg, relax_cli  # noqa: E402
+from .conftest import FRESH, local_trainer, make_cfg, relax_cli  # noqa: E402
 from .extras import RAY, require  # noqa: E402
 from .families import FAMILIES  # noqa: E402
 from .test_engine import chat_prompts  # noqa: E402
@@ -108,7 +107,7 @@ def test_each_family_matches_the_torch_engine_and_syncs_by_checkpoint_names(fami
             assert all(g.routed_experts is None for g in ours)
         engines = EngineGroup(InDriver([engine], ["cpu"]), cfg.rollout)
         check = WeightCheck(engines, path, tmp_path)
-        trainer = make_trainer(make_cfg(), str(path), ref_model_path=str(path),
+        trainer = local_trainer(make_cfg(), str(path), ref_model_path=str(path),
                                pad_token_id=tokenizer.pad_token_id)
         sync, = check.check_first_sync(engines, trainer)
     finally:
@@ -138,9 +137,9 @@ def test_truncated_status(sglang_engine, tokenizer):
 def test_after_a_train_step_and_sync_sglang_generates_the_trainers_policy(
         sglang_engine, tiny_path, tokenizer, reset_weights):
     cfg = make_cfg("rollout.rollout_batch_size=8", "train.lr=0.02")
-    trainer = make_trainer(cfg, str(tiny_path), ref_model_path=str(tiny_path),
+    trainer = local_trainer(cfg, str(tiny_path), ref_model_path=str(tiny_path),
                            pad_token_id=tokenizer.pad_token_id)
-    task = build_task(cfg)
+    task = build_task(cfg.task, cfg.seed)
     for rollout_id in range(3):
         samples, _ = generate_rollout(sglang_engine, task, tokenizer, cfg.rollout, rollout_id, cfg.seed)
         trainer.train(rollout_id, samples)
@@ -158,7 +157,7 @@ def test_after_a_train_step_and_sync_sglang_generates_the_trainers_policy(
 def test_engine_weights_check_passes_and_names_a_corrupted_tensor(
         sglang_engine, tiny_path, tokenizer, tmp_path, monkeypatch, reset_weights):
     cfg = make_cfg()
-    trainer = make_trainer(cfg, str(tiny_path), ref_model_path=str(tiny_path),
+    trainer = local_trainer(cfg, str(tiny_path), ref_model_path=str(tiny_path),
                            pad_token_id=tokenizer.pad_token_id)
     engines = EngineGroup(InDriver([sglang_engine], ["cpu"]), cfg.rollout)
     check = WeightCheck(engines, tiny_path, tmp_path)

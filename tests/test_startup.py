@@ -114,7 +114,13 @@ class TwoArgEngine:
 
 
 class RanklessTrainer:
-    def __init__(self, cfg, model_path, ref_model_path=None, pad_token_id=0, save_train_data=None):
+    def __init__(self, train, algo, parallel, spec):
+        pass
+
+
+class OldTrainer:  # the interface before TrainerSpec
+    def __init__(self, cfg, model_path, ref_model_path=None, pad_token_id=0, save_train_data=None, rank=0,
+                 world_size=1):
         pass
 
 
@@ -124,7 +130,7 @@ class DatasetTask:
 
 
 class WorldlessTrainer:  # takes rank= but not world_size=
-    def __init__(self, cfg, model_path, ref_model_path=None, pad_token_id=0, save_train_data=None, rank=0):
+    def __init__(self, train, algo, parallel, spec, rank=0):
         pass
 
 
@@ -155,6 +161,19 @@ def test_a_target_class_that_cannot_take_the_loops_call_is_refused_at_start_up(t
         prepare(make_cfg(f"{group}._target_={path}"), tmp_path)
     assert list(tmp_path.iterdir()) == []
 
+
+def test_a_trainer_of_the_interface_before_trainer_spec_is_refused_naming_the_new_call(tmp_path):
+    """Its (cfg, model_path, ...) would bind the new call to the wrong names, so binding alone
+    cannot refuse it."""
+    from relax.loop import prepare
+
+    path = "tests.test_startup.OldTrainer"
+    with pytest.raises(ConfigError, match=rf"^train\._target_='{re.escape(path)}': its signature \(cfg, "
+                                          r"model_path, .*\) takes cfg, model_path, as the interface before "
+                                          r"relax\.train\.spec\.TrainerSpec did; the loop calls it as "
+                                          r"OldTrainer\(train, algo, parallel, spec, rank=, world_size=\)"):
+        prepare(make_cfg(f"train._target_={path}"), tmp_path)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_target_or_function_that_names_no_callable_is_refused_naming_the_key(tmp_path):

@@ -17,7 +17,7 @@ from relax.sample import Sample
 from relax.task import build_task
 
 from . import extras
-from .conftest import make_cfg, only_run_dir, relax_cli
+from .conftest import make_cfg, make_task, only_run_dir, relax_cli
 
 rg = extras.needs("reasoning_gym", extras.RGYM, name="rg")
 
@@ -29,11 +29,11 @@ def entries(prompts) -> list[dict]:
 
 
 def test_prompts_are_the_librarys_items_and_the_same_seed_gives_the_same_prompts(tokenizer, rg):
-    task = build_task(make_cfg(*TWO, "seed=1"))
+    task = make_task(*TWO, "seed=1")
     first = task.prompts(0, 32, tokenizer)
-    again = build_task(make_cfg(*TWO, "seed=1")).prompts(0, 32, tokenizer)
+    again = make_task(*TWO, "seed=1").prompts(0, 32, tokenizer)
     assert [(p.text, p.label) for p in first] == [(p.text, p.label) for p in again]
-    other_seed = build_task(make_cfg(*TWO, "seed=2")).prompts(0, 32, tokenizer)
+    other_seed = make_task(*TWO, "seed=2").prompts(0, 32, tokenizer)
     next_rollout = task.prompts(1, 32, tokenizer)
     assert len({p.text for p in first} & {p.text for p in other_seed + next_rollout}) <= 1
     assert {e["metadata"]["source_dataset"] for e in entries(first)} == {"basic_arithmetic", "leg_counting"}
@@ -46,10 +46,10 @@ def test_prompts_are_the_librarys_items_and_the_same_seed_gives_the_same_prompts
 
 
 def test_weights_and_dataset_kwargs_reach_the_library(tokenizer):
-    task = build_task(make_cfg(*TWO, "task.weights=[0,1]"))
+    task = make_task(*TWO, "task.weights=[0,1]")
     assert {e["metadata"]["source_dataset"] for e in entries(task.prompts(0, 16, tokenizer))} == {"leg_counting"}
-    task = build_task(make_cfg("task=reasoning_gym", "+task.dataset_kwargs.basic_arithmetic.max_terms=2",
-                               "+task.dataset_kwargs.basic_arithmetic.operators=[+]"))
+    task = make_task("task=reasoning_gym", "+task.dataset_kwargs.basic_arithmetic.max_terms=2",
+                               "+task.dataset_kwargs.basic_arithmetic.operators=[+]")
     for entry in entries(task.prompts(0, 16, tokenizer)):
         assert entry["metadata"]["num_terms"] == 2 and {
             t for t in entry["metadata"]["expression"].split() if t in "+-*/"} == {"+"}
@@ -63,7 +63,7 @@ def scored(task, responses: list[str], prompt) -> list[float]:
 
 
 def test_the_reward_is_the_librarys_score_answer(tokenizer, rg):
-    task = build_task(make_cfg(*TWO))
+    task = make_task(*TWO)
     for prompt in task.prompts(0, 8, tokenizer):
         entry = prompt.metadata["reasoning_gym"]["entry"]
         library = rg.get_score_answer_fn(entry["metadata"]["source_dataset"])
@@ -72,7 +72,7 @@ def test_the_reward_is_the_librarys_score_answer(tokenizer, rg):
         assert rewards[:3] == [1.0, 1.0, 0.0]
         assert rewards[3] == library(f"about {right}", entry) == len(right) / len(f"about {right}")  # partial
     # with answer_tag, score_answer gets the text of the last <answer>...</answer>, or None
-    task = build_task(make_cfg(*TWO, "task.answer_tag=answer", "task.instruction='Answer in <answer> tags.'"))
+    task = make_task(*TWO, "task.answer_tag=answer", "task.instruction='Answer in <answer> tags.'")
     prompt = task.prompts(0, 1, tokenizer)[0]
     assert prompt.text.count("Answer in <answer> tags.") == 1
     label = prompt.label
@@ -84,9 +84,9 @@ def test_eval_draws_seeds_training_never_draws(tokenizer, rg):
     from relax.eval import questions
 
     cfg = make_cfg(*TWO, "eval.datasets=[task]", "eval.num_prompts=40")
-    task = build_task(cfg)
+    task = build_task(cfg.task, cfg.seed)
     held = questions("task", cfg, task)
-    assert len(held) == 40 and held == questions("task", cfg, build_task(cfg))  # the same at every eval
+    assert len(held) == 40 and held == questions("task", cfg, build_task(cfg.task, cfg.seed))  # the same at every eval
     for question, label, metadata in held:
         entry = metadata["reasoning_gym"]["entry"]
         name, index = entry["metadata"]["source_dataset"], entry["metadata"]["source_index"]
@@ -123,7 +123,7 @@ def test_eval_draws_seeds_training_never_draws(tokenizer, rg):
 ])
 def test_bad_datasets_weights_and_kwargs_are_refused_naming_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        build_task(make_cfg(*TWO, *overrides))
+        make_task(*TWO, *overrides)
 
 
 def test_too_long_prompts_are_refused_at_start_up_naming_the_dataset(tmp_path):

@@ -10,9 +10,8 @@ from relax.model import load_tokenizer
 from relax.rollout import build_engine
 from relax.rollout.generate import generate_rollout
 from relax.task import build_task
-from relax.train import make_trainer
 
-from .conftest import make_cfg
+from .conftest import local_trainer, make_cfg
 
 BATCH = ["rollout.rollout_batch_size=8"]
 
@@ -25,12 +24,12 @@ def rollouts(tiny_path):
     for dtype in ("float32", "bfloat16"):
         cfg = make_cfg(*BATCH, f"rollout.dtype={dtype}")
         engine = build_engine(cfg, tiny_path, tokenizer)
-        out[dtype] = generate_rollout(engine, build_task(cfg), tokenizer, cfg.rollout, 0, cfg.seed)[0]
+        out[dtype] = generate_rollout(engine, build_task(cfg.task, cfg.seed), tokenizer, cfg.rollout, 0, cfg.seed)[0]
     return out
 
 
 def first_step(tiny_path, samples, *overrides) -> dict:
-    trainer = make_trainer(make_cfg(*BATCH, *overrides), str(tiny_path), ref_model_path=str(tiny_path),
+    trainer = local_trainer(make_cfg(*BATCH, *overrides), str(tiny_path), ref_model_path=str(tiny_path),
                            pad_token_id=0)
     return trainer.train(0, samples)["steps"][0]
 

@@ -17,10 +17,10 @@ from relax.tools.inspect import inspect
 from relax.debug.run_data import load_run
 from relax.files import safe_load
 from relax.sample import Sample
-from relax.train import common, make_trainer
+from relax.train import common
 from relax.train.batch_invariance import KEY
 
-from .conftest import make_cfg, run_loop
+from .conftest import local_trainer, make_cfg, run_loop
 
 SHORT = ["rollout.rollout_batch_size=8", "checkpoint.save_interval=null"]
 MULT = common.STEP_KEYS.index("train/token_mult_prob_error")
@@ -54,7 +54,7 @@ def test_token_mult_prob_error_by_hand():
 
 def test_the_trainer_logs_exactly_1_when_the_rollout_log_probs_are_its_own(tiny_path, tokenizer):
     cfg = make_cfg()
-    trainer = make_trainer(cfg, str(tiny_path), ref_model_path=str(tiny_path),
+    trainer = local_trainer(cfg, str(tiny_path), ref_model_path=str(tiny_path),
                            pad_token_id=tokenizer.pad_token_id)
     prompt = tokenizer.encode("<|user|>12+34=<|assistant|>")
     samples = [Sample(index=i, group_index=0, prompt="", tokens=prompt + response,
@@ -229,10 +229,9 @@ def test_batch_invariance_scores_each_sample_alone_and_reports_the_largest_train
     """check() by hand: every sample (no padding row) goes to `forward` in a micro-batch of its
     own, without grad, padded on the right by 8 positions rounded up to the layout's length
     multiple (pad id, mask 0); the result is the largest |Δ| from the first pass over trained
-    tokens only (a NaN kept) and over every DP rank, at the first step with the key on only."""
+    tokens only (a NaN kept) and over every DP rank, only where due (the first step, the key on)."""
     from relax.train import batch_invariance
 
-    cfg = SimpleNamespace(debug=SimpleNamespace(check_batch_invariance=True))
     mbs, seen = two_micro_batches(), []
     # recomputed: the first pass, moved at trained tokens by these, +5 at an untrained one
     moved = {0: (1, 0.25), 5: (3, -0.5), 2: (2, 0.125)}
@@ -250,7 +249,7 @@ def test_batch_invariance_scores_each_sample_alone_and_reports_the_largest_train
         return out
 
     with torch.enable_grad():
-        got = batch_invariance.check(cfg, True, mbs, forward, pad_id=99, layout=SimpleNamespace(dp_size=1),
+        got = batch_invariance.check(True, mbs, forward, pad_id=99, layout=SimpleNamespace(dp_size=1),
                                      length_multiple=3)
     assert got == {KEY: 0.5}
     (alone, grad), = seen
@@ -267,18 +266,16 @@ def test_batch_invariance_scores_each_sample_alone_and_reports_the_largest_train
     # the extra padding: 8 rounded up to the multiple
     for multiple, width in [(1, 12), (8, 12), (16, 20)]:
         seen.clear()
-        batch_invariance.check(cfg, True, mbs, forward, 99, SimpleNamespace(dp_size=1),
+        batch_invariance.check(True, mbs, forward, 99, SimpleNamespace(dp_size=1),
                                length_multiple=multiple)
         assert {a.tokens.shape[1] for a in seen[0][0]} == {width}, multiple
     # the largest over the DP ranks; a NaN on any trained token kept
     monkeypatch.setattr(batch_invariance, "dp_all_gather", lambda x, layout: [0.25, x, 0.75])
-    assert batch_invariance.check(cfg, True, mbs, forward, 99, None) == {KEY: 0.75}
+    assert batch_invariance.check(True, mbs, forward, 99, None) == {KEY: 0.75}
     moved[5] = (2, math.nan)
-    assert math.isnan(batch_invariance.check(cfg, True, mbs, forward, 99, None)[KEY])
-    # not the first step, the key off: nothing recomputed; a rank without results still recomputes
+    assert math.isnan(batch_invariance.check(True, mbs, forward, 99, None)[KEY])
+    # not due: nothing recomputed; a rank without results still recomputes
     seen.clear()
-    assert batch_invariance.check(cfg, False, mbs, forward, 99, None) == {} and not seen
-    off = SimpleNamespace(debug=SimpleNamespace(check_batch_invariance=False))
-    assert batch_invariance.check(off, True, mbs, forward, 99, None) == {} and not seen
-    assert batch_invariance.check(cfg, True, mbs, forward, 99, None, holds_results=False) == {}
+    assert batch_invariance.check(False, mbs, forward, 99, None) == {} and not seen
+    assert batch_invariance.check(True, mbs, forward, 99, None, holds_results=False) == {}
     assert len(seen) == 1

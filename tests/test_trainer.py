@@ -8,20 +8,19 @@ from relax.rollout.generate import generate_rollout
 from relax.rollout.torch_engine import TorchEngine
 from relax.sample import Sample
 from relax.task import build_task
-from relax.train import make_trainer
 
-from .conftest import make_cfg, run_loop
+from .conftest import local_trainer, make_cfg, run_loop
 
 
 def rollout(cfg, engine, tokenizer, rollout_id=0):
-    return generate_rollout(engine, build_task(cfg), tokenizer, cfg.rollout, rollout_id,
+    return generate_rollout(engine, build_task(cfg.task, cfg.seed), tokenizer, cfg.rollout, rollout_id,
                             cfg.seed)[0]
 
 
 def test_first_step_log_probs_equal_ref_and_kl_zero(tiny_path, tokenizer):
     cfg = make_cfg("rollout.rollout_batch_size=8", "algo.use_kl_loss=true", "algo.kl_loss_coef=0.1")
     engine = TorchEngine(cfg, tiny_path, [tokenizer.eos_token_id], tokenizer.pad_token_id)
-    trainer = make_trainer(cfg, str(tiny_path), ref_model_path=str(tiny_path),
+    trainer = local_trainer(cfg, str(tiny_path), ref_model_path=str(tiny_path),
                            pad_token_id=tokenizer.pad_token_id)
     out = trainer.train(0, rollout(cfg, engine, tokenizer))
     r, step = out["rollout"], out["steps"][0]
@@ -39,7 +38,7 @@ def test_first_step_log_probs_equal_ref_and_kl_zero(tiny_path, tokenizer):
 def test_weight_sync_makes_engine_match_trainer(tiny_path, tokenizer):
     cfg = make_cfg("rollout.rollout_batch_size=16", "train.lr=0.02")
     engine = TorchEngine(cfg, tiny_path, [tokenizer.eos_token_id], tokenizer.pad_token_id)
-    trainer = make_trainer(cfg, str(tiny_path), ref_model_path=str(tiny_path),
+    trainer = local_trainer(cfg, str(tiny_path), ref_model_path=str(tiny_path),
                            pad_token_id=tokenizer.pad_token_id)
     samples = rollout(cfg, engine, tokenizer)
     prompts = [s.tokens[:s.prompt_length] for s in samples[::8]]
@@ -103,7 +102,7 @@ def test_a_pad_token_inside_a_response_trains_like_any_other_token(tiny_path, to
     cfg = make_cfg()
 
     def step(token: int):
-        trainer = make_trainer(cfg, str(tiny_path), ref_model_path=str(tiny_path), pad_token_id=pad)
+        trainer = local_trainer(cfg, str(tiny_path), ref_model_path=str(tiny_path), pad_token_id=pad)
         model = trainer.model
         with torch.no_grad():
             for weight in (model.model.embed_tokens.weight, model.lm_head.weight):

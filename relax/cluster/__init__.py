@@ -11,12 +11,13 @@ from omegaconf import OmegaConf
 
 from relax.targets import load_target
 from relax.errors import ConfigError
+from relax.train.spec import TrainerSpec
 
 
 def check_cluster(cfg):
     """The class `cluster._target_` names, imported, after its start-up refusals (check_config):
     relax.loop.prepare calls this with its other checks, before it writes anything."""
-    cluster = load_target(cfg, "cluster")
+    cluster = load_target(cfg.cluster, "cluster")
     if hasattr(cluster, "check_config"):
         cluster.check_config(cfg)
     return cluster
@@ -40,13 +41,13 @@ class LocalCluster:
         self.cfg, self.log_dir = cfg, str(log_dir) if log_dir else None
         self.engines = self.trainer = None
 
-    def build(self, engine_spec: tuple | None, trainer_spec: tuple | None):
-        """engine_spec: (model_path, tokenizer); trainer_spec: (model_path, ref_model_path,
-        pad_token_id, save_train_data). Returns (engines, trainer), None for what is not asked."""
+    def build(self, engine_spec: tuple | None, trainer_spec: TrainerSpec | None):
+        """engine_spec: (model_path, tokenizer). Returns (engines, trainer), None for what is not
+        asked."""
         if engine_spec:
             self.engines = self._engines(*engine_spec)
         if trainer_spec:
-            self.trainer = self._trainer(*trainer_spec)
+            self.trainer = self._trainer(trainer_spec)
         return self.engines, self.trainer
 
     def _engines(self, model_path, tokenizer):
@@ -72,21 +73,20 @@ class LocalCluster:
             raise
         return EngineGroup(InDriver(engines, devices), cfg.rollout)
 
-    def _trainer(self, model_path, ref_model_path, pad_token_id, save_train_data):
+    def _trainer(self, spec: TrainerSpec):
         from relax.targets import load_target
         from relax.train import make_trainer, runs_in_driver
 
         cfg = self.cfg
-        kwargs = dict(ref_model_path=str(ref_model_path), pad_token_id=pad_token_id,
-                      save_train_data=save_train_data)
-        if runs_in_driver(cfg):
-            return make_trainer(cfg, str(model_path), **kwargs)
+        groups = (cfg.train, cfg.algo, cfg.parallel)
+        if runs_in_driver(cfg.train, cfg.parallel, cfg.rollout.weight_update_mode):
+            return make_trainer(*groups, spec)
         from relax.cluster.ranks import LocalRanks
 
-        plain = OmegaConf.to_container(cfg, resolve=True)  # picklable, no resolvers needed
-        trainer = load_target(cfg, "train")
-        return LocalRanks(make_trainer, cfg.parallel.world_size, args=(plain, str(model_path)),
-                          kwargs=kwargs, log_dir=self.log_dir, num_threads=cfg.train.num_threads,
+        plain = [OmegaConf.to_container(g, resolve=True) for g in groups]  # picklable, no resolvers needed
+        trainer = load_target(cfg.train, "train")
+        return LocalRanks(make_trainer, cfg.parallel.world_size, args=(*plain, spec), log_dir=self.log_dir,
+                          num_threads=cfg.train.num_threads,
                           preload=(trainer.__module__, *getattr(trainer, "rank_imports", ())))
 
     def placement(self) -> dict:

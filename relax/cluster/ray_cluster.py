@@ -38,6 +38,7 @@ from relax.errors import USER_ERRORS, ConfigError
 from relax.process import sigterm_left_to_the_driver
 from relax.rollout import buckets, num_engines
 from relax.train import make_trainer
+from relax.train.spec import TrainerSpec
 
 log = logging.getLogger(__name__)
 
@@ -201,9 +202,9 @@ class RayCluster:
         log.info("Ray %s at %s (%s)", ray.__version__, ray.get_runtime_context().gcs_address,
                  "private instance" if self.private else "joined")
 
-    def build(self, engine_spec: tuple | None, trainer_spec: tuple | None):
-        """Start every engine and trainer rank (engine_spec: model_path, tokenizer; trainer_spec:
-        model_path, ref_model_path, pad_token_id, save_train_data); returns (engines, trainer)."""
+    def build(self, engine_spec: tuple | None, trainer_spec: TrainerSpec | None):
+        """Start every engine and trainer rank (engine_spec: model_path, tokenizer); returns
+        (engines, trainer)."""
         cfg = self.cfg
         plan = plan_bundles(cfg, trainer_spec is not None, engine_spec is not None, num_engines(cfg))
         needs: dict[str, float] = {}
@@ -228,12 +229,10 @@ class RayCluster:
             args = [(make_engine_host, (plain, model_path, tokenizer), {"base_gpu_id": 0})] * len(engines)
             builds.append((engines, [a.build.remote(*x) for a, x in zip(engines.actors, args, strict=True)]))
         if ranks.actors:
-            model_path, ref_model_path, pad_token_id, save_train_data = trainer_spec
             address, port = ray.get(ranks.actors[0].open_store.remote(len(ranks)))
-            kwargs = dict(ref_model_path=str(ref_model_path), pad_token_id=pad_token_id,
-                          save_train_data=save_train_data, world_size=len(ranks))
+            groups = tuple(plain[g] for g in ("train", "algo", "parallel"))
             builds.append((ranks, [actor.build.remote(
-                make_trainer, (plain, str(model_path)), {**kwargs, "rank": r},
+                make_trainer, (*groups, trainer_spec), {"rank": r, "world_size": len(ranks)},
                 dict(rank=r, world_size=len(ranks), address=address, port=port, log_dir=self.log_dir,
                      num_threads=threads, device_index=0)) for r, actor in enumerate(ranks.actors)]))
         for hosts, refs in builds:

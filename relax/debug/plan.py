@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from relax.errors import ConfigError
+from relax.targets import load_target
 
 
 @dataclass
@@ -34,6 +35,8 @@ class Plan:
     profile_dir: str | None = None  # where the trainer's profiles go (relax/train/profile.py)
     profile_rollouts: list[int] = field(default_factory=list)
     replay_files: dict[int, Path] = field(default_factory=dict)
+    partial_sync: bool = False  # the trainer class sends what training changed (synced_weights)
+    engine_records_layers: bool = False  # the engine class records layer outputs (record_layers)
 
     @property
     def replays(self) -> bool:
@@ -152,13 +155,11 @@ def check_dump_layers(cfg, dump_layers: str, rollout_ids: list[int], builds_trai
     if not builds_train:
         raise ConfigError(f"debug.dump_layers={dump_layers!r} records the trainer's first step of a "
                           f"rollout, but debug.rollout_only builds no trainer")
-    from relax.targets import load_target
-
     samples = list(d.dump_layers_samples)
     if not samples or any(not isinstance(i, int) or i < 0 for i in samples) or \
             len(set(samples)) < len(samples):
         raise ConfigError(f"debug.dump_layers_samples={samples}: expected distinct sample indices >= 0")
-    if not hasattr(load_target(cfg, "train"), "dump_layers"):
+    if not hasattr(load_target(cfg.train, "train"), "dump_layers"):
         raise ConfigError(f"debug.dump_layers: train._target_={cfg.train._target_} records no layer dump "
                           f"(train=torch and train=megatron do)")
     wanted = rollout_ids[:1] if d.dump_layers_rollouts is None else list(d.dump_layers_rollouts)
@@ -183,9 +184,7 @@ def check_profile(cfg, rollout_ids: list[int], builds_train: bool) -> list[int]:
     step carries none of the first's one-time work, or its only one)."""
     if not builds_train:
         raise ConfigError("debug.profile_dir profiles the trainer, but debug.rollout_only builds no trainer")
-    from relax.targets import load_target
-
-    if not getattr(load_target(cfg, "train").train, "profiled", False):
+    if not getattr(load_target(cfg.train, "train").train, "profiled", False):
         raise ConfigError(f"debug.profile_dir: train._target_={cfg.train._target_} is not profiled "
                           f"(decorate its train() with relax.train.profile.profiled, as train=torch and "
                           f"train=megatron do)")
@@ -276,9 +275,10 @@ def resolve(cfg, start_rollout_id: int = 0, hf_config: dict | None = None, run_d
         from relax.model import model_config
         from relax.train import check_batch_split, check_trainer
 
-        check_trainer(cfg, hf_config or model_config(cfg.model))
+        check_trainer(cfg.train, cfg.algo, cfg.parallel, r, cfg.model.dtype,
+                      hf_config or model_config(cfg.model))
         if not load:  # a replay's sample counts are checked with its files (relax.loop.prepare)
-            check_batch_split(cfg, r.rollout_batch_size * r.n_samples_per_prompt,
+            check_batch_split(cfg.train, cfg.parallel, r.rollout_batch_size * r.n_samples_per_prompt,
                               "rollout.rollout_batch_size x rollout.n_samples_per_prompt")
             if dump_layers:
                 check_dump_samples(d, r.rollout_batch_size * r.n_samples_per_prompt,
@@ -292,4 +292,7 @@ def resolve(cfg, start_rollout_id: int = 0, hf_config: dict | None = None, run_d
                 load_rollout_data=load, save_train_data=save_train if builds_train else None,
                 dump_dir=dump_dir, dump_layers=dump_layers, dump_layers_rollouts=layer_rollouts,
                 profile_dir=profile_dir, profile_rollouts=profile_rollouts,
-                replay_files=replay_files)
+                replay_files=replay_files, partial_sync=builds_train and hasattr(
+                    load_target(cfg.train, "train"), "synced_weights"),
+                engine_records_layers=not train_only and hasattr(
+                    load_target(cfg.rollout, "rollout"), "record_layers"))

@@ -44,11 +44,10 @@ def differences(engine: dict, trainer: dict) -> list[str]:
     return out
 
 
-def after_sync(cfg, engines, trainer, sent: Mapping[str, torch.Tensor] | None, rollout_id: int) -> None:
-    """The loop's call after each sync (`sent`: None for the NCCL broadcast, which sent the
-    trainer's whole model: gathered here by name). debug.check_weight_sync=false skips it."""
-    if cfg.debug.check_weight_sync:
-        check_sync_landed(engines, trainer.named_weights() if sent is None else sent, rollout_id)
+def after_sync(engines, trainer, sent: Mapping[str, torch.Tensor] | None, rollout_id: int) -> None:
+    """The loop's call after each sync unless debug.check_weight_sync=false (`sent`: None for the
+    NCCL broadcast, which sent the trainer's whole model: gathered here by name)."""
+    check_sync_landed(engines, trainer.named_weights() if sent is None else sent, rollout_id)
 
 
 def check_sync_landed(engines, sent: Mapping[str, torch.Tensor], rollout_id: int) -> int:

@@ -87,7 +87,7 @@ def engine_dtype(cfg) -> str:
 
 def check_engine(cfg) -> None:
     """Start-up refusals: the engine class imports and supports what the config asks of it."""
-    engine = load_target(cfg, "rollout")
+    engine = load_target(cfg.rollout, "rollout")
     r = cfg.rollout
     if r.weight_update_mode not in ("tensor", "disk", "distributed"):
         raise ConfigError(f"rollout.weight_update_mode={r.weight_update_mode!r}: expected tensor, "
@@ -124,15 +124,15 @@ def uses_gpus(cfg) -> bool:
     """Whether the engine places itself on GPUs (it takes `base_gpu_id`) and there are GPUs."""
     import inspect
 
-    engine = load_target(cfg, "rollout")
+    engine = load_target(cfg.rollout, "rollout")
     return torch_cuda_available() and "base_gpu_id" in inspect.signature(engine).parameters
 
 
 def build_engine(cfg, model_path: Path, tokenizer, base_gpu_id: int = 0):
     """One engine; a GPU engine on the visible GPUs base_gpu_id.. (its tensor-parallel size)."""
     gpus = {"base_gpu_id": base_gpu_id} if uses_gpus(cfg) else {}
-    return load_target(cfg, "rollout")(cfg, model_path, [tokenizer.eos_token_id], tokenizer.pad_token_id,
-                                       **gpus)
+    engine = load_target(cfg.rollout, "rollout")
+    return engine(cfg, model_path, [tokenizer.eos_token_id], tokenizer.pad_token_id, **gpus)
 
 
 # numpy's SeedSequence constants (numpy/random/bit_generator.pyx): pool of 4 32-bit words

@@ -248,8 +248,9 @@ class JsonlTask(Task):
         return self.rows
 
 
-def build_task(cfg) -> Task:
-    return instantiate(cfg, "task", seed=cfg.seed)
+def build_task(task, seed: int) -> Task:
+    """The class `task._target_` names, with the group's other keys and the run's seed."""
+    return instantiate(task, "task", seed=seed)
 
 
 def check_rewards(samples, source: str) -> None:

@@ -58,7 +58,7 @@ class Scorer:
                 cfg.rollout.dtype = dtype
             cfg.rollout.rollout_num_gpus = 1
         try:
-            cls = load_target(cfg, "rollout")
+            cls = load_target(cfg.rollout, "rollout")
         except Exception as e:  # noqa: BLE001 - a class this machine cannot import: the stock engine
             cls, self.stand_in = TorchEngine, f"rollout._target_ does not import here ({e}): the torch engine stands in"
         if not (isinstance(cls, type) and issubclass(cls, TorchEngineBase)):

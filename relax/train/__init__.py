@@ -13,12 +13,12 @@ from relax.targets import load_target
 from relax.errors import ConfigError
 
 
-def make_trainer(cfg, *args, **kwargs):
-    """Construct the configured trainer for one rank (also in spawned ranks: module-level, so
-    it pickles, and `cfg` may arrive as a plain dict)."""
-    if not isinstance(cfg, DictConfig):
-        cfg = OmegaConf.create(cfg)
-    return load_target(cfg, "train")(cfg, *args, **kwargs)
+def make_trainer(train, algo, parallel, spec, rank: int = 0, world_size: int = 1):
+    """Construct the configured trainer (`train._target_`) for one rank (also in spawned ranks:
+    module-level, so it pickles; the groups may arrive as plain dicts)."""
+    train, algo, parallel = (g if isinstance(g, DictConfig) else OmegaConf.create(g)
+                             for g in (train, algo, parallel))
+    return load_target(train, "train")(train, algo, parallel, spec, rank=rank, world_size=world_size)
 
 
 def check_train_keys(t) -> None:
@@ -63,52 +63,52 @@ def check_parallel_keys(p) -> None:
                           f"{derived}; leave it unset")
 
 
-def check_batch_split(cfg, num_samples: int, source: str) -> None:
+def check_batch_split(train, parallel, num_samples: int, source: str) -> None:
     """A rollout's samples split into train.num_steps_per_rollout mini-batches, each over
     parallel.dp ranks (a rank's last micro-batch may be smaller than train.micro_batch_size: the
     loss is a token mean over the whole step)."""
-    parts = cfg.train.num_steps_per_rollout * cfg.parallel.dp
+    parts = train.num_steps_per_rollout * parallel.dp
     if num_samples % parts:
         raise ConfigError(f"{source} gives {num_samples} samples per rollout, which do not split into "
-                          f"train.num_steps_per_rollout={cfg.train.num_steps_per_rollout} x parallel.dp="
-                          f"{cfg.parallel.dp} equal parts: make their product divide {num_samples}")
+                          f"train.num_steps_per_rollout={train.num_steps_per_rollout} x parallel.dp="
+                          f"{parallel.dp} equal parts: make their product divide {num_samples}")
 
 
-def check_trainer(cfg, hf_config: dict) -> None:
-    """Start-up refusals (after check_train_keys): the trainer class imports, the model's dtype and
-    the algo settings hold (every trainer trains with relax.algo), and its own checks pass for this model
-    (`hf_config`: its config.json, see relax.model.model_config)."""
-    trainer = load_target(cfg, "train")
+def check_trainer(train, algo, parallel, rollout, dtype: str, hf_config: dict) -> None:
+    """Start-up refusals (after check_train_keys): the trainer class imports, the model's dtype
+    (model.dtype) and the algo settings hold (every trainer trains with relax.algo), and its own
+    checks pass for this model (`hf_config`: its config.json, see relax.model.model_config)."""
+    trainer = load_target(train, "train")
     from relax.algo import check_algo
     from relax.model import torch_dtype
     from relax.train import lora, routing
 
-    torch_dtype(cfg.model.dtype)
-    check_algo(cfg.algo, cfg.rollout)
-    lora.check_config(cfg, trainer, hf_config)
-    routing.check_config(cfg.algo, hf_config, cfg.train.num_steps_per_rollout)
-    if cfg.algo.routing_replay and not getattr(trainer, "replays_routing", False):
-        raise ConfigError(f"algo.routing_replay={cfg.algo.routing_replay}: {cfg.train._target_} cannot "
+    torch_dtype(dtype)
+    check_algo(algo, rollout)
+    lora.check_config(train, trainer, hf_config)
+    routing.check_config(algo, hf_config, train.num_steps_per_rollout)
+    if algo.routing_replay and not getattr(trainer, "replays_routing", False):
+        raise ConfigError(f"algo.routing_replay={algo.routing_replay}: {train._target_} cannot "
                           f"route as recorded (use train=torch or train=megatron)")
     if hasattr(trainer, "check_config"):
-        trainer.check_config(cfg, hf_config)
+        trainer.check_config(train, algo, parallel, rollout, hf_config)
 
 
-def checkpoint_layout(cfg) -> dict:
+def checkpoint_layout(train, parallel) -> dict:
     """What a checkpoint's trainer state is tied to: the trainer class, its LoRA adapters (or none)
     and whatever that class adds (train=megatron, whose optimizer state is saved per rank: the
     parallel sizes)."""
     from relax.train import lora
 
-    trainer = load_target(cfg, "train")
-    extra = trainer.checkpoint_layout(cfg) if hasattr(trainer, "checkpoint_layout") else {}
-    return {"train._target_": cfg.train._target_, "train.lora": lora.layout(cfg.train.lora), **extra}
+    trainer = load_target(train, "train")
+    extra = trainer.checkpoint_layout(train, parallel) if hasattr(trainer, "checkpoint_layout") else {}
+    return {"train._target_": train._target_, "train.lora": lora.layout(train.lora), **extra}
 
 
-def runs_in_driver(cfg) -> bool:
+def runs_in_driver(train, parallel, weight_update_mode: str) -> bool:
     """Whether a single-rank trainer may run in the driver process (cluster=local): its class says
     so (`runs_in_driver`; Megatron never: its CPU compatibility layer and global parallel state
-    must not leak into the driver), and NCCL weight sync does not need it in its own process (it
-    broadcasts while the driver waits on the engine)."""
-    return (cfg.parallel.world_size == 1 and getattr(load_target(cfg, "train"), "runs_in_driver", False)
-            and cfg.rollout.weight_update_mode != "distributed")
+    must not leak into the driver), and NCCL weight sync (rollout.weight_update_mode=distributed)
+    does not need it in its own process (it broadcasts while the driver waits on the engine)."""
+    return (parallel.world_size == 1 and getattr(load_target(train, "train"), "runs_in_driver", False)
+            and weight_update_mode != "distributed")

@@ -31,14 +31,14 @@ def alone(mb: MicroBatch, row: int, pad_id: int, extra: int) -> MicroBatch:
                       prompt_lengths=mb.prompt_lengths[row:row + 1], lengths=mb.lengths[row:row + 1])
 
 
-def check(cfg, first_step: bool, micro_batches: list[MicroBatch],
+def check(due: bool, micro_batches: list[MicroBatch],
           forward: Callable[[list[MicroBatch]], list[torch.Tensor]], pad_id: int, layout,
           holds_results: bool = True, length_multiple: int = 1) -> dict:
-    """{KEY: max |Δ| over every DP rank's trained tokens} at the first step with the key on,
-    else {}. `micro_batches` carry the first pass's old_log_probs; `forward` gives the per-token
-    log-probs of a list of micro-batches (a collective on every rank of the layout; only where
+    """{KEY: max |Δ| over every DP rank's trained tokens} where `due` (the first step, with
+    debug.check_batch_invariance on), else {}. `micro_batches` carry the first pass's
+    old_log_probs; `forward` gives the per-token log-probs of a list of micro-batches (a collective on every rank of the layout; only where
     `holds_results`, train=megatron's last pipeline stage, does it return them)."""
-    if not (first_step and cfg.debug.check_batch_invariance):
+    if not due:
         return {}
     extra = -(-EXTRA_PADDING // length_multiple) * length_multiple
     rows = [(mb, b) for mb in micro_batches for b, i in enumerate(mb.indices) if i >= 0]

@@ -172,7 +172,7 @@ def shard_steps(samples: list[Sample], advantages: torch.Tensor, steps: int, dp:
     return out
 
 
-def forward_passes(cfg, rollout_id: int, first_step: bool, save_train_data: str | None) -> tuple[bool, bool]:
+def forward_passes(train, algo, rollout_id: int, first_step: bool, save_train_data: str | None) -> tuple[bool, bool]:
     """Which no-grad passes a rollout needs: (reference, old log-probs). The reference only
     where something reads ref_log_probs: a KL loss, the run's first step (the guide's
     log_probs == ref_log_probs check), every train.ref_log_probs_interval rollouts, dumps.
@@ -180,10 +180,10 @@ def forward_passes(cfg, rollout_id: int, first_step: bool, save_train_data: str 
     optimizer steps per rollout (later steps start from updated weights), unless the
     engine's log-probs are the old policy; and at the first step, so that its ppo_kl
     compares two forwards (a non-deterministic one shows) rather than one with itself."""
-    interval = cfg.train.ref_log_probs_interval
-    ref = (cfg.algo.use_kl_loss or first_step or save_train_data is not None
+    interval = train.ref_log_probs_interval
+    ref = (algo.use_kl_loss or first_step or save_train_data is not None
            or bool(interval and rollout_id % interval == 0))
-    old = first_step or (cfg.train.num_steps_per_rollout > 1 and not cfg.algo.use_rollout_log_probs)
+    old = first_step or (train.num_steps_per_rollout > 1 and not algo.use_rollout_log_probs)
     return ref, old
 
 

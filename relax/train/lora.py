@@ -57,16 +57,16 @@ def layout(lora) -> dict | None:
     return {"rank": lora.rank, "alpha": alpha(lora), "target_modules": targets}
 
 
-def check_config(cfg, trainer, hf_config: dict) -> None:
+def check_config(train, trainer, hf_config: dict) -> None:
     """Start-up refusals for train.lora.* (relax.train.check_trainer)."""
-    lora = cfg.train.lora
+    lora = train.lora
     if lora.rank < 0:
         raise ConfigError(f"train.lora.rank={lora.rank}: expected 0 (LoRA off) or a positive adapter rank")
     if not lora.rank:
         return
     if not getattr(trainer, "trains_lora", False):
         raise ConfigError(f"train.lora.rank={lora.rank}: LoRA trains with train=torch only, and "
-                          f"train._target_={cfg.train._target_} has no LoRA (Megatron-core has none of "
+                          f"train._target_={train._target_} has no LoRA (Megatron-core has none of "
                           f"its own); use train=torch, or train.lora.rank=0")
     width = hf_config.get("hidden_size", lora.rank)
     if lora.rank > width:  # B @ A's rank is at most the layer's width

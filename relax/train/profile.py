@@ -32,17 +32,18 @@ def phase(name: str):
 
 def profiled(train):
     """Decorates a trainer's `train(rollout_id, samples)`: profiled when debug.profile_dir is set
-    and rollout_id is one of debug.profile_rollouts (both resolved by relax/debug/plan.py)."""
+    and rollout_id is one of debug.profile_rollouts (both resolved by relax/debug/plan.py, and
+    given to the trainer in its `spec`, relax/train/spec.py)."""
     @functools.wraps(train)
     def wrapper(self, rollout_id: int, samples):
-        d = self.cfg.debug
-        if d.profile_dir is None or rollout_id not in d.profile_rollouts:
+        spec = self.spec
+        if spec.profile_dir is None or rollout_id not in spec.profile_rollouts:
             return train(self, rollout_id, samples)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
         t0 = time.perf_counter()
         with torch.profiler.profile(activities=activities) as prof:
             out = train(self, rollout_id, samples)
-        write(prof, Path(d.profile_dir) / f"rollout_{rollout_id}_rank{self.layout.rank}", rollout_id,
+        write(prof, Path(spec.profile_dir) / f"rollout_{rollout_id}_rank{self.layout.rank}", rollout_id,
               self.layout.rank, time.perf_counter() - t0)
         return out
     wrapper.profiled = True  # relax/debug/plan.py refuses debug.profile_dir for a trainer without it

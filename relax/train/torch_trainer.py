@@ -27,6 +27,7 @@ from relax.files import atomic_save, safe_load
 from relax.sample import Sample, log_prob_temperature, require_routed_experts
 from relax.train import batch_invariance, common, layer_dump, lora, packing, routing
 from relax.train.common import MicroBatch
+from relax.train.spec import TrainerSpec
 from relax.train.profile import phase, profiled
 from relax.train.weight_sync import DistributedWeightSync
 from relax.train.parallel import (
@@ -61,23 +62,23 @@ class TorchTrainer(DistributedWeightSync):
     replays_routing = True  # algo.routing_replay: hooks on transformers' MoE routers (relax/train/routing.py)
 
     @staticmethod
-    def check_config(cfg, hf_config: dict) -> None:
-        check_torch_layout(cfg.parallel, hf_config)
-        packing.shares_prompt(cfg.train.shared_prompt, hf_config, cfg.rollout.true_on_policy)
-        if cfg.rollout.true_on_policy:
-            check_true_on_policy(cfg.parallel, cfg.train, cfg.algo)
+    def check_config(train, algo, parallel, rollout, hf_config: dict) -> None:
+        check_torch_layout(parallel, hf_config)
+        packing.shares_prompt(train.shared_prompt, hf_config, rollout.true_on_policy)
+        if rollout.true_on_policy:
+            check_true_on_policy(parallel, train, algo)
 
-    def __init__(self, cfg, model_path: str, ref_model_path: str | None = None,
-                 pad_token_id: int = 0, save_train_data: str | None = None,
-                 rank: int = 0, world_size: int = 1):
-        self.cfg, self.pad_id, self.save_train_data = cfg, pad_token_id, save_train_data
-        self.layout = init_layout(cfg.parallel, rank, world_size)
-        self.temperature = log_prob_temperature(cfg.rollout.temperature)
-        torch.manual_seed(cfg.seed)
-        base = Path(ref_model_path or model_path)
+    def __init__(self, train, algo, parallel, spec: TrainerSpec, rank: int = 0, world_size: int = 1):
+        self.train_cfg, self.algo, self.parallel, self.spec = train, algo, parallel, spec
+        self.pad_id, self.save_train_data = spec.pad_token_id, spec.save_train_data
+        self.layout = init_layout(parallel, rank, world_size)
+        self.temperature = log_prob_temperature(spec.temperature)
+        torch.manual_seed(spec.seed)
+        model_path = spec.model_path
+        base = Path(spec.ref_model_path or model_path)
         # LoRA: adapters on the base, which is the reference (a resumed run loads its adapters later)
-        self.true_on_policy = cfg.rollout.true_on_policy  # the engine's batch-invariant forward
-        self.model = load_causal_lm(base if cfg.train.lora.rank else Path(model_path), cfg.model.dtype,
+        self.true_on_policy = spec.true_on_policy  # the engine's batch-invariant forward
+        self.model = load_causal_lm(base if train.lora.rank else Path(model_path), spec.dtype,
                                     invariant=self.true_on_policy)
         for module in self.model.modules():
             # HF builds nn.Embedding(padding_idx=pad_token_id), whose backward drops the pad
@@ -85,11 +86,11 @@ class TorchTrainer(DistributedWeightSync):
             # generated mid-response must train like any other token (as in train=megatron).
             if isinstance(module, torch.nn.Embedding):
                 module.padding_idx = None
-        self.shared_prompt = packing.shares_prompt(cfg.train.shared_prompt, self.model.config.to_dict(),
+        self.shared_prompt = packing.shares_prompt(train.shared_prompt, self.model.config.to_dict(),
                                                    self.true_on_policy)
-        common.nudge_ulps(self.model.parameters(), cfg.parallel.noise_ulp, cfg.seed)  # (LoRA: the base's)
-        self.lora = lora.Adapters(self.model, cfg.train.lora) if cfg.train.lora.rank else None
-        ref = None if self.lora else load_causal_lm(base, cfg.model.dtype, self.true_on_policy).requires_grad_(False)
+        common.nudge_ulps(self.model.parameters(), parallel.noise_ulp, spec.seed)  # (LoRA: the base's)
+        self.lora = lora.Adapters(self.model, train.lora) if train.lora.rank else None
+        ref = None if self.lora else load_causal_lm(base, spec.dtype, self.true_on_policy).requires_grad_(False)
         noisy = [layer.self_attn for i, layer in enumerate(decoder_layers(self.model))
                  if faults.active("trainer_dropout") or faults.active(f"trainer_dropout:{i}")]
         if noisy:  # a noisy forward: attention dropout in every layer, or in layer i
@@ -98,11 +99,11 @@ class TorchTrainer(DistributedWeightSync):
             self.model.train()
         self.actor = apply_layout(self.model, self.layout, trainable=True)
         self.ref = None if ref is None else apply_layout(ref, self.layout, trainable=False)
-        if faults.active(f"perturb_shard:{cfg.parallel.name}") and self.layout.rank == 1:
+        if faults.active(f"perturb_shard:{parallel.name}") and self.layout.rank == 1:
             shard = self.model.model.layers[0].self_attn.q_proj.weight
             with torch.no_grad():  # one rank's weight shard is off by 1e-3
                 (shard.to_local() if isinstance(shard, DTensor) else shard).add_(1e-3)
-        t = cfg.train
+        t = train
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]  # (LoRA: the adapters)
         self.optimizer = torch.optim.AdamW(
             self.trainable, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
@@ -112,7 +113,7 @@ class TorchTrainer(DistributedWeightSync):
 
     def _grad_sync(self):
         """DDP all-reduces gradients in backward; the `no_allreduce` fault skips that."""
-        if faults.active(f"no_allreduce:{self.cfg.parallel.name}") and hasattr(self.actor, "no_sync"):
+        if faults.active(f"no_allreduce:{self.parallel.name}") and hasattr(self.actor, "no_sync"):
             return self.actor.no_sync()
         return contextlib.nullcontext()
 
@@ -129,7 +130,7 @@ class TorchTrainer(DistributedWeightSync):
         trained ones by a slice (HF's logits_to_keep=int), its matmul on a strided view gave
         the actor and the frozen reference log-probs 1e-7 apart, and first-step KL must be
         exactly 0 (packing gathers the kept positions into a tensor of their own)."""
-        entropy_grad = self.cfg.algo.entropy_coef != 0
+        entropy_grad = self.algo.entropy_coef != 0
         shared = self.shared_prompt if shared_prompt is None else shared_prompt
         fed = packing.packed(mb, self.pad_id, next(model.parameters()).dtype).fed if shared else \
             routing.unpacked_fed(mb.lengths, mb.tokens.shape[1])
@@ -145,23 +146,24 @@ class TorchTrainer(DistributedWeightSync):
         return self.lora.disabled() if self.lora else contextlib.nullcontext(self.ref)
 
     def _loss_scale(self, scale):
-        if faults.active(f"grad_scale:{self.cfg.parallel.name}") and self.layout.rank == 1:
+        if faults.active(f"grad_scale:{self.parallel.name}") and self.layout.rank == 1:
             return scale * 1.01  # one rank's gradient off by 1%
         return scale
 
     # -- the algorithm ---------------------------------------------------------------------
     @profiled
     def train(self, rollout_id: int, samples: list[Sample]) -> dict:
-        advantages = common.advantages_of(samples, self.cfg.algo)
-        t = self.cfg.train
+        advantages = common.advantages_of(samples, self.algo)
+        t = self.train_cfg
         steps = common.shard_steps(samples, advantages, t.num_steps_per_rollout, self.layout.dp_size,
                                    self.layout.dp_rank, t.micro_batch_size, self.pad_id,
-                                   loss_agg_mode=self.cfg.algo.loss_agg_mode,
-                                   horizon=self.cfg.rollout.max_new_tokens)
+                                   loss_agg_mode=self.algo.loss_agg_mode,
+                                   horizon=self.spec.max_new_tokens)
         micro_batches = [mb for step in steps for mb in step]
 
-        ref, old = common.forward_passes(self.cfg, rollout_id, self.first_step, self.save_train_data)
-        replaying = self.cfg.algo.routing_replay
+        ref, old = common.forward_passes(self.train_cfg, self.algo, rollout_id, self.first_step,
+                                         self.save_train_data)
+        replaying = self.algo.routing_replay
         if replaying == "rollout":
             require_routed_experts(samples, f"rollout {rollout_id}")
         with torch.no_grad():  # the reference, and the policy that sampled (old), where needed
@@ -177,9 +179,10 @@ class TorchTrainer(DistributedWeightSync):
                             self.actor, mb, replay=routing.replay_for(mb, replaying, "old"))
                         routing.measured(mb, record, replaying)
         if old:  # (without this pass, each training forward attaches its own)
-            common.attach_is_weights(micro_batches, self.cfg.algo)
-        invariance = batch_invariance.check(self.cfg, self.first_step, micro_batches, lambda mbs: [
-            self._log_probs(self.actor, mb)[0] for mb in mbs], self.pad_id, self.layout)
+            common.attach_is_weights(micro_batches, self.algo)
+        invariance = batch_invariance.check(
+            self.spec.check_batch_invariance and self.first_step, micro_batches,
+            lambda mbs: [self._log_probs(self.actor, mb)[0] for mb in mbs], self.pad_id, self.layout)
 
         log, replayed = common.TrainLog(self.layout, ref), torch.zeros(3)
         for step, step_mbs in enumerate(steps):
@@ -198,7 +201,7 @@ class TorchTrainer(DistributedWeightSync):
                     routing.measured(mb, record, replaying)
                     if replay is not None:
                         replayed += routing.replayed_sums(record, replay)
-                    loss, mb_sums = common.objective(log_probs, entropy, mb, self.cfg.algo)
+                    loss, mb_sums = common.objective(log_probs, entropy, mb, self.algo)
                     (masked_sum(loss, mb.loss_weights) * scale).backward()
                 sums += mb_sums
                 mb_losses.append(mb_sums[0])
@@ -209,7 +212,7 @@ class TorchTrainer(DistributedWeightSync):
                 if finite:  # a non-finite step never reaches the weights (nor Adam's moments)
                     self.optimizer.step()
                     # parallel.step_noise_ulp (a noise twin): every step's result nudged
-                    common.step_noise(self.trainable, self.cfg.parallel.step_noise_ulp, self.cfg.seed,
+                    common.step_noise(self.trainable, self.parallel.step_noise_ulp, self.spec.seed,
                                       rollout_id * t.num_steps_per_rollout + step)
             self.skipped_steps += not finite
             log.step(step, step_mbs, mb_losses, sums, num_tokens, grad_norm, finite,
@@ -219,7 +222,7 @@ class TorchTrainer(DistributedWeightSync):
         routed = (dp_all_reduce(routing.rollout_agreement(micro_batches), self.layout),
                   dp_all_reduce(replayed, self.layout))
         out = log.result(micro_batches, self.first_step, self.save_train_data, rollout_id, samples,
-                         advantages, self.cfg.algo.kl_loss_type, routed)
+                         advantages, self.algo.kl_loss_type, routed)
         out["steps"][0].update(invariance)
         self.first_step = False
         return out
@@ -230,10 +233,10 @@ class TorchTrainer(DistributedWeightSync):
         through the reference's forward and the training forward and backward, before the
         rollout's first step; every rank runs the same micro-batch (DDP/FSDP average identical
         gradients), rank 0 writes."""
-        algo = self.cfg.algo
+        algo = self.algo
         chosen = [samples[i] for i in indices]
         factors = sequence_loss_scales([sum(s.loss_mask) for s in chosen], algo.loss_agg_mode,
-                                       self.cfg.rollout.max_new_tokens)
+                                       self.spec.max_new_tokens)
         mb = common.make_micro_batch(chosen, common.advantages_of(samples, algo), self.pad_id,
                                      scales=dict(zip(indices, factors, strict=True)))
         with torch.no_grad(), self._reference() as ref, \
@@ -292,7 +295,7 @@ class TorchTrainer(DistributedWeightSync):
         if self.lora:  # the adapters themselves, which a resumed run trains on
             self.lora.save(path, write=self.layout.rank == 0)
         if self.layout.rank == 0:
-            if not self.lora or self.cfg.train.lora.save_merged:  # (an adapter: the base is the reference)
+            if not self.lora or self.train_cfg.lora.save_merged:  # (an adapter: the base is the reference)
                 save_hf_dir(Path(path) / "hf", self.model.config, weights)
             atomic_save({"optimizer": optim, "torch_rng": torch.get_rng_state(),
                          "skipped_steps": self.skipped_steps}, Path(path) / "trainer_state.pt")

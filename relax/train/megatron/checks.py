@@ -16,15 +16,15 @@ from relax.train.parallel import check_divides
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 
 
-def check_config(cfg, hf_config: dict) -> None:
-    if cfg.rollout.true_on_policy:
+def check_config(train, algo, parallel, rollout, hf_config: dict) -> None:
+    if rollout.true_on_policy:
         raise ConfigError("rollout.true_on_policy=true is refused with train=megatron: its layers reduce in "
                           "their own order (fused kernels, tensor-parallel sums); use train=torch")
     families.megatron_family(hf_config, "train=megatron")
-    if cfg.train.attention_backend not in ATTENTION_BACKENDS:
-        raise ConfigError(f"train.attention_backend={cfg.train.attention_backend!r}: expected one "
+    if train.attention_backend not in ATTENTION_BACKENDS:
+        raise ConfigError(f"train.attention_backend={train.attention_backend!r}: expected one "
                           f"of {', '.join(ATTENTION_BACKENDS)}")
-    if cfg.train.shared_prompt:
+    if train.shared_prompt:
         raise ConfigError("train.shared_prompt=true is train=torch's (relax/train/packing.py): "
                           "Megatron-core's GPTModel applies RoPE by position in the row and ignores "
                           "position ids outside THD packing, which needs Transformer Engine; "
@@ -33,7 +33,7 @@ def check_config(cfg, hf_config: dict) -> None:
     from relax.train.megatron.cpu_compat import check_version
 
     check_version()
-    check_layout(cfg.parallel, hf_config)
+    check_layout(parallel, hf_config)
 
 
 def check_layout(p, hf: dict) -> None:
@@ -68,8 +68,8 @@ def check_layout(p, hf: dict) -> None:
         check_divides(p, "etp", hf, (families.layer_family(hf).moe.expert_size_key,))
 
 
-def checkpoint_layout(cfg) -> dict:
+def checkpoint_layout(train, parallel) -> dict:
     """Optimizer state is saved per rank: a resume needs the same parallel sizes and optimizer."""
-    layout = {f"parallel.{k}": cfg.parallel[k] for k in ("tp", "pp", "vpp", "ep", "etp", "cp", "dp")}
-    layout["train.use_distributed_optimizer"] = cfg.train.use_distributed_optimizer
+    layout = {f"parallel.{k}": parallel[k] for k in ("tp", "pp", "vpp", "ep", "etp", "cp", "dp")}
+    layout["train.use_distributed_optimizer"] = train.use_distributed_optimizer
     return layout

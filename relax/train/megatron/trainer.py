@@ -27,6 +27,7 @@ from relax.sample import Sample, log_prob_temperature, require_routed_experts
 from relax.train import batch_invariance, common
 from relax.train.common import MicroBatch
 from relax.train.profile import phase, profiled
+from relax.train.spec import TrainerSpec
 from relax.train.megatron import checks, layer_dump
 from relax.train.megatron.context_parallel import cp_full, cp_local
 from relax.train.megatron.layout import init_layout
@@ -51,9 +52,7 @@ class MegatronTrainer(DistributedWeightSync):
     replays_routing = True  # algo.routing_replay: Megatron-core's RouterReplay (routing.py)
     rank_imports = ("relax.train.megatron.rank_imports",)  # see relax/train/__init__.py
 
-    def __init__(self, cfg, model_path: str, ref_model_path: str | None = None,
-                 pad_token_id: int = 0, save_train_data: str | None = None,
-                 rank: int = 0, world_size: int = 1):
+    def __init__(self, train, algo, parallel, spec: TrainerSpec, rank: int = 0, world_size: int = 1):
         from transformers import AutoConfig
 
         warnings.filterwarnings("ignore", module=r"megatron\.")  # "Apex/TE not installed" & co
@@ -62,28 +61,29 @@ class MegatronTrainer(DistributedWeightSync):
             from relax.train.megatron import cpu_compat
 
             cpu_compat.apply()
-        self.cfg, self.pad_id, self.save_train_data = cfg, pad_token_id, save_train_data
-        self.hf_config = AutoConfig.from_pretrained(model_path)
-        if GPU and cfg.train.deterministic:
+        self.train_cfg, self.algo, self.parallel, self.spec = train, algo, parallel, spec
+        self.pad_id, self.save_train_data = spec.pad_token_id, spec.save_train_data
+        self.hf_config = AutoConfig.from_pretrained(spec.model_path)
+        if GPU and train.deterministic:
             deterministic_mode()
-        torch.set_num_threads(cfg.train.num_threads)
-        self.temperature = log_prob_temperature(cfg.rollout.temperature)
-        self.layout = init_layout(cfg.parallel, cfg.seed, rank, world_size)
-        self.config = transformer_config(self.hf_config, self.layout, cfg.train, cfg.model.dtype)
-        self.config.moe_enable_routing_replay = bool(cfg.algo.routing_replay)
-        if cfg.algo.routing_replay:  # (its routers register in a process-wide list: only this trainer's)
+        torch.set_num_threads(train.num_threads)
+        self.temperature = log_prob_temperature(spec.temperature)
+        self.layout = init_layout(parallel, spec.seed, rank, world_size)
+        self.config = transformer_config(self.hf_config, self.layout, train, spec.dtype)
+        self.config.moe_enable_routing_replay = bool(algo.routing_replay)
+        if algo.routing_replay:  # (its routers register in a process-wide list: only this trainer's)
             from megatron.core.transformer.moe.router_replay import RouterReplay
 
             RouterReplay.clear_global_router_replay_instances()
         self.weights = Weights(self.hf_config, self.layout)
-        self.ref = self.weights.load(self._build(), ref_model_path or model_path)
-        actor = self.weights.load(self._build(), model_path)  # the actor's passthrough is kept
+        self.ref = self.weights.load(self._build(), spec.ref_model_path or spec.model_path)
+        actor = self.weights.load(self._build(), spec.model_path)  # the actor's passthrough is kept
         self.moe_routing = MoERouting([self.ref, actor], self.layout, self.hf_config.num_hidden_layers,
-                                  self.hf_config.num_experts_per_tok, cfg.algo.routing_replay) \
+                                  self.hf_config.num_experts_per_tok, algo.routing_replay) \
             if families.num_experts(self.hf_config.to_dict()) else None
-        common.nudge_ulps([p for chunk in actor for p in chunk.parameters()], cfg.parallel.noise_ulp,
-                          cfg.seed)
-        self.actor, self.optimizer = wrap_for_training(actor, self.config, cfg.train, cfg.model.dtype)
+        common.nudge_ulps([p for chunk in actor for p in chunk.parameters()], parallel.noise_ulp,
+                          spec.seed)
+        self.actor, self.optimizer = wrap_for_training(actor, self.config, train, spec.dtype)
         self.skipped_steps = 0
         self.first_step = True  # nothing trained or loaded yet: the guide's first-step checks apply
 
@@ -93,18 +93,19 @@ class MegatronTrainer(DistributedWeightSync):
     # -- the algorithm ---------------------------------------------------------------------
     @profiled
     def train(self, rollout_id: int, samples: list[Sample]) -> dict:
-        t, layout = self.cfg.train, self.layout
-        advantages = common.advantages_of(samples, self.cfg.algo)
+        t, layout = self.train_cfg, self.layout
+        advantages = common.advantages_of(samples, self.algo)
         steps = common.shard_steps(samples, advantages, t.num_steps_per_rollout, layout.dp_size,
                                    layout.dp_rank, t.micro_batch_size, self.pad_id,
                                    fixed_shape=True, length_multiple=layout.length_multiple,
-                                   loss_agg_mode=self.cfg.algo.loss_agg_mode,
-                                   horizon=self.cfg.rollout.max_new_tokens)
+                                   loss_agg_mode=self.algo.loss_agg_mode,
+                                   horizon=self.spec.max_new_tokens)
         micro_batches = [mb for step in steps for mb in step]
         last = layout.is_last_stage  # computes the logits, hence every result
 
-        ref, old = common.forward_passes(self.cfg, rollout_id, self.first_step, self.save_train_data)
-        if self.cfg.algo.routing_replay == "rollout":
+        ref, old = common.forward_passes(self.train_cfg, self.algo, rollout_id, self.first_step,
+                                         self.save_train_data)
+        if self.algo.routing_replay == "rollout":
             require_routed_experts(samples, f"rollout {rollout_id}")
         ref_out = old_out = None
         if ref:
@@ -120,9 +121,9 @@ class MegatronTrainer(DistributedWeightSync):
                 if old:
                     mb.old_log_probs, mb.entropy = old_out[k]
             if old:  # (without this pass, each training forward attaches its own)
-                common.attach_is_weights(micro_batches, self.cfg.algo)
+                common.attach_is_weights(micro_batches, self.algo)
         invariance = batch_invariance.check(
-            self.cfg, self.first_step, micro_batches,
+            self.spec.check_batch_invariance and self.first_step, micro_batches,
             lambda mbs: [lp for lp, _ in self._forward_log_probs(self.actor, mbs)], self.pad_id, layout,
             holds_results=last, length_multiple=layout.length_multiple)
         log = common.TrainLog(layout, ref)
@@ -139,7 +140,7 @@ class MegatronTrainer(DistributedWeightSync):
                 sums = _sum(sum(losses), layout.dp_cp_group) if last else None
                 stepped, grad_norm = self._optimizer_step(sums is None or bool(torch.isfinite(sums[0])))
                 if stepped:  # parallel.step_noise_ulp (a noise twin): every step's result nudged
-                    common.step_noise(self._main_params(), self.cfg.parallel.step_noise_ulp, self.cfg.seed,
+                    common.step_noise(self._main_params(), self.parallel.step_noise_ulp, self.spec.seed,
                                       rollout_id * t.num_steps_per_rollout + step)
             peak = peak_memory_mb()  # a collective over every rank
             self.skipped_steps += not stepped
@@ -153,7 +154,7 @@ class MegatronTrainer(DistributedWeightSync):
         result = None
         if last:
             result = log.result(micro_batches, self.first_step, self.save_train_data, rollout_id, samples,
-                                advantages, self.cfg.algo.kl_loss_type, routed)
+                                advantages, self.algo.kl_loss_type, routed)
             result["steps"][0].update(invariance)
         self.first_step = False
         return self._from_last_stage(result)
@@ -167,11 +168,11 @@ class MegatronTrainer(DistributedWeightSync):
         summed token count, so `main_grad` is that micro-batch's gradient (train=torch's g / N).
         Rank 0 writes."""
         layout, last = self.layout, self.layout.is_last_stage
-        advantages = common.advantages_of(samples, self.cfg.algo)
+        advantages = common.advantages_of(samples, self.algo)
         chosen = [samples[i] for i in indices]
         scales = dict(zip(indices, sequence_loss_scales([sum(s.loss_mask) for s in chosen],
-                                                        self.cfg.algo.loss_agg_mode,
-                                                        self.cfg.rollout.max_new_tokens)))
+                                                        self.algo.loss_agg_mode,
+                                                        self.spec.max_new_tokens)))
         length = -(-max(len(s.tokens) for s in chosen) // layout.length_multiple) * layout.length_multiple
         mb = common.make_micro_batch(chosen, advantages, self.pad_id, length=length, scales=scales)
         # the interleaved schedule (vpp > 1) needs >= pp micro-batches: the same one pp times has
@@ -235,12 +236,12 @@ class MegatronTrainer(DistributedWeightSync):
         """Megatron's output layer covers every position; the softmax only the trained ones
         (under CP a rank's positions are not contiguous: all of them)."""
         first = common.first_trained_position(mb) if self.layout.cp_size == 1 else 0
-        return common.trained_log_probs(logits, mb, first, self.temperature, self.cfg.algo.entropy_coef != 0)
+        return common.trained_log_probs(logits, mb, first, self.temperature, self.algo.entropy_coef != 0)
 
     def _loss(self, mb: MicroBatch, whole: MicroBatch, logits: torch.Tensor):
         """`mb`: this CP rank's part of the micro-batch `whole` (the same object without CP)."""
         log_probs, entropy = self._log_probs(logits, mb)
-        loss, sums = common.objective(log_probs, entropy, mb, self.cfg.algo, self._seq_sum)
+        loss, sums = common.objective(log_probs, entropy, mb, self.algo, self._seq_sum)
         if whole.old_log_probs is None:  # this forward's log-probs were the old ones: whole sequences
             whole.old_log_probs, whole.entropy = cp_full(mb.old_log_probs, self.layout), cp_full(
                 mb.entropy, self.layout)
