@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from relax.debug.plan import resolve
 from relax.errors import ConfigError
-from relax.model import resolve_model_path
+from relax.model import load_safetensors_dir, resolve_model_path
 
 from . import test_layers
 from .conftest import build_trainer, local_trainer, make_cfg, only_run_dir, relax_cli, run_loop
@@ -155,6 +155,25 @@ def test_rl_loop_with_an_moe_model_and_expert_parallelism(tmp_path):
     assert report["passed"] and report["checks"][1]["compared"] > 40  # every expert tensor
 
 
+@pytest.mark.parametrize("arch,layout", [("mixtral", "ep2"), ("phi3", "tp2")])
+def test_rl_loop_with_megatron_on_an_architecture_the_engine_runs_on_transformers_forward(
+        tmp_path, family_model, arch, layout):
+    """Megatron trains, the torch engine samples with transformers' forward: every sync goes by
+    the checkpoint's names (Mixtral's block_sparse_moe experts, Phi-3's fused projections)."""
+    rollouts, steps = run_loop(tmp_path, *TRAIN, "model=hf", f"model.path={family_model(arch)}",
+                               f"parallel={layout}", "rollout.num_rollout=2", "rollout.rollout_batch_size=4",
+                               "rollout.max_new_tokens=8", "debug.check_weight_update_equal=true",
+                               "task.reward_fn=relax.task.rewards.response_length",
+                               "debug.check_weight_update_every_sync=true", "train.ref_log_probs_interval=1")
+    assert len(steps) == 2 and rollouts[0]["rollout/log_probs"] == rollouts[0]["rollout/ref_log_probs"]
+    assert steps[0]["train/ppo_kl"] == 0.0 and steps[0]["train/grad_norm"] > 0
+    assert steps[0]["train/train_rollout_logprob_abs_diff"] < 1e-5
+    assert rollouts[1]["rollout/kl"] != 0.0  # the synced weights moved the engine
+    report = json.loads((tmp_path / "weight_check.json").read_text())
+    assert report["passed"] and [c["stage"] for c in report["checks"]] == ["load", "sync", "sync", "sync"]
+    assert report["checks"][1]["compared"] >= len(load_safetensors_dir(family_model(arch)))  # every tensor
+
+
 def test_megatron_resume_equals_uninterrupted_run(tmp_path, tiny_path):
     """dp=2 with the distributed optimizer: the Adam moments sharded over the two ranks are
     saved and restored, so the steps after resume are the uninterrupted run's, bit for bit
@@ -272,21 +291,23 @@ def test_megatron_skips_a_nonfinite_step_on_every_rank(tmp_path, tiny_path, monk
     assert (tmp_path / "nonfinite" / "0.pt").is_file()
 
 
+EP = ["parallel=tp2sp", "parallel.ep=2"]
+
+
 @pytest.mark.parametrize("family,layout,config", [
     ("llama", ["parallel=tp2"], {}), ("qwen2", ["parallel=tp2"], {}), ("qwen3", ["parallel=tp2"], {}),
-    ("qwen2_moe", ["parallel=tp2sp", "parallel.ep=2"], {}), ("qwen3_moe", ["parallel=tp2sp", "parallel.ep=2"], {}),
+    ("qwen2_moe", EP, {}), ("qwen3_moe", EP, {}),
     # Megatron only (transformers' forward on the engine): Mistral as from v0.2, without a window
-    ("mistral", ["parallel=tp2"], {"sliding_window": None}), ("mixtral", ["parallel=tp2sp", "parallel.ep=2"], {}),
+    ("mistral", ["parallel=tp2"], {"sliding_window": None}), ("mixtral", EP, {}),
     ("phi3", ["parallel=tp2"], {}), ("smollm3", ["parallel=tp2"], {}), ("glm", ["parallel=tp2"], {})])
-def test_each_family_round_trips_and_matches_the_torch_trainer(family_model, tokenizer, family, layout, config,
-                                                               tmp_path):
+def test_each_family_round_trips_and_matches_the_torch_trainer(family_model, tokenizer, family, layout,
+                                                               config, tmp_path):
     """Per family (tests/families.py: Llama-3 RoPE scaling and tied embeddings, Qwen3's q/k
     norm and head_dim, both MoE layouts; Mistral, Mixtral's `block_sparse_moe` names, Phi-3's fused
     projections and partial rotary, SmolLM3's layers without RoPE, GLM's interleaved RoPE), under
     TP (and EP for MoE): HF -> Megatron -> HF is bit-identical, and Megatron's first-step
     log-probs and grad norm are the torch trainer's. `config`: config.json values over the
     tests' model."""
-    from relax.model import load_safetensors_dir
     from relax.rollout.torch_engine import TorchEngine
 
     from .test_trainer import rollout

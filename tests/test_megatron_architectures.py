@@ -37,7 +37,8 @@ def test_megatron_runs_or_refuses_each_architecture_at_start_up(arch, family_mod
     with pytest.raises(ConfigError) as refusal:
         plan(path)
     message = str(refusal.value)
-    assert message.startswith("train=megatron: Megatron-core's layer spec") and message.endswith("use train=torch")
+    assert message.startswith("train=megatron: Megatron-core's layer spec")
+    assert message.endswith("use train=torch")
     if arch == "mistral":
         assert "runs MistralForCausalLM without this model's sliding_window=6: sliding-window" in message
     else:
@@ -52,7 +53,8 @@ def test_megatron_runs_or_refuses_each_architecture_at_start_up(arch, family_mod
     ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise=0.1: random noise on the router's input"),
     ("phi3", {"sliding_window": 64}, "sliding_window=64: sliding-window attention"),  # as Phi-3-mini-4k's
     ("smollm3", {"mlp_bias": True}, "mlp_bias=True: MLP biases"),
-    ("smollm3", {"use_sliding_window": True, "sliding_window": 6}, "layer_types has 'sliding_attention' layers"),
+    ("smollm3", {"use_sliding_window": True, "sliding_window": 6},
+     "layer_types has 'sliding_attention' layers"),
 ])
 def test_windows_and_router_noise_are_refused_by_their_setting(arch, config, refused, tmp_path):
     hf = read_hf_config(build_family_model(tmp_path / arch, arch, **config))
@@ -84,15 +86,16 @@ def layer_names(tensors) -> set[str]:
     return {re.sub(r"^model\.layers\.0\.", "", n) for n in tensors if n.startswith("model.layers.0.")}
 
 
-DENSE = {"input_layernorm.weight", "post_attention_layernorm.weight", *(f"self_attn.{x}_proj.weight" for x in "qkvo")}
+DENSE = {"input_layernorm.weight", "post_attention_layernorm.weight",
+         *(f"self_attn.{x}_proj.weight" for x in "qkvo")}
 
 
 def test_mixtral_checkpoint_names_convert_to_llamas_and_back(family_model):
     """Every Mixtral tensor gets the name the conversion reads (Llama's and Qwen3-MoE's), and
     the inverse gives the checkpoint's names back."""
     checkpoint, llama, back = llama_names(family_model, "mixtral")
-    assert layer_names(llama) == {*DENSE, "mlp.gate.weight", *(f"mlp.experts.{e}.{p}_proj.weight"
-                                                            for e in range(4) for p in ("gate", "up", "down"))}
+    experts = {f"mlp.experts.{e}.{p}_proj.weight" for e in range(4) for p in ("gate", "up", "down")}
+    assert layer_names(llama) == {*DENSE, "mlp.gate.weight", *experts}
     assert llama["model.layers.1.mlp.experts.3.up_proj.weight"] is \
         checkpoint["model.layers.1.block_sparse_moe.experts.3.w3.weight"]
     assert list(back) == list(checkpoint) and all(back[n] is checkpoint[n] for n in checkpoint)
@@ -114,7 +117,8 @@ def test_phi3_fused_projections_split_into_llamas_and_join_back(family_model):
     qkv = checkpoint["model.layers.0.self_attn.qkv_proj.weight"]
     assert [llama[f"model.layers.0.self_attn.{x}_proj.weight"].shape[0] for x in "qkv"] == [64, 32, 32]
     assert llama["model.layers.0.self_attn.k_proj.weight"].equal(qkv[64:96])
-    assert llama["model.layers.0.mlp.up_proj.weight"].equal(checkpoint["model.layers.0.mlp.gate_up_proj.weight"][128:])
+    gate_up = checkpoint["model.layers.0.mlp.gate_up_proj.weight"]
+    assert llama["model.layers.0.mlp.up_proj.weight"].equal(gate_up[128:])
     assert sorted(back) == sorted(checkpoint) and all(back[n].equal(checkpoint[n]) for n in checkpoint)
 
 
@@ -130,12 +134,12 @@ def test_mixtral_maps_to_megatrons_moe_fields_and_its_expert_width(family_model)
 
     hf = AutoConfig.from_pretrained(family_model("mixtral"))
     config = transformer_config(hf, layout(), make_cfg("train=megatron").train, "float32")
-    assert (config.num_moe_experts, config.moe_router_topk, config.moe_ffn_hidden_size, config.moe_router_pre_softmax,
-            config.moe_shared_expert_intermediate_size, config.add_qkv_bias, config.qk_layernorm) == (
-        4, 2, 128, False, None, False, False)
-    with pytest.raises(ConfigError, match=re.escape("parallel.etp=2 must divide the model's intermediate_size=33")):
-        checks.check_layout(make_cfg("train=megatron", "parallel=tp2", "parallel.etp=2").parallel,
-                            {**hf.to_dict(), "intermediate_size": 33, "architectures": ["MixtralForCausalLM"]})
+    assert (config.num_moe_experts, config.moe_router_topk, config.moe_ffn_hidden_size,
+            config.moe_router_pre_softmax, config.moe_shared_expert_intermediate_size, config.add_qkv_bias,
+            config.qk_layernorm) == (4, 2, 128, False, None, False, False)
+    uneven = {**hf.to_dict(), "intermediate_size": 33, "architectures": ["MixtralForCausalLM"]}
+    with pytest.raises(ConfigError, match=re.escape("etp=2 must divide the model's intermediate_size=33")):
+        checks.check_layout(make_cfg("train=megatron", "parallel=tp2", "parallel.etp=2").parallel, uneven)
 
 
 def test_smollm3_layers_without_rope_and_phi3_and_glm_rotary_reach_megatron(family_model):
@@ -158,6 +162,7 @@ def test_smollm3_layers_without_rope_and_phi3_and_glm_rotary_reach_megatron(fami
                               "float32").no_rope_freq is None
     glm = AutoConfig.from_pretrained(family_model("glm"))
     config = transformer_config(glm, layout(), train, "float32")
-    assert (rotary_fraction(glm.to_dict()), config.rotary_interleaved, config.add_qkv_bias) == (0.5, True, True)
+    assert (rotary_fraction(glm.to_dict()), config.rotary_interleaved, config.add_qkv_bias) == \
+        (0.5, True, True)
     glm.attention_bias = False
     assert transformer_config(glm, layout(), train, "float32").add_qkv_bias is False
