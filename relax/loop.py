@@ -138,7 +138,7 @@ def prepare(cfg, run_dir: Path, accept=lambda: None) -> Run:
             check_batch_split(cfg.train, cfg.parallel, n, f"the replay file {plan.replay_files[rollout_id]}")
             if rollout_id in plan.dump_layers_rollouts:
                 check_dump_samples(cfg.debug, n, f"the replay file {plan.replay_files[rollout_id]}")
-    evaluator = build_evaluator(cfg, task, tokenizer, plan)
+    evaluator = build_evaluator(cfg.eval, cfg.rollout, cfg.seed, task, tokenizer, plan)
     check_cluster(cfg)  # with the other checks: a refused cluster leaves the dump dir as it was
     accept()
     if plan.dump_dir:  # with the rollout/train data, enough to reproduce the run
@@ -160,8 +160,8 @@ def build(run: Run, cluster, parts: ExitStack):
     """The engines and/or trainer the plan asks for, where the cluster puts them (and the
     engine-weights check); `parts` shuts them down at the end, also when a later step fails."""
     cfg, plan, weight_check = run.cfg, run.plan, None
-    built = {**plan.built(cfg), "cluster": cfg.cluster._target_, "model_path": str(run.model_path),
-             "model_fingerprint": run.manifest["model_fingerprint"]}  # (relax compare: the same model?)
+    built = {**plan.built(cfg.rollout, cfg.train, cfg.parallel), "cluster": cfg.cluster._target_,
+             "model_path": str(run.model_path), "model_fingerprint": run.manifest["model_fingerprint"]}  # (relax compare: the same model?)
     log.info("Building %s", ", ".join(f"{k}={v}" for k, v in built.items() if v is not None))
     write_json(run.dir / "built.json", built)
     spec = TrainerSpec.of(cfg.model, cfg.rollout, cfg.debug, cfg.seed, model_path=str(run.actor_path),

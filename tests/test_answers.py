@@ -99,10 +99,10 @@ def test_eval_on_the_task_needs_a_task_with_held_out_questions(tmp_path):
     from relax.eval import questions
 
     cfg = make_cfg("task=word_problems", "eval.datasets=[task]", "eval.num_prompts=7")
-    assert len(questions("task", cfg, build_task(cfg.task, cfg.seed))) == 7
+    assert len(questions("task", cfg.eval, cfg.seed, build_task(cfg.task, cfg.seed))) == 7
     cfg = make_cfg("eval.datasets=[task]")
     with pytest.raises(ConfigError, match="eval.datasets entry 'task': task=ArithmeticTask has no held-out"):
-        questions("task", cfg, build_task(cfg.task, cfg.seed))
+        questions("task", cfg.eval, cfg.seed, build_task(cfg.task, cfg.seed))
 
 
 def test_one_word_problem_in_ten_is_held_out_and_every_problem_ends_with_the_instruction():

@@ -213,7 +213,7 @@ def test_dump_and_profile_rollouts_and_samples_resolve_or_are_refused(tmp_path, 
     plan = resolve(cfg)
     assert (plan.dump_layers_rollouts, plan.profile_rollouts) == ([0], [1])
     assert (plan.save_rollout_data, plan.profile_dir) == (f"{tmp_path}/s/{{rollout_id}}.pt", f"{tmp_path}/p")
-    assert plan.built(cfg)["dump_layers"] == f"{tmp_path}/l"  # built.json: where bugreport looks
+    assert plan.built(cfg.rollout, cfg.train, cfg.parallel)["dump_layers"] == f"{tmp_path}/l"  # built.json: where bugreport looks
     assert resolve(cfg, start_rollout_id=2).dump_layers_rollouts == [2]  # a resumed run's first
     plan = resolve(make_cfg(*small, "rollout.num_rollout=3", "debug.dump_layers_rollouts=[2,0,2]"))
     assert plan.dump_layers_rollouts == [0, 2]

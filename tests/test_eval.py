@@ -9,6 +9,7 @@ import torch
 
 from relax.errors import ConfigError
 from relax.eval import questions
+from relax.task import build_task
 
 from .conftest import make_cfg, run_loop
 
@@ -22,6 +23,11 @@ def eval_rows(rollouts, name="arithmetic"):
             for r in rollouts if f"eval/{name}/reward" in r}
 
 
+def eval_questions(entry: str, cfg) -> list[tuple]:
+    """eval.datasets entry `entry` as a run of `cfg` asks it (with the run's task)."""
+    return questions(entry, cfg.eval, cfg.seed, build_task(cfg.task, cfg.seed))
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """A trained run with eval.interval=2, and a rollout_only run (the initial weights
@@ -30,7 +36,7 @@ def runs(tmp_path_factory):
     trained = run_loop(root / "train", *SMALL, "eval.interval=2", "rollout.num_rollout=5", "train.lr=1e-2")[0]
     jsonl = root / "sums.jsonl"  # the arithmetic eval questions again, as a JSONL dataset
     jsonl.write_text("".join(json.dumps({"prompt": q, "label": a}) + "\n"
-                             for q, a in questions("arithmetic", make_cfg(*SMALL), task=None)))
+                             for q, a in eval_questions("arithmetic", make_cfg(*SMALL))))
     rollout_only = run_loop(root / "rollout_only", *SMALL, "debug=rollout_only", "eval.interval=3",
                             "rollout.num_rollout=5", f"eval.datasets=[arithmetic,{jsonl}]",
                             f"debug.save_rollout_data={root}/data/{{rollout_id}}.pt")[0]
@@ -53,7 +59,6 @@ def test_greedy_eval_is_the_policys_answers(runs, tiny_path, tokenizer):
     eval prompts with transformers scores."""
     from transformers import AutoModelForCausalLM
 
-    from relax.task import build_task
     from relax.task.arithmetic import exact_match
 
     _, trained, rollout_only = runs
@@ -62,7 +67,8 @@ def test_greedy_eval_is_the_policys_answers(runs, tiny_path, tokenizer):
     cfg = make_cfg(*SMALL)
     model = AutoModelForCausalLM.from_pretrained(tiny_path, torch_dtype=torch.float32).eval()
     rewards, lengths = [], []
-    for question in build_task(cfg.task, cfg.seed).to_prompts(questions("arithmetic", cfg, task=None), tokenizer, "test"):
+    task = build_task(cfg.task, cfg.seed)
+    for question in task.to_prompts(eval_questions("arithmetic", cfg), tokenizer, "test"):
         with torch.no_grad():
             out = model.generate(torch.tensor([question.tokens]), do_sample=False, max_new_tokens=8,
                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
@@ -115,7 +121,6 @@ def test_evaluate_samples_each_prompt_n_times_at_eval_temperature_with_its_own_s
     import relax.eval as ev
     from relax.rollout import SamplingParams
     from relax.sample import Sample
-    from relax.task import build_task
 
     cfg = make_cfg(*SMALL, "eval.interval=2", "eval.n_samples_per_prompt=3", "eval.temperature=0.5",
                    "rollout.num_rollout=10")
@@ -127,7 +132,8 @@ def test_evaluate_samples_each_prompt_n_times_at_eval_temperature_with_its_own_s
                        reward=float(k == 0)) for k in range(len(prompts) * n)]
 
     monkeypatch.setattr(ev, "generate_samples", fake_generate)
-    evaluator = ev.Evaluator(cfg, build_task(cfg.task, cfg.seed), tokenizer, last_rollout_id=9)
+    evaluator = ev.Evaluator(cfg.eval, cfg.rollout, cfg.seed, build_task(cfg.task, cfg.seed), tokenizer,
+                             last_rollout_id=9)
     metrics = [evaluator.evaluate(None, rollout_id) for rollout_id in (2, 4)]
     (prompts, n, sp, seed2), (_, _, _, seed4) = calls
     assert (prompts, n) == (4, 3)
@@ -140,13 +146,15 @@ def test_evaluate_samples_each_prompt_n_times_at_eval_temperature_with_its_own_s
 
 def test_eval_questions_are_the_jsonl_files_first_rows_and_the_tasks_operand_range(tmp_path):
     """A JSONL dataset gives its first eval.num_prompts rows; `arithmetic` asks problems in
-    task=arithmetic's operand range (both ends reachable), the same ones at every call."""
+    the run's task's operand range (both ends reachable), the same ones at every call."""
     jsonl = tmp_path / "six.jsonl"
     jsonl.write_text("".join(json.dumps({"prompt": f"{i}+0=", "label": str(i)}) + "\n" for i in range(6)))
     cfg = make_cfg("eval.num_prompts=4")
-    assert [q[:2] for q in questions(str(jsonl), cfg, task=None)] == [(f"{i}+0=", str(i)) for i in range(4)]
+    assert [q[:2] for q in eval_questions(str(jsonl), cfg)] == [(f"{i}+0=", str(i)) for i in range(4)]
     cfg = make_cfg("eval.num_prompts=64", "task.min_operand=3", "task.max_operand=5")
-    problems = questions("arithmetic", cfg, task=None)
+    problems = eval_questions("arithmetic", cfg)
     operands = {int(x) for q, _ in problems for x in q.rstrip("=").split("+")}
     assert len(problems) == 64 and operands == {3, 4, 5}
-    assert questions("arithmetic", cfg, task=None) == problems
+    assert eval_questions("arithmetic", cfg) == problems
+    word = make_cfg("task=word_problems", "eval.num_prompts=64", "task.min_operand=3", "task.max_operand=5")
+    assert eval_questions("arithmetic", word) == problems  # task=word_problems' range too

@@ -85,8 +85,9 @@ def test_eval_draws_seeds_training_never_draws(tokenizer, rg):
 
     cfg = make_cfg(*TWO, "eval.datasets=[task]", "eval.num_prompts=40")
     task = build_task(cfg.task, cfg.seed)
-    held = questions("task", cfg, task)
-    assert len(held) == 40 and held == questions("task", cfg, build_task(cfg.task, cfg.seed))  # the same at every eval
+    held = questions("task", cfg.eval, cfg.seed, task)
+    again = questions("task", cfg.eval, cfg.seed, build_task(cfg.task, cfg.seed))
+    assert len(held) == 40 and held == again  # the same at every eval
     for question, label, metadata in held:
         entry = metadata["reasoning_gym"]["entry"]
         name, index = entry["metadata"]["source_dataset"], entry["metadata"]["source_index"]

@@ -48,14 +48,14 @@ class Plan:
             return "rollout_only"
         return "train_only" if not self.builds_rollout else "full"
 
-    def built(self, cfg) -> dict:
+    def built(self, rollout, train, parallel) -> dict:
         """Which subsystems this run builds (logged and written to built.json)."""
         return {
             "mode": self.mode,
-            "rollout_engine": cfg.rollout._target_ if self.builds_rollout else None,
-            "trainer": cfg.train._target_ if self.builds_train else None,
-            "parallel": cfg.parallel.name if self.builds_train else None,
-            "world_size": cfg.parallel.world_size if self.builds_train else None,
+            "rollout_engine": rollout._target_ if self.builds_rollout else None,
+            "trainer": train._target_ if self.builds_train else None,
+            "parallel": parallel.name if self.builds_train else None,
+            "world_size": parallel.world_size if self.builds_train else None,
             "replay_from": self.load_rollout_data,
             "save_rollout_data": self.save_rollout_data,
             "save_train_data": self.save_train_data,
@@ -149,9 +149,10 @@ def check_dump_samples(d, num_samples: int, source: str) -> None:
                           f"samples per rollout of {source}")
 
 
-def check_dump_layers(cfg, dump_layers: str, rollout_ids: list[int], builds_train: bool) -> list[int]:
+def check_dump_layers(debug, train, dump_layers: str, rollout_ids: list[int],
+                      builds_train: bool) -> list[int]:
     """The rollout ids whose first step debug.dump_layers records (default: the run's first)."""
-    d = cfg.debug
+    d = debug
     if not builds_train:
         raise ConfigError(f"debug.dump_layers={dump_layers!r} records the trainer's first step of a "
                           f"rollout, but debug.rollout_only builds no trainer")
@@ -159,8 +160,8 @@ def check_dump_layers(cfg, dump_layers: str, rollout_ids: list[int], builds_trai
     if not samples or any(not isinstance(i, int) or i < 0 for i in samples) or \
             len(set(samples)) < len(samples):
         raise ConfigError(f"debug.dump_layers_samples={samples}: expected distinct sample indices >= 0")
-    if not hasattr(load_target(cfg.train, "train"), "dump_layers"):
-        raise ConfigError(f"debug.dump_layers: train._target_={cfg.train._target_} records no layer dump "
+    if not hasattr(load_target(train, "train"), "dump_layers"):
+        raise ConfigError(f"debug.dump_layers: train._target_={train._target_} records no layer dump "
                           f"(train=torch and train=megatron do)")
     wanted = rollout_ids[:1] if d.dump_layers_rollouts is None else list(d.dump_layers_rollouts)
     if not wanted:
@@ -179,16 +180,16 @@ def among_rollouts(key: str, wanted: list[int], rollout_ids: list[int]) -> list[
     return sorted(set(wanted))
 
 
-def check_profile(cfg, rollout_ids: list[int], builds_train: bool) -> list[int]:
+def check_profile(debug, train, rollout_ids: list[int], builds_train: bool) -> list[int]:
     """The rollout ids whose train() debug.profile_dir profiles (default: the run's second, whose
     step carries none of the first's one-time work, or its only one)."""
     if not builds_train:
         raise ConfigError("debug.profile_dir profiles the trainer, but debug.rollout_only builds no trainer")
-    if not getattr(load_target(cfg.train, "train").train, "profiled", False):
-        raise ConfigError(f"debug.profile_dir: train._target_={cfg.train._target_} is not profiled "
+    if not getattr(load_target(train, "train").train, "profiled", False):
+        raise ConfigError(f"debug.profile_dir: train._target_={train._target_} is not profiled "
                           f"(decorate its train() with relax.train.profile.profiled, as train=torch and "
                           f"train=megatron do)")
-    profile_rollouts = cfg.debug.profile_rollouts
+    profile_rollouts = debug.profile_rollouts
     wanted = rollout_ids[1:2] or rollout_ids[:1] if profile_rollouts is None else list(profile_rollouts)
     if not wanted:
         raise ConfigError(f"debug.profile_rollouts={wanted}: expected one or more of this run's rollout ids")
@@ -224,7 +225,7 @@ def resolve(cfg, start_rollout_id: int = 0, hf_config: dict | None = None, run_d
     if cfg.train["async"]:
         from relax.rollout.prefetch import check_async
 
-        check_async(cfg, builds_rollout=not train_only, builds_train=not d.rollout_only)
+        check_async(r, builds_rollout=not train_only, builds_train=not d.rollout_only)
 
     dump_dir = Path(_abs_template(d.dump_details, run_dir)) if d.dump_details else None
     save_rollout = _abs_template(d.save_rollout_data, run_dir) or (
@@ -260,9 +261,10 @@ def resolve(cfg, start_rollout_id: int = 0, hf_config: dict | None = None, run_d
         raise ConfigError(f"debug.save_train_data={save_train!r} has no {{rank}} but "
                           f"{cfg.parallel.dp} data-parallel ranks would overwrite each other")
     dump_layers = _abs_template(d.dump_layers, run_dir) or (str(dump_dir / "layers") if dump_dir else None)
-    layer_rollouts = check_dump_layers(cfg, dump_layers, rollout_ids, builds_train) if dump_layers else []
+    layer_rollouts = check_dump_layers(d, cfg.train, dump_layers, rollout_ids, builds_train) \
+        if dump_layers else []
     profile_dir = _abs_template(d.profile_dir, run_dir)
-    profile_rollouts = check_profile(cfg, rollout_ids, builds_train) if profile_dir else []
+    profile_rollouts = check_profile(d, cfg.train, rollout_ids, builds_train) if profile_dir else []
     if load and save_rollout and load == save_rollout:
         raise ConfigError(f"debug.save_rollout_data and debug.load_rollout_data both point at "
                           f"{load!r}: the replay would overwrite its own input")

@@ -28,21 +28,21 @@ def dataset_name(entry: str) -> str:
     return entry if entry in BUILT_IN else Path(entry).stem
 
 
-def questions(entry: str, cfg, task) -> list[tuple]:
-    e = cfg.eval
+def questions(entry: str, eval, seed: int, task) -> list[tuple]:
+    """Dataset `entry` of eval.datasets: its first eval.num_prompts questions."""
     if entry == "task":  # the run's own task, on questions training never draws
-        held_out = task.held_out(random.Random(f"{cfg.seed}-eval-task"), e.num_prompts)
+        held_out = task.held_out(random.Random(f"{seed}-eval-task"), eval.num_prompts)
         if held_out is None:
             raise ConfigError(f"eval.datasets entry 'task': task={type(task).__name__} has no held-out "
                               f"questions (task=word_problems has); use arithmetic or a JSONL file")
         return held_out
-    if entry == "arithmetic":
-        low = cfg.task.get("min_operand", ArithmeticTaskGroup.min_operand)
-        high = cfg.task.get("max_operand", ArithmeticTaskGroup.max_operand)
-        rng = random.Random(f"{cfg.seed}-eval-arithmetic")  # the same problems at every evaluation
-        return [make_problem(rng, low, high) for _ in range(e.num_prompts)]
+    if entry == "arithmetic":  # in the run's task's operand range, where it has one
+        low = getattr(task, "min_operand", ArithmeticTaskGroup.min_operand)
+        high = getattr(task, "max_operand", ArithmeticTaskGroup.max_operand)
+        rng = random.Random(f"{seed}-eval-arithmetic")  # the same problems at every evaluation
+        return [make_problem(rng, low, high) for _ in range(eval.num_prompts)]
     try:
-        return load_jsonl(entry)[:e.num_prompts]
+        return load_jsonl(entry)[:eval.num_prompts]
     except ConfigError as error:
         raise ConfigError(f"eval.datasets entry {entry!r}: {error} (expected arithmetic, task or a JSONL "
                           f"file of {{\"prompt\", \"label\"}} rows)") from None
@@ -54,8 +54,8 @@ MAX_PROMPTS = 10**5
 class Evaluator:
     """The run's evaluation: `due(rollout_id)`, then `evaluate(engine, rollout_id)` -> metrics."""
 
-    def __init__(self, cfg, task, tokenizer, last_rollout_id: int):
-        e = cfg.eval
+    def __init__(self, eval, rollout, seed: int, task, tokenizer, last_rollout_id: int):
+        e = eval
         if e.interval is not None and e.interval < 1:
             raise ConfigError(f"eval.interval={e.interval}: expected a positive number of rollouts, or null "
                               f"(no evaluation)")
@@ -71,20 +71,21 @@ class Evaluator:
         if len(set(names)) < len(names) or not names:
             raise ConfigError(f"eval.datasets={list(e.datasets)}: expected one or more datasets with "
                               f"distinct names (arithmetic, or JSONL files named after their stem)")
-        self.cfg, self.task, self.tokenizer, self.last = cfg, task, tokenizer, last_rollout_id
-        self.prompts = {name: task.to_prompts(questions(entry, cfg, task), tokenizer,
+        self.eval, self.rollout, self.seed = eval, rollout, seed
+        self.task, self.tokenizer, self.last = task, tokenizer, last_rollout_id
+        self.prompts = {name: task.to_prompts(questions(entry, eval, seed, task), tokenizer,
                                               f"eval.datasets {entry!r}")
                         for name, entry in zip(names, e.datasets, strict=True)}
 
     def due(self, rollout_id: int) -> bool:
-        return rollout_id % self.cfg.eval.interval == 0 or rollout_id == self.last
+        return rollout_id % self.eval.interval == 0 or rollout_id == self.last
 
     def evaluate(self, engine, rollout_id: int) -> dict:
-        e, r, t0 = self.cfg.eval, self.cfg.rollout, time.perf_counter()
+        e, r, t0 = self.eval, self.rollout, time.perf_counter()
         sp = SamplingParams(e.temperature, r.top_p, r.max_new_tokens)
         out = {}
         for name, prompts in self.prompts.items():
-            seed = self.cfg.seed * 1_000_003 + rollout_id + SEED_OFFSET
+            seed = self.seed * 1_000_003 + rollout_id + SEED_OFFSET
             samples = generate_samples(engine, self.task, self.tokenizer, prompts, e.n_samples_per_prompt, sp,
                                        seed, r.generate_fn, f"in eval/{name} at rollout {rollout_id}")
             out[f"eval/{name}/reward"] = sum(s.reward for s in samples) / len(samples)
@@ -93,12 +94,12 @@ class Evaluator:
         return {**out, "perf/eval_time": time.perf_counter() - t0}
 
 
-def build_evaluator(cfg, task, tokenizer, plan) -> Evaluator | None:
+def build_evaluator(eval, rollout, seed: int, task, tokenizer, plan) -> Evaluator | None:
     """The run's Evaluator, or None: eval.interval is null, or the run builds no engine."""
-    if cfg.eval.interval is None:
+    if eval.interval is None:
         return None
     if not plan.builds_rollout:
         log.info("eval.interval=%s: evaluation skipped, debug=train_only builds no rollout engine",
-                 cfg.eval.interval)
+                 eval.interval)
         return None
-    return Evaluator(cfg, task, tokenizer, plan.rollout_ids[-1])
+    return Evaluator(eval, rollout, seed, task, tokenizer, plan.rollout_ids[-1])

@@ -57,22 +57,23 @@ def build_tokenizer():
     )
 
 
-def build_config(cfg, tokenizer):
+def build_config(recipe, tokenizer):
     common = dict(
-        vocab_size=VOCAB_SIZE, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-        intermediate_size=cfg.intermediate_size, max_position_embeddings=128,
+        vocab_size=VOCAB_SIZE, hidden_size=recipe.hidden_size, num_hidden_layers=recipe.num_layers,
+        num_attention_heads=recipe.num_heads, num_key_value_heads=recipe.num_kv_heads,
+        intermediate_size=recipe.intermediate_size, max_position_embeddings=128,
         rms_norm_eps=1e-6, tie_word_embeddings=False, attention_dropout=0.0,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
     )
-    if cfg.num_experts:
+    if recipe.num_experts:
         from transformers import Qwen2MoeConfig
 
         return Qwen2MoeConfig(
-            **common, architectures=["Qwen2MoeForCausalLM"], num_experts=cfg.num_experts, num_experts_per_tok=2,
-            moe_intermediate_size=cfg.intermediate_size // 2,
-            shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
+            **common, architectures=["Qwen2MoeForCausalLM"], num_experts=recipe.num_experts,
+            num_experts_per_tok=2,
+            moe_intermediate_size=recipe.intermediate_size // 2,
+            shared_expert_intermediate_size=recipe.shared_expert_intermediate_size,
             decoder_sparse_step=1, norm_topk_prob=True, output_router_logits=False,
         )
     from transformers import Qwen2Config
@@ -100,7 +101,7 @@ def _batch(tokenizer, rng, n, min_operand=10, max_operand=99):
     return torch.tensor(pad(seqs, tokenizer.pad_token_id)), torch.tensor(pad(masks, 0))
 
 
-def warm_up(model, tokenizer, cfg) -> float:
+def warm_up(model, tokenizer, recipe) -> float:
     """Supervised warm-up until greedy accuracy reaches the target; returns that accuracy.
 
     Greedy accuracy is measured teacher-forced: greedy decoding reproduces the answer
@@ -108,12 +109,12 @@ def warm_up(model, tokenizer, cfg) -> float:
     """
     import torch
 
-    rng = random.Random(cfg.seed)
-    eval_x, eval_m = _batch(tokenizer, random.Random(cfg.seed + 1), 256)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmup_lr)
+    rng = random.Random(recipe.seed)
+    eval_x, eval_m = _batch(tokenizer, random.Random(recipe.seed + 1), 256)
+    opt = torch.optim.AdamW(model.parameters(), lr=recipe.warmup_lr)
     accuracy = 0.0
-    for step in range(1, cfg.warmup_max_steps + 1):
-        x, m = _batch(tokenizer, rng, cfg.warmup_batch_size)
+    for step in range(1, recipe.warmup_max_steps + 1):
+        x, m = _batch(tokenizer, rng, recipe.warmup_batch_size)
         logits = model(x).logits[:, :-1]
         loss = torch.nn.functional.cross_entropy(
             logits.transpose(1, 2), x[:, 1:], reduction="none")
@@ -128,7 +129,7 @@ def warm_up(model, tokenizer, cfg) -> float:
             accuracy = ok.all(-1).float().mean().item()
             log.info("tiny model warm-up step %d: loss %.3f, greedy accuracy %.2f",
                      step, loss.item(), accuracy)
-            if accuracy >= cfg.warmup_target_accuracy:
+            if accuracy >= recipe.warmup_target_accuracy:
                 break
     return accuracy
 
@@ -226,22 +227,22 @@ def install_shipped(target: Path) -> Path:
     return publish(lambda out: shutil.copytree(SHIPPED, out), target, replace=True)
 
 
-def build(cfg, out: Path) -> Path:
-    """The tiny model of recipe `cfg`, warmed up, written into the new directory `out`."""
+def build(recipe, out: Path) -> Path:
+    """The tiny model of `recipe` (model.tiny), warmed up, written into the new directory `out`."""
     import torch
     from transformers import AutoModelForCausalLM
 
     tokenizer = build_tokenizer()
-    torch.manual_seed(cfg.seed)
-    model = AutoModelForCausalLM.from_config(build_config(cfg, tokenizer))
-    accuracy = warm_up(model, tokenizer, cfg)
+    torch.manual_seed(recipe.seed)
+    model = AutoModelForCausalLM.from_config(build_config(recipe, tokenizer))
+    accuracy = warm_up(model, tokenizer, recipe)
     if not all(p.isfinite().all() for p in model.parameters()):
-        raise ConfigError(f"model.tiny.warmup_lr={cfg.warmup_lr}: the warm-up diverged (non-finite weights); "
+        raise ConfigError(f"model.tiny.warmup_lr={recipe.warmup_lr}: the warm-up diverged (non-finite weights); "
                           f"expected a smaller learning rate")
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     (out / "relax_tiny.json").write_text(json.dumps(
-        {"recipe": dict(cfg), "warmup_greedy_accuracy": accuracy}, indent=2))
+        {"recipe": dict(recipe), "warmup_greedy_accuracy": accuracy}, indent=2))
     return out
 
 

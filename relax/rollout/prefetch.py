@@ -14,7 +14,7 @@ from relax.errors import ConfigError
 from relax.sample import Sample
 
 
-def check_async(cfg, builds_rollout: bool, builds_train: bool) -> None:
+def check_async(rollout, builds_rollout: bool, builds_train: bool) -> None:
     """train.async=true refusals, before anything is built: where nothing can overlap."""
     if not builds_train:
         raise ConfigError("train.async=true overlaps generating the next rollout with training, but "
@@ -23,7 +23,7 @@ def check_async(cfg, builds_rollout: bool, builds_train: bool) -> None:
         raise ConfigError("train.async=true overlaps generating the next rollout with training, but a "
                           "train-only run (debug.train_only / debug.load_rollout_data) replays saved "
                           "rollouts and generates none: drop train.async to replay")
-    if cfg.rollout.colocate:
+    if rollout.colocate:
         raise ConfigError("train.async=true with rollout.colocate=true: a colocated engine gives up its "
                           "memory while the trainer runs, so it cannot generate meanwhile; run the engine "
                           "on devices of its own (rollout.colocate=false) or drop train.async")

@@ -224,6 +224,7 @@ class WordProblemsTask(Task):
             raise ConfigError(f"task.operations={list(operations)}: expected one or more of "
                               f"{', '.join(sorted(word_problems.TEMPLATES))}")
         check_operands(min_operand, max_operand)
+        self.min_operand, self.max_operand = min_operand, max_operand  # (eval's arithmetic uses them too)
         self.problem = dict(operations=list(operations), min_operand=min_operand, max_operand=max_operand,
                             instruction=instruction)
 
