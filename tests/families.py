@@ -30,10 +30,11 @@ FAMILIES = {
 # to cover what the families lack: sliding windows (small enough to matter here) with per-layer-
 # type RoPE, soft-capping, scaled embeddings, LayerNorm with biases, partial rotary, parallel
 # attention/MLP blocks, fused projections, q/k norms, MQA, a non-gated MLP, muP multipliers, MoE.
+# Gemma 3 and Cohere tie their embeddings, as their checkpoints do (SGLang's models require it).
 ARCHITECTURES = {
     "gemma3": ("Gemma3TextConfig", dict(num_key_value_heads=1, head_dim=32, sliding_window=6,
                                         layer_types=["sliding_attention", "full_attention"],
-                                        query_pre_attn_scalar=32)),
+                                        query_pre_attn_scalar=32, tie_word_embeddings=True)),
     "gemma2": ("Gemma2Config", dict(head_dim=16, sliding_window=6, final_logit_softcapping=30.0,
                                     attn_logit_softcapping=50.0, query_pre_attn_scalar=16)),
     "phi3": ("Phi3Config", dict(partial_rotary_factor=0.5, pad_token_id=None)),
@@ -45,10 +46,16 @@ ARCHITECTURES = {
                                       logits_scaling=2.0, attention_multiplier=0.1)),
     "starcoder2": ("Starcoder2Config", dict(use_bias=True, sliding_window=6)),
     "smollm3": ("SmolLM3Config", dict(no_rope_layers=[1, 0], tie_word_embeddings=True)),
-    "cohere": ("CohereConfig", dict(use_qk_norm=True, logit_scale=0.5)),
+    "cohere": ("CohereConfig", dict(use_qk_norm=True, logit_scale=0.5, tie_word_embeddings=True)),
     "glm": ("GlmConfig", dict(head_dim=16, partial_rotary_factor=0.5)),
     "phi": ("PhiConfig", dict(partial_rotary_factor=0.5, qk_layernorm=True)),
 }
+# rollout=sglang (relax/model/sglang_support.py): the architectures above whose config it serves,
+# and servable checkpoints of those it refuses for a setting (Mistral v0.3's: no sliding window; a
+# StarCoder2 without one)
+SGLANG_RUNS = ("gemma3", "phi3", "mixtral", "olmo2", "granite", "smollm3", "cohere")
+SGLANG_VARIANTS = {"mistral_without_window": ("mistral", dict(sliding_window=None)),
+                   "starcoder2_without_window": ("starcoder2", dict(sliding_window=None))}
 SHARD_SIZE = "40KB"  # several shards even for these tiny models
 
 

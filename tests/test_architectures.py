@@ -18,7 +18,7 @@ from relax.rollout.hf_engine import TransformersEngine
 from relax.rollout.torch_engine import TorchEngine
 
 from .conftest import first_step_exact, make_cfg, relax_cli
-from .families import ARCHITECTURES
+from .families import ARCHITECTURES, SGLANG_RUNS
 
 RUN = ["model=hf", "rollout.num_rollout=2", "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4",
        "rollout.max_new_tokens=8", "debug.strict_checks=true", "debug.check_weight_update_equal=true",
@@ -88,8 +88,6 @@ def test_engine_named_tensors_and_updates_by_hf_name(family_model):
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["rollout=sglang"], "rollout=sglang: SGLang here (the families tested with it on CPU) runs the hand-written"),
-    (["train=megatron"], "train=megatron: Megatron-core's layer spec (built from the family's description) runs"),
     (["parallel=tp2"], "parallel=tp2: train=torch's tensor parallelism"),
     (["train.shared_prompt=true"], "train.shared_prompt=true packs a group's responses"),
 ])
@@ -101,6 +99,62 @@ def test_what_needs_the_hand_written_forward_is_refused_for_other_architectures(
     with pytest.raises(ConfigError, match=re.escape(message)) as e:
         resolve(cfg)
     assert "MistralForCausalLM" in str(e.value)
+
+
+# The tests' configs rollout=sglang refuses (relax/model/sglang_support.py), and why
+SGLANG_REFUSED = {
+    "gemma2": "SGLang 0.5.23's Gemma 2 reads config.hidden_act, which transformers 5's Gemma2Config no "
+              "longer has",
+    "mistral": "sliding_window=6: SGLang's model ignores the sliding window",
+    "starcoder2": "sliding_window=6: SGLang's model ignores the sliding window",
+    "phi": "SGLang 0.5.23's logits leave out the output layer's bias (lm_head.bias)",
+    "gpt_neox": "SGLang 0.5.23 has no model for it, and its transformers backend fails to build one on CPU",
+    "glm": "SGLang 0.5.23 has no model for it, and its transformers backend refuses",
+}
+
+
+def refused_on_sglang(path) -> str:
+    from relax.debug.plan import resolve
+
+    with pytest.raises(ConfigError) as e:
+        resolve(make_cfg("model=hf", f"model.path={path}", "rollout=sglang"))
+    message = str(e.value)
+    assert message.startswith("rollout=sglang: SGLang on CPU here serves LlamaForCausalLM, ")
+    assert message.endswith("use rollout=torch, which runs any transformers causal LM")
+    return message
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_rollout_sglang_serves_or_refuses_each_architecture_at_start_up(arch, family_model):
+    """What the SGLang tier runs (tests/test_sglang_architectures.py) passes the start-up check;
+    the rest is refused before anything is built, naming the setting or why, and the torch engine."""
+    hf = read_hf_config(family_model(arch))
+    if arch not in SGLANG_REFUSED:
+        assert arch in SGLANG_RUNS and families.sglang_blocker(hf) is None
+        return
+    assert arch not in SGLANG_RUNS
+    message = refused_on_sglang(family_model(arch))
+    assert f"this model is {hf['architectures'][0]} ({SGLANG_REFUSED[arch]}" in message
+
+
+@pytest.mark.parametrize("arch,change,why", [
+    ("gemma3", {"tie_word_embeddings": False}, "tie_word_embeddings=False: SGLang's Gemma 3 uses the "
+                                               "embedding as the output layer and drops lm_head.weight"),
+    ("cohere", {"tie_word_embeddings": False}, "tie_word_embeddings=False: SGLang's Cohere uses the "
+                                               "embedding"),
+    ("mistral", {"sliding_window": 4096, "max_position_embeddings": 32768}, "sliding_window=4096:"),
+    ("phi3", {"sliding_window": 2047, "max_position_embeddings": 4096}, "sliding_window=2047: SGLang's model "
+                                                                          "ignores the sliding window"),
+    ("smollm3", {"use_sliding_window": True}, "use_sliding_window=True: sliding-window layers, not tested"),
+    ("qwen2", {"use_sliding_window": True}, "use_sliding_window=True: sliding-window attention"),
+])
+def test_rollout_sglang_refuses_a_setting_its_model_ignores(arch, change, why, family_model, tmp_path):
+    import shutil
+
+    model = shutil.copytree(family_model(arch), tmp_path / "model")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(config | change))
+    assert f"({why}" in refused_on_sglang(model)
 
 
 def test_routing_replay_is_refused_for_an_moe_without_a_hand_written_forward(family_model):

@@ -82,6 +82,11 @@ def test_engine_args_of_an_moe_model_ask_for_its_experts(tmp_path):
                         model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"])
     assert se.engine_args(make_cfg("rollout=sglang", "rollout.mem_fraction_static=0.3"),
                           model)["enable_return_routed_experts"] is True
+    # routing replay needs a family's MoE: a Mixtral's engine records no experts
+    mixtral = write_model(tmp_path / "mixtral", MB, num_local_experts=4, num_experts_per_tok=2,
+                          model_type="mixtral", architectures=["MixtralForCausalLM"])
+    assert se.engine_args(make_cfg("rollout=sglang", "rollout.mem_fraction_static=0.3"),
+                          mixtral)["enable_return_routed_experts"] is False
 
 
 def test_sglang_server_args_override_relaxs_and_keep_its_weight_loaders(tiny_path):
@@ -192,6 +197,22 @@ def test_sglang_to_hf_unfuses_each_expert():
     out = se.sglang_to_hf("model.layers.0.mlp.experts.w2_weight", w2, HF)
     assert list(out) == [f"model.layers.0.mlp.experts.{e}.down_proj.weight" for e in range(3)]
     assert torch.equal(out["model.layers.0.mlp.experts.2.down_proj.weight"], rows(5, 200))
+
+
+def test_sglang_to_hf_follows_the_checkpoints_names_of_other_architectures():
+    """Mixtral's experts are w1 (gate), w3 (up), w2 (down); Phi-3's checkpoint fuses q/k/v and
+    gate/up as SGLang does, so they stay whole."""
+    mixtral = {**HF, "architectures": ["MixtralForCausalLM"]}
+    w13 = torch.stack([rows(8, 100 * e) for e in range(2)])
+    out = se.sglang_to_hf("model.layers.0.block_sparse_moe.experts.w13_weight", w13, mixtral)
+    assert torch.equal(out["model.layers.0.block_sparse_moe.experts.1.w1.weight"], rows(4, 100))
+    assert torch.equal(out["model.layers.0.block_sparse_moe.experts.1.w3.weight"], rows(4, 104))
+    out = se.sglang_to_hf("model.layers.0.block_sparse_moe.experts.w2_weight", w13, mixtral)
+    assert list(out) == [f"model.layers.0.block_sparse_moe.experts.{e}.w2.weight" for e in range(2)]
+    phi3 = {**HF, "architectures": ["Phi3ForCausalLM"]}
+    for name in ("model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.mlp.gate_up_proj.weight"):
+        fused = rows(64)
+        assert se.sglang_to_hf(name, fused, phi3) == {name: fused}
 
 
 def test_sglang_to_hf_trims_the_padded_vocabulary_only():

@@ -21,6 +21,7 @@ from relax.targets import require_extra
 from relax.errors import ConfigError
 from relax.process import sigterm_left_to_the_driver
 from relax.model import families, model_config, read_hf_config, torch_dtype
+from relax.model.sglang_support import SERVED, sglang_to_hf
 from relax.rollout import Generation, SamplingParams, buckets, engine_dtype, num_engines, prompt_seeds
 
 log = logging.getLogger(__name__)
@@ -41,8 +42,8 @@ def engine_args(cfg, model_path: Path, base_gpu_id: int = 0) -> dict:
     common = dict(model_path=str(model_path), dtype=engine_dtype(cfg), tp_size=tp,
                   mem_fraction_static=memory, skip_tokenizer_init=True,
                   random_seed=cfg.seed, log_level="error",
-                  # MoE: every request returns its tokens' experts (relax/train/routing.py)
-                  enable_return_routed_experts=bool(families.num_experts(read_hf_config(model_path))))
+                  # a family's MoE: every request returns its tokens' experts (relax/train/routing.py)
+                  enable_return_routed_experts=records_experts(read_hf_config(model_path)))
     if GPU:  # CUDA graphs stay on; the memory saver lets a colocated engine free GPU memory
         common.update(enable_memory_saver=r.colocate)
     else:  # sleep_on_idle: an idle scheduler otherwise polls for requests at 100% of a core,
@@ -73,31 +74,9 @@ def cpu_mem_fraction(cfg, model_path: Path) -> float:
     return min(0.9, max(0.05, 2 * (weights + kv_cache) / available))
 
 
-def sglang_to_hf(name: str, tensor: torch.Tensor, hf_config: dict) -> dict[str, torch.Tensor]:
-    """SGLang's fused parameters back under the checkpoint's HF names (TP = 1). SGLang's
-    Llama/Qwen2/Qwen3 models name them alike: q/k/v in `qkv_proj`, gate/up in `gate_up_proj`,
-    and (Qwen2-MoE, Qwen3-MoE) every expert's [gate; up] in `experts.w13_weight` [E, 2I, H]
-    and down in `experts.w2_weight` [E, H, I]."""
-    pre, _, kind = name.rpartition(".")
-    if name.endswith((".experts.w13_weight", ".experts.w2_weight")):
-        base = name.rsplit(".", 1)[0]
-        if name.endswith("w2_weight"):
-            return {f"{base}.{e}.down_proj.weight": w for e, w in enumerate(tensor)}
-        return {f"{base}.{e}.{which}_proj.weight": part for e, w in enumerate(tensor)
-                for which, part in zip(("gate", "up"), w.chunk(2), strict=True)}
-    if ".qkv_proj" in name:
-        heads, groups = hf_config["num_attention_heads"], hf_config["num_key_value_heads"]
-        d = hf_config.get("head_dim") or hf_config["hidden_size"] // heads
-        q, k, v = tensor.split([heads * d, groups * d, groups * d])
-        base = pre.removesuffix(".qkv_proj")
-        return {f"{base}.q_proj.{kind}": q, f"{base}.k_proj.{kind}": k, f"{base}.v_proj.{kind}": v}
-    if ".gate_up_proj" in name:
-        gate, up = tensor.chunk(2)
-        base = pre.removesuffix(".gate_up_proj")
-        return {f"{base}.gate_proj.{kind}": gate, f"{base}.up_proj.{kind}": up}
-    if name in ("model.embed_tokens.weight", "lm_head.weight"):  # SGLang pads the vocabulary
-        return {name: tensor[:hf_config["vocab_size"]]}
-    return {name: tensor}
+def records_experts(hf: dict) -> bool:
+    """Whether the engine returns each token's experts: a family's MoE (routing replay's)."""
+    return (hf.get("architectures") or [None])[0] in families.FAMILIES and bool(families.num_experts(hf))
 
 
 def sglang_sampling_params(sp: SamplingParams, eos: list[int], seed: int | list[int], n: int,
@@ -134,8 +113,13 @@ class SGLangEngine:
         if cfg.rollout.true_on_policy:
             raise ConfigError("rollout.true_on_policy=true is refused with rollout=sglang: its CPU kernels are "
                               "not batch-invariant (docs/true-on-policy.md); use rollout=torch")
-        families.check(model_config(cfg.model)).refuse_unless_fast(
-            "rollout=sglang", "SGLang here (the families tested with it on CPU)", "use rollout=torch")
+        hf = model_config(cfg.model)
+        why = families.sglang_blocker(hf)
+        if why:
+            served = ", ".join([*families.SUPPORTED_ARCHITECTURES, *sorted(SERVED)])
+            raise ConfigError(f"rollout=sglang: SGLang on CPU here serves {served} (each tested with it), "
+                              f"and this model is {hf['architectures'][0]} ({why}): use rollout=torch, which "
+                              f"runs any transformers causal LM")
         require_extra("rollout=sglang", "sglang")  # at start-up, not when the engine is built
         if cfg.algo.routing_replay == "rollout":
             from sglang.srt.server_args import ServerArgs
@@ -156,7 +140,7 @@ class SGLangEngine:
         with sigterm_left_to_the_driver():  # (its scheduler dying of one would kill the driver: SIGKILL)
             self.engine = sglang.Engine(**engine_args(cfg, model_path, base_gpu_id))
         self._leave_sigterm_to_relax()
-        moe = families.moe_layers(self.hf_config) if families.num_experts(self.hf_config) else None
+        moe = families.moe_layers(self.hf_config) if records_experts(self.hf_config) else None
         self.moe_layers = None if moe is None else [i for i, sparse in enumerate(moe) if sparse]
         self.deterministic = bool(cfg.rollout.sglang_server_args.get("enable_deterministic_inference"))
         log.info("SGLang %s engine on %s", sglang.__version__,

@@ -24,14 +24,6 @@ ROPE_TYPES = ("default", "linear", "llama3")
 # config.json settings the hand-written forward lacks, for several families (Family.refused)
 SLIDING_WINDOW = {"use_sliding_window": (True, "sliding-window attention")}
 
-
-def _window_shorter_than_context(window, hf: dict) -> bool:
-    return window is not None and window < hf["max_position_embeddings"]
-
-
-# Mistral's and Mixtral's window (null: none): one that covers every position masks nothing
-SHORT_WINDOW = {"sliding_window": (_window_shorter_than_context, "sliding-window attention over fewer "
-                                   "positions than max_position_embeddings")}
 O_PROJ_BIAS = {"attention_bias": (True, "an o_proj bias")}
 # What every family's layers name their attention and MLP projections (HF's names; an MoE
 # layer's shared expert and dense layers too): LoRA's default targets (Family.lora_targets)
@@ -67,6 +59,7 @@ class Family:
     # `self_attn.qkv_proj.weight` (q, k, v) and `mlp.gate_up_proj.weight` (gate, up)
     fused: tuple[str, ...] = ()
     rotary_interleaved: bool = False  # RoPE turns pairs of adjacent dims (GLM), not the two halves
+    sliding_window: bool = False  # config.json's sliding_window (null: none) masks every layer
 
     @property
     def hf_prefix(self) -> str:
@@ -221,6 +214,17 @@ def megatron_family(hf: dict, where: str) -> Family:
                       f"{architecture} ({why}): use train=torch")
 
 
+def sglang_blocker(hf: dict) -> str | None:
+    """Why rollout=sglang cannot serve this config.json (None: it can): a family keeps its hand-written
+    forward's limits; other architectures, relax.model.sglang_support's table."""
+    from relax.model import sglang_support
+
+    support = check(hf)
+    if support.architecture in FAMILIES:
+        return support.why_generic
+    return sglang_support.blocker(support.architecture, hf)
+
+
 MATRIX_COLUMNS = ("torch engine", "SGLang", "torch trainer", "Megatron", "train.shared_prompt",
                   "routing replay", "LoRA default targets")
 
@@ -228,16 +232,19 @@ MATRIX_COLUMNS = ("torch engine", "SGLang", "torch trainer", "Megatron", "train.
 def runs_on(hf: dict) -> dict[str, str]:
     """What runs a config.json, per engine and backend, as the start-up checks decide it (the
     support matrix in docs/models.md is these rows)."""
+    from relax.model import sglang_support
+
     support = check(hf)
     family, moe = support.family, bool(num_experts(hf))
+    sglang = sglang_support.matrix_cell(sglang_blocker(hf))
     megatron = megatron_blocker(hf)
     megatron = "tp, pp, vpp, cp, dp" + (", ep" if moe else "") if megatron is None else \
         "refused" + (f" ({megatron.split(':')[0]})" if support.architecture in LAYER_FAMILIES else "")
     if family is None:
-        return dict(zip(MATRIX_COLUMNS, ("transformers' forward", "refused", "single, dp, fsdp (tp refused)",
+        return dict(zip(MATRIX_COLUMNS, ("transformers' forward", sglang, "single, dp, fsdp (tp refused)",
                                          megatron, "off (true refused)", "refused" if moe else "-",
                                          "every linear layer")))
-    return dict(zip(MATRIX_COLUMNS, ("hand-written forward", "runs", "single, dp, fsdp, tp",
+    return dict(zip(MATRIX_COLUMNS, ("hand-written forward", sglang, "single, dp, fsdp, tp",
                                      megatron, "on", "R2, R3" if moe else "-",
                                      ", ".join(family.lora_targets))))
 
