@@ -88,7 +88,6 @@ def test_engine_named_tensors_and_updates_by_hf_name(family_model):
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["train=megatron"], "train=megatron: Megatron-core's layer spec (built from the family's description) runs"),
     (["parallel=tp2"], "parallel=tp2: train=torch's tensor parallelism"),
     (["train.shared_prompt=true"], "train.shared_prompt=true packs a group's responses"),
 ])

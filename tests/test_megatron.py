@@ -297,13 +297,15 @@ EP = ["parallel=tp2sp", "parallel.ep=2"]
 @pytest.mark.parametrize("family,layout,config", [
     ("llama", ["parallel=tp2"], {}), ("qwen2", ["parallel=tp2"], {}), ("qwen3", ["parallel=tp2"], {}),
     ("qwen2_moe", EP, {}), ("qwen3_moe", EP, {}),
-    # Megatron only (transformers' forward on the engine): Mistral as from v0.2, without a window
+    # Megatron only (transformers' forward on the engine): Mistral with the tests' 6-token window
+    # (context parallelism masks it itself) and as from v0.2, without one
+    ("mistral", ["parallel=tp2"], {}), ("mistral", ["parallel=cp2"], {}),
     ("mistral", ["parallel=tp2"], {"sliding_window": None}), ("mixtral", EP, {}),
     ("phi3", ["parallel=tp2"], {}), ("smollm3", ["parallel=tp2"], {}), ("glm", ["parallel=tp2"], {})])
 def test_each_family_round_trips_and_matches_the_torch_trainer(family_model, tokenizer, family, layout,
                                                                config, tmp_path):
     """Per family (tests/families.py: Llama-3 RoPE scaling and tied embeddings, Qwen3's q/k
-    norm and head_dim, both MoE layouts; Mistral, Mixtral's `block_sparse_moe` names, Phi-3's fused
+    norm and head_dim, both MoE layouts; Mistral's window, Mixtral's `block_sparse_moe` names, Phi-3's fused
     projections and partial rotary, SmolLM3's layers without RoPE, GLM's interleaved RoPE), under
     TP (and EP for MoE): HF -> Megatron -> HF is bit-identical, and Megatron's first-step
     log-probs and grad norm are the torch trainer's. `config`: config.json values over the

@@ -1,5 +1,5 @@
 """train=megatron beyond the hand-written families, fast: what runs on Megatron's layer spec
-(Mistral without a window, Mixtral, Phi-3 and GLM under their own checkpoint names, SmolLM3) and what
+(Mistral and its sliding window, Mixtral, Phi-3 and GLM under their own checkpoint names, SmolLM3) and what
 is refused at start-up,
 naming the setting or the architecture. The slow tier (tests/test_megatron.py,
 test_each_family_round_trips_and_matches_the_torch_trainer) trains each against the torch trainer."""
@@ -16,9 +16,8 @@ from relax.model import families, load_safetensors_dir, read_hf_config
 from .conftest import make_cfg
 from .families import ARCHITECTURES, build_family_model
 
-# tests/families.py's architectures train=megatron runs as the tests build them (Mistral there
-# has a 6-token window: refused; without one it runs, below)
-RUNS = {"mixtral", "phi3", "smollm3", "glm"}
+# tests/families.py's architectures train=megatron runs as the tests build them
+RUNS = {"mistral", "mixtral", "phi3", "smollm3", "glm"}
 
 
 def plan(path, *overrides):
@@ -39,30 +38,42 @@ def test_megatron_runs_or_refuses_each_architecture_at_start_up(arch, family_mod
     message = str(refusal.value)
     assert message.startswith("train=megatron: Megatron-core's layer spec")
     assert message.endswith("use train=torch")
-    if arch == "mistral":
-        assert "runs MistralForCausalLM without this model's sliding_window=6: sliding-window" in message
-    else:
-        assert f"this model is {architecture} (no description in relax/model/families/" in message
+    assert f"this model is {architecture} (no description in relax/model/families/" in message
+
+
+@pytest.mark.parametrize("arch,config,window", [
+    ("mistral", {"sliding_window": None}, None),
+    ("mistral", {"sliding_window": 128}, None),  # = max_position_embeddings: no position is masked
+    ("mistral", {"sliding_window": 127}, (126, 0)),  # the key and the 126 before it
+    ("mixtral", {"sliding_window": 32}, (31, 0)),
+    ("phi3", {"sliding_window": 64}, (63, 0)),  # as Phi-3-mini-4k's 2047 of 4096
+    ("qwen2", {"use_sliding_window": False, "sliding_window": 6}, None),  # a window Qwen2 does not use
+])
+def test_a_sliding_window_becomes_megatrons_window_size(arch, config, window, tmp_path):
+    from transformers import AutoConfig
+
+    from relax.train.megatron.model import transformer_config
+
+    from .test_megatron_convert import layout
+
+    path = build_family_model(tmp_path / arch, arch, **config)
+    hf = read_hf_config(path)
+    assert hf["max_position_embeddings"] == 128 and families.megatron_blocker(hf) is None
+    assert families.runs_on(hf)["Megatron"].startswith("tp, pp, vpp, cp, dp")
+    config = transformer_config(AutoConfig.from_pretrained(path), layout(), make_cfg("train=megatron").train,
+                                "float32")
+    assert config.window_size == window
 
 
 @pytest.mark.parametrize("arch,config,refused", [
-    ("mistral", {"sliding_window": None}, None),
-    ("mistral", {"sliding_window": 128}, None),  # = max_position_embeddings: no position is masked
-    ("mistral", {"sliding_window": 127}, "sliding_window=127: sliding-window attention over fewer positions"),
-    ("mixtral", {"sliding_window": 32}, "sliding_window=32: sliding-window attention"),
     ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise=0.1: random noise on the router's input"),
-    ("phi3", {"sliding_window": 64}, "sliding_window=64: sliding-window attention"),  # as Phi-3-mini-4k's
     ("smollm3", {"mlp_bias": True}, "mlp_bias=True: MLP biases"),
     ("smollm3", {"use_sliding_window": True, "sliding_window": 6},
      "layer_types has 'sliding_attention' layers"),
 ])
-def test_windows_and_router_noise_are_refused_by_their_setting(arch, config, refused, tmp_path):
+def test_router_noise_biases_and_per_layer_windows_are_refused_by_their_setting(arch, config, refused,
+                                                                                 tmp_path):
     hf = read_hf_config(build_family_model(tmp_path / arch, arch, **config))
-    assert hf["max_position_embeddings"] == 128
-    if refused is None:
-        assert families.megatron_family(hf, "train=megatron").architecture == hf["architectures"][0]
-        assert families.runs_on(hf)["Megatron"] == "tp, pp, vpp, cp, dp"
-        return
     with pytest.raises(ConfigError, match=re.escape(refused)):
         families.megatron_family(hf, "train=megatron")
     assert families.runs_on(hf)["Megatron"] == f"refused ({refused.split(':')[0]})"

@@ -3,6 +3,7 @@ micro-batch cut each CP rank gets, the way back to sequence order, and the CPU a
 two gloo ranks against causal attention on the whole sequence. Fast: no Megatron model (the
 cp2 layout sweep in tests/test_megatron.py is the slow, end-to-end check)."""
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -56,23 +57,26 @@ def test_cp_local_cuts_every_per_position_field_as_megatron_does_and_sequence_or
 S, B, HEADS, GROUPS, D, SCALE = 8, 2, 4, 2, 8, 0.3  # GQA; a softmax scale other than 1/sqrt(d)
 
 
-def _attention_on_rank(rank: int, init_file: str, q, k, v, weights) -> None:
+def _attention_on_rank(rank: int, init_file: str, q, k, v, weights, window) -> None:
     """One of two CP ranks: its queries, keys and values at its positions through
-    ContextParallelAttention; output and gradients must be the whole sequence's at them."""
+    ContextParallelAttention; output and gradients must be the whole sequence's at them (with
+    Megatron's sliding `window`, (left, 0): each query sees itself and `left` keys before it)."""
     from megatron.core import parallel_state
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         parallel_state._CONTEXT_PARALLEL_GROUP = dist.group.WORLD
-        attention = ContextParallelAttention(type("Config", (), {"context_parallel_size": 2}), 1, None, None,
-                                             softmax_scale=SCALE)
+        config = type("Config", (), {"context_parallel_size": 2, "window_size": window})
+        attention = ContextParallelAttention(config, 1, None, None, softmax_scale=SCALE)
         mine = held_by(rank, 2, S)
         local = [x[mine].clone().requires_grad_() for x in (q, k, v)]
         out = attention(*local, attention_mask=None)
         (out * weights[mine]).sum().backward()
 
         whole = [x.clone().requires_grad_() for x in (q, k, v)]
-        expected = F.scaled_dot_product_attention(*(x.permute(1, 2, 0, 3) for x in whole), is_causal=True,
+        behind = torch.arange(S)[:, None] - torch.arange(S)[None, :]
+        allowed = (behind >= 0) & (behind <= (window[0] if window else S))
+        expected = F.scaled_dot_product_attention(*(x.permute(1, 2, 0, 3) for x in whole), attn_mask=allowed,
                                                   scale=SCALE, enable_gqa=True)
         expected = expected.permute(2, 0, 1, 3).reshape(S, B, HEADS * D)
         (expected * weights).sum().backward()
@@ -83,13 +87,14 @@ def _attention_on_rank(rank: int, init_file: str, q, k, v, weights) -> None:
         dist.destroy_process_group()
 
 
-def test_context_parallel_attention_on_two_ranks_is_causal_attention_on_the_whole_sequence(tmp_path):
-    """Forward and backward: a wrong causal mask, chunk order or K/V gradient reduction (each
-    rank's gradient for the keys it holds sums every rank's queries) departs from it."""
+@pytest.mark.parametrize("window", [None, (2, 0)])
+def test_context_parallel_attention_on_two_ranks_is_causal_attention_on_the_whole_sequence(tmp_path, window):
+    """Forward and backward: a wrong causal or sliding-window mask, chunk order or K/V gradient
+    reduction (each rank's gradient for the keys it holds sums every rank's queries) departs from it."""
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(S, B, HEADS, D, generator=generator)
     k, v = (torch.randn(S, B, GROUPS, D, generator=generator) for _ in range(2))
     weights = torch.randn(S, B, HEADS * D, generator=generator)
     # forked: the ranks start with torch and Megatron already imported
-    mp.start_processes(_attention_on_rank, args=(str(tmp_path / "init"), q, k, v, weights), nprocs=2,
+    mp.start_processes(_attention_on_rank, args=(str(tmp_path / "init"), q, k, v, weights, window), nprocs=2,
                        start_method="fork")

@@ -24,14 +24,6 @@ ROPE_TYPES = ("default", "linear", "llama3")
 # config.json settings the hand-written forward lacks, for several families (Family.refused)
 SLIDING_WINDOW = {"use_sliding_window": (True, "sliding-window attention")}
 
-
-def _window_shorter_than_context(window, hf: dict) -> bool:
-    return window is not None and window < hf["max_position_embeddings"]
-
-
-# Mistral's and Mixtral's window (null: none): one that covers every position masks nothing
-SHORT_WINDOW = {"sliding_window": (_window_shorter_than_context, "sliding-window attention over fewer "
-                                   "positions than max_position_embeddings")}
 O_PROJ_BIAS = {"attention_bias": (True, "an o_proj bias")}
 # What every family's layers name their attention and MLP projections (HF's names; an MoE
 # layer's shared expert and dense layers too): LoRA's default targets (Family.lora_targets)
@@ -67,6 +59,7 @@ class Family:
     # `self_attn.qkv_proj.weight` (q, k, v) and `mlp.gate_up_proj.weight` (gate, up)
     fused: tuple[str, ...] = ()
     rotary_interleaved: bool = False  # RoPE turns pairs of adjacent dims (GLM), not the two halves
+    sliding_window: bool = False  # config.json's sliding_window (null: none) masks every layer
 
     @property
     def hf_prefix(self) -> str:

@@ -2,7 +2,7 @@
 renormalised weights (Qwen3-MoE's router) under the checkpoint's `block_sparse_moe` names.
 Megatron's layer spec only: transformers' forward elsewhere."""
 
-from relax.model.families import SHORT_WINDOW, Family, MoE
+from relax.model.families import Family, MoE
 
 
 def _jitter(noise, hf: dict) -> bool:
@@ -12,9 +12,9 @@ def _jitter(noise, hf: dict) -> bool:
 EXPERT = "block_sparse_moe.experts.{e}."
 FAMILY = Family(
     architecture="MixtralForCausalLM", model_type="mixtral", qkv_bias=False,
-    moe=MoE(expert_size_key="intermediate_size", norm_topk_key=None),
-    refused={**SHORT_WINDOW, "router_jitter_noise": (_jitter, "random noise on the router's input while "
-                                                     "training, drawn differently by each backend")},
+    moe=MoE(expert_size_key="intermediate_size", norm_topk_key=None), sliding_window=True,
+    refused={"router_jitter_noise": (_jitter, "random noise on the router's input while training, drawn "
+                                     "differently by each backend")},
     hand_written=False,
     checkpoint_names={"mlp.gate.weight": "block_sparse_moe.gate.weight",
                       "mlp.experts.{e}.gate_proj.weight": EXPERT + "w1.weight",

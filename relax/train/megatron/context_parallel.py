@@ -100,7 +100,10 @@ class ContextParallelAttention(torch.nn.Module):
         key, value = kv.split(d, dim=-1)  # [S, b, groups, d]
         chunk = s // 2
         q_pos = torch.cat([torch.arange(i * chunk, (i + 1) * chunk) for i in chunk_ids(self.rank, self.cp)])
-        causal = q_pos[:, None] >= torch.arange(key.shape[0])[None, :]
+        behind = q_pos[:, None] - torch.arange(key.shape[0])[None, :]
+        causal = behind >= 0
+        if self.config.window_size:  # a sliding window: (left, 0), the key itself and `left` before it
+            causal &= behind <= self.config.window_size[0]
         out = F.scaled_dot_product_attention(
             query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3),
             attn_mask=causal, scale=self.softmax_scale, enable_gqa=heads != groups)

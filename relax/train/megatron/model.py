@@ -58,6 +58,13 @@ def rotary_fraction(config_json: dict) -> float:
         or config_json.get("partial_rotary_factor") or 1.0
 
 
+def window_size(config_json: dict, family) -> tuple[int, int] | None:
+    """Megatron's (left, right) window for a family's sliding_window (transformers: a key attends
+    to the window's last `sliding_window` positions, itself included); None: nothing masked."""
+    window = config_json.get("sliding_window") if family.sliding_window else None
+    return (window - 1, 0) if window is not None and window < config_json["max_position_embeddings"] else None
+
+
 def transformer_config(hf, layout: Layout, train_cfg, dtype_name: str):
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnBackend
@@ -73,7 +80,7 @@ def transformer_config(hf, layout: Layout, train_cfg, dtype_name: str):
         normalization="RMSNorm", layernorm_epsilon=hf.rms_norm_eps, gated_linear_unit=True,
         activation_func=F.silu, add_bias_linear=False,
         add_qkv_bias=families.qkv_bias(config_json), qk_layernorm=family.qk_norm,
-        rotary_interleaved=family.rotary_interleaved,
+        rotary_interleaved=family.rotary_interleaved, window_size=window_size(config_json, family),
         hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype, pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16, tensor_model_parallel_size=layout.tp_size,
         pipeline_model_parallel_size=layout.pp_size,
