@@ -17,6 +17,10 @@ from relax.model.sglang_support import NOT_SERVED, SERVED  # noqa: E402
 from .conftest import first_step_exact, run_loop  # noqa: E402
 from .families import ARCHITECTURES, SGLANG_RUNS, SGLANG_VARIANTS, build_family_model  # noqa: E402
 from .test_architectures import RUN  # noqa: E402
+# rollout=torch, which every refusal names, in this environment too (SGLang pins its own transformers):
+# transformers' forward samples what the hand-written one does
+from .test_architectures import (  # noqa: E402, F401
+    test_the_transformers_path_samples_what_the_hand_written_forward_does)
 
 pytestmark = pytest.mark.sglang
 

@@ -9,6 +9,7 @@ prompts with explicit position ids, and the last position's logits only.
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import torch
@@ -27,6 +28,10 @@ class TransformersEngine(TorchEngineBase):
         self.model = load_causal_lm(model_path, str(self.dtype).removeprefix("torch."),
                                     invariant=self.true_on_policy).eval().requires_grad_(False)
         self.scattered = self._scattered()
+        # the forward's KV-cache argument: `cache` from transformers 5.24, `past_key_values` before (an
+        # unknown keyword goes to **kwargs unread, and every decode step would see its token alone)
+        accepted = inspect.signature(self.model.forward).parameters
+        self.cache_arg = "cache" if "cache" in accepted else "past_key_values"
 
     def _generate(self, prompts, sp, seed, first_index):
         if not self.true_on_policy:
@@ -98,7 +103,7 @@ class TransformersEngine(TorchEngineBase):
         # without padding, no mask: transformers then builds none (causal attention as is)
         mask = None if valid is None else valid.long()
         return self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                          cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
+                          **{self.cache_arg: cache}, use_cache=True, logits_to_keep=1).logits[:, -1].float()
 
     def _prefill(self, ids, valid, positions, N, row_of):
         from transformers import DynamicCache
