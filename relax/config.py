@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -21,6 +22,23 @@ from omegaconf import II, MISSING, DictConfig, OmegaConf
 
 from relax.errors import ConfigError
 
+
+# Options with a fixed set of values: Hydra refuses any other value when it composes, naming the
+# key and the values. (A StrEnum member is its value: "ppo" == PolicyLoss.ppo, and it serializes
+# as the string.) algo.loss_agg_mode stays a string: its values (verl's) are not identifiers.
+def choices(name: str, *values: str) -> type[StrEnum]:
+    return StrEnum(name, [(v, v) for v in values], module=__name__)
+
+
+WeightUpdateMode = choices("WeightUpdateMode", "tensor", "disk", "distributed")
+OnNonfinite = choices("OnNonfinite", "error", "skip")
+AttentionBackend = choices("AttentionBackend", "auto", "flash", "fused", "unfused", "local")
+AdvantageEstimator = choices("AdvantageEstimator", "grpo", "reinforce", "reinforce_plus_plus")
+PolicyLoss = choices("PolicyLoss", "ppo", "gspo")
+KLType = choices("KLType", "k1", "k2", "k3", "low_var_kl")
+ISLevel = choices("ISLevel", "token", "sequence")
+RoutingReplay = choices("RoutingReplay", "rollout", "train")
+PlacementStrategy = choices("PlacementStrategy", "PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
 @dataclass
@@ -77,7 +95,7 @@ class RolloutConfig:
     rollout_num_gpus: int = 1  # GPUs for all engines (rollout_num_gpus_per_engine each)
     rollout_num_gpus_per_engine: int = 1  # each engine's tensor-parallel size
     num_engines: Optional[int] = None  # engines per rollout (null: GPU engines rollout_num_gpus/tp, else 1)
-    weight_update_mode: str = "tensor"  # tensor: by name; disk: via a temp HF dir; distributed: NCCL (GPU)
+    weight_update_mode: WeightUpdateMode = WeightUpdateMode.tensor  # tensor: by name; disk: via a temp HF dir; distributed: NCCL (GPU)
     weight_update_bucket_mb: int = 512  # bucket size for tensor weight updates (SGLang; Ray's object store)
     colocate: bool = False  # release engine memory while the trainer runs (same GPUs)
     generate_fn: str = "relax.rollout.generate.single_turn"  # fn(client, prompt, sampling_params) -> Sample
@@ -112,7 +130,7 @@ class TrainConfig:
     num_steps_per_rollout: int = 1  # optimizer steps per rollout (the batch is split evenly)
     micro_batch_size: int = 64  # samples per forward/backward (gradient accumulation, pipeline micro-batches)
     clip_grad: float = 1.0  # max global grad norm (0: no clipping)
-    on_nonfinite: str = "error"  # non-finite loss/grad_norm: error (stop) or skip (the step); both dump it
+    on_nonfinite: OnNonfinite = OnNonfinite.error  # non-finite loss/grad_norm: error (stop) or skip (the step); both dump it
     num_threads: int = 1  # torch threads per process (1 is fastest for tiny models on 2 cores)
     ref_log_probs_interval: Optional[int] = None  # also run the reference every N rollouts (null: 1st step)
     # a group's prompt runs once per forward (train=torch: relax/train/packing.py); null: where the
@@ -132,7 +150,7 @@ TrainConfig = dataclass(TrainConfig)
 
 @dataclass
 class MegatronTrainGroup(TrainConfig):  # train=megatron
-    attention_backend: str = "auto"  # flash | fused | unfused | local | auto (GPU; CPU always uses local)
+    attention_backend: AttentionBackend = AttentionBackend.auto  # flash | fused | unfused | local | auto (GPU; CPU always uses local)
     moe_permute_fusion: bool = False  # fused MoE token permutation (the guide's fix for MoE first-step KL)
     deterministic: bool = False  # deterministic kernels: TE non-determinism off (see relax.train.megatron)
     use_distributed_optimizer: bool = True  # shard optimizer state over data-parallel ranks
@@ -157,24 +175,24 @@ class ParallelConfig:
 
 @dataclass
 class AlgoConfig:
-    advantage_estimator: str = "grpo"  # grpo (group-normalised), reinforce (group mean), reinforce_plus_plus
+    advantage_estimator: AdvantageEstimator = AdvantageEstimator.grpo  # grpo (group-normalised), reinforce (group mean), reinforce_plus_plus
     grpo_std_normalization: bool = True  # divide by the group's reward std
     eps_clip: float = 0.2  # PPO lower clip: ratio >= 1 - eps_clip
     eps_clip_high: Optional[float] = None  # PPO upper clip: ratio <= 1 + eps_clip_high (null: eps_clip)
     eps_clip_c: Optional[float] = 3.0  # dual clip: for A < 0 the loss is at most -A * eps_clip_c (null: off)
-    policy_loss: str = "ppo"  # ppo (token ratio) or gspo (sequence ratio: geometric mean of its tokens')
+    policy_loss: PolicyLoss = PolicyLoss.ppo  # ppo (token ratio) or gspo (sequence ratio: geometric mean of its tokens')
     loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | ...-sum-norm
     use_kl_loss: bool = False  # add kl_loss_coef * KL(actor || ref) to the loss
     kl_loss_coef: float = 0.0  # KL loss weight
-    kl_loss_type: str = "low_var_kl"  # k1, k2, k3 or low_var_kl (one bounded k3, as in verl)
+    kl_loss_type: KLType = KLType.low_var_kl  # k1, k2, k3 or low_var_kl (one bounded k3, as in verl)
     entropy_coef: float = 0.0  # entropy bonus weight
-    tis: Optional[str] = None  # truncated IS against rollout/train mismatch: null, token or sequence
+    tis: Optional[ISLevel] = None  # truncated IS against rollout/train mismatch: null, token or sequence
     tis_cap: float = 2.0  # TIS: importance weights pi_train / pi_rollout above this are capped
-    mis: Optional[str] = None  # masked IS: null, token or sequence (weight 0 where the ratio is off bounds)
+    mis: Optional[ISLevel] = None  # masked IS: null, token or sequence (weight 0 where the ratio is off bounds)
     mis_low: float = 0.5  # masked IS: lowest ratio kept
     mis_high: float = 2.0  # masked IS: highest ratio kept
     use_rollout_log_probs: bool = False  # the engine's log-probs are PPO's old policy (verl's bypass mode)
-    routing_replay: Optional[str] = None  # MoE: null, rollout (R3: engine's experts), train (R2: old pass's)
+    routing_replay: Optional[RoutingReplay] = None  # MoE: null, rollout (R3: engine's experts), train (R2: old pass's)
 
 
 @dataclass
@@ -279,7 +297,7 @@ class RayClusterGroup(ClusterConfig):  # cluster=ray
     num_gpus_per_engine: float = 0  # GPUs each engine's bundle reserves (on GPU: rollout_num_gpus_per_engine)
     resources_per_rank: dict[str, float] = field(default_factory=dict)  # custom resources per rank bundle
     resources_per_engine: dict[str, float] = field(default_factory=dict)  # custom resources per engine bundle
-    placement_strategy: str = "PACK"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD (Ray's strategies)
+    placement_strategy: PlacementStrategy = PlacementStrategy.PACK  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD (Ray's strategies)
     placement_timeout_s: float = 300  # fail when the placement group is not ready after this long
     runtime_env: dict[str, Any] = field(default_factory=dict)  # Ray runtime_env for the job's actors
     # actors on the driver's node: calls through a Unix socket, weights through shared memory

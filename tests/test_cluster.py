@@ -161,7 +161,6 @@ def test_bundles_are_ordered_by_node_ip_as_a_number_then_by_device(monkeypatch):
 
 
 @pytest.mark.parametrize("override,message", [
-    ("cluster.placement_strategy=RANDOM", "cluster.placement_strategy='RANDOM'"),
     ("cluster.num_cpus_per_engine=0", "cluster.num_cpus_per_engine=0.0: each engine's bundle would reserve"),
     ("cluster.num_gpus_per_engine=2", "rollout.rollout_num_gpus_per_engine=1"),
 ])

@@ -226,6 +226,35 @@ def test_no_option_file_repeats_a_schema_default(composed, option, path):
         assert value != default, f"{path.relative_to(REPO)}: {key}={value!r} is the schema default"
 
 
+@pytest.mark.parametrize("key,bad,values,option", [
+    ("algo.advantage_estimator", "rloo", "grpo, reinforce, reinforce_plus_plus", None),
+    ("algo.policy_loss", "grpo", "ppo, gspo", None), ("algo.kl_loss_type", "k4", "k1, k2, k3, low_var_kl", None),
+    ("algo.tis", "tokens", "token, sequence", None), ("algo.mis", "seq", "token, sequence", None),
+    ("algo.routing_replay", "R3", "rollout, train", None),
+    ("rollout.weight_update_mode", "nccl", "tensor, disk, distributed", None),
+    ("train.on_nonfinite", "ignore", "error, skip", None),
+    ("train.attention_backend", "flsh", "auto, flash, fused, unfused, local", "train=megatron"),
+    ("cluster.placement_strategy", "RANDOM", "PACK, SPREAD, STRICT_PACK, STRICT_SPREAD", "cluster=ray")])
+def test_an_option_with_fixed_values_refuses_another_when_hydra_composes(key, bad, values, option):
+    """Enum-typed (relax/config.py): Hydra names the key and the values before anything runs;
+    every listed value composes, and compares equal to its string."""
+    options = [option] if option else []
+    with pytest.raises(ConfigCompositionException) as refused:
+        make_cfg(*options, f"{key}={bad}")
+    assert f"Invalid value '{bad}', expected one of [{values}]" in str(refused.value.__cause__)
+    assert f"full_key: {key}" in str(refused.value.__cause__)
+    for value in values.split(", "):
+        assert OmegaConf.select(make_cfg(*options, f"{key}={value}"), key) == value
+
+
+def test_a_value_outside_an_enum_is_a_clear_error_on_the_command_line(tmp_path):
+    proc = relax_cli("algo.policy_loss=grpo", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert ("relax: error: algo.policy_loss: Error merging override algo.policy_loss=grpo; Invalid value "
+            "'grpo', expected one of [ppo, gspo]") in proc.stderr
+    assert not (tmp_path / "outputs").exists()
+
+
 def test_backend_only_keys_are_refused_elsewhere():
     assert make_cfg("train=megatron", "train.attention_backend=flash").train.attention_backend == "flash"
     with pytest.raises(ConfigCompositionException, match="train.attention_backend"):

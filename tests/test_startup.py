@@ -90,8 +90,8 @@ def test_the_ray_launcher_without_the_ray_extra_names_it(tmp_path):
 def test_a_refused_cluster_leaves_the_dump_dir_absent_and_the_corrected_rerun_dumps(tmp_path, tiny_path):
     require("ray", RAY)  # cluster=ray's own refusals
     dump = tmp_path / "dump"
-    with pytest.raises(ConfigError, match="cluster.placement_strategy='RANDOM'"):
-        run_loop(tmp_path / "refused", *TINY, "cluster=ray", "cluster.placement_strategy=RANDOM",
+    with pytest.raises(ConfigError, match="cluster.num_cpus_per_engine=0.0"):
+        run_loop(tmp_path / "refused", *TINY, "cluster=ray", "cluster.num_cpus_per_engine=0",
                  f"debug.dump_details={dump}")
     assert not dump.exists()
     assert not (tmp_path / "refused" / "built.json").exists()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-ESTIMATORS = ("grpo", "reinforce", "reinforce_plus_plus")
+from relax.config import AdvantageEstimator
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, normalize_std: bool = True,
@@ -47,4 +47,4 @@ def compute_advantages(rewards: torch.Tensor, group_size: int, token_counts: tor
         return group_advantages(rewards, group_size, normalize_std=False)
     if estimator == "reinforce_plus_plus":
         return reinforce_plus_plus(rewards, token_counts)
-    raise ValueError(f"algo.advantage_estimator={estimator!r}: expected one of {', '.join(ESTIMATORS)}")
+    raise ValueError(f"algo.advantage_estimator={estimator!r}: expected one of {', '.join(AdvantageEstimator)}")

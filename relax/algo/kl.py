@@ -11,9 +11,8 @@ from __future__ import annotations
 import torch
 
 from relax.algo.losses import LOG_RATIO_BOUND
+from relax.config import KLType
 
-KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
-IS_LEVELS = ("token", "sequence")
 K3_BOUND = 10.0
 
 
@@ -27,7 +26,7 @@ def kl_estimate(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str)
     if kind in ("k3", "low_var_kl"):
         d = (-log_ratio).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # ref - actor
         return (torch.expm1(d) - d).clamp(-K3_BOUND, K3_BOUND)      # exp(d) - 1 - d >= 0
-    raise ValueError(f"algo.kl_loss_type={kind!r}: expected one of {', '.join(KL_TYPES)}")
+    raise ValueError(f"algo.kl_loss_type={kind!r}: expected one of {', '.join(KLType)}")
 
 
 def rollout_is_weights(old_log_probs, rollout_log_probs, mask, algo, seq_sum=None):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 
 LOG_RATIO_BOUND = 20.0  # exp(20) ~ 4.9e8: a stale token's ratio stays finite
-POLICY_LOSSES = ("ppo", "gspo")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 

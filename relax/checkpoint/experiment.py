@@ -97,11 +97,11 @@ def _flat(node, prefix: str = "") -> dict:
     return {prefix[:-1]: node}
 
 
-def changes(saved_cfg, cfg) -> dict[str, tuple]:
+def changes(old_cfg, new_cfg) -> dict[str, tuple]:
     """key -> (the run's value, this run's value) for every leaf that differs (keys only one
     side has are left out: a schema that gained or lost a key between Relax versions)."""
-    old = _flat(OmegaConf.to_container(saved_cfg, resolve=False))
-    new = _flat(OmegaConf.to_container(cfg, resolve=False))
+    old = _flat(OmegaConf.to_container(old_cfg, resolve=False))
+    new = _flat(OmegaConf.to_container(new_cfg, resolve=False))
     return {k: (old[k], new[k]) for k in new if k in old and old[k] != new[k]}
 
 

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from relax.errors import ConfigError
 
 log = logging.getLogger(__name__)
-STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 MAX_RESOURCE = 1e14  # what Ray takes as one resource's quantity
 ADDRESS = re.compile(r"auto|local|(ray://)?\S+:\d+")  # what ray.init(address=) joins
 WAIT_LOG_S = 30  # how often a placement that is still waiting says what it misses
@@ -54,9 +53,6 @@ def _shape(cpus: float, gpus: float, custom) -> dict[str, float]:
 def check_cluster(cfg) -> None:
     """cluster=ray's start-up refusals (RayCluster.check_config), before Ray starts."""
     c = cfg.cluster
-    if c.placement_strategy not in STRATEGIES:
-        raise ConfigError(f"cluster.placement_strategy={c.placement_strategy!r}: expected one of "
-                          f"{', '.join(STRATEGIES)}")
     if c.address is not None and not ADDRESS.fullmatch(c.address):
         raise ConfigError(f"cluster.address={c.address!r}: expected auto, host:port or ray://host:port "
                           f"(null: a private Ray instance)")

@@ -89,9 +89,6 @@ def check_engine(cfg) -> None:
     """Start-up refusals: the engine class imports and supports what the config asks of it."""
     engine = load_target(cfg.rollout, "rollout")
     r = cfg.rollout
-    if r.weight_update_mode not in ("tensor", "disk", "distributed"):
-        raise ConfigError(f"rollout.weight_update_mode={r.weight_update_mode!r}: expected tensor, "
-                          f"disk or distributed")
     if r.weight_update_mode == "distributed" and (
             not hasattr(engine, "receive_weights") or not torch_cuda_available()):
         raise ConfigError("rollout.weight_update_mode=distributed broadcasts weights over NCCL into "

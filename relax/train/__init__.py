@@ -36,8 +36,6 @@ def check_train_keys(t) -> None:
     for key in ("adam_beta1", "adam_beta2"):
         if not 0 <= t[key] < 1:
             raise ConfigError(f"train.{key}={t[key]}: expected a number in [0, 1)")
-    if t.on_nonfinite not in ("error", "skip"):
-        raise ConfigError(f"train.on_nonfinite={t.on_nonfinite!r}: expected error or skip")
     if t.ref_log_probs_interval is not None and t.ref_log_probs_interval < 1:
         raise ConfigError(f"train.ref_log_probs_interval={t.ref_log_probs_interval}: expected a positive "
                           f"number of rollouts, or null (the reference runs at the first step only)")

@@ -12,7 +12,6 @@ import torch
 
 from relax.errors import ConfigError
 
-MODES = (None, "rollout", "train")
 METRICS = ("train/routing_agreement", "train/routing_agreement_min_layer", "train/routing_replayed",
            "train/routing_replay_agreement")
 
@@ -22,9 +21,6 @@ def check_config(algo, hf_config: dict, num_steps_per_rollout: int) -> None:
     from relax.model import families
 
     mode = algo.routing_replay
-    if mode not in MODES:
-        raise ConfigError(f"algo.routing_replay={mode!r}: expected null, rollout (R3: the engine's "
-                          f"experts) or train (R2: the old-log-prob pass's)")
     if mode:
         families.check(hf_config).refuse_unless_fast(f"algo.routing_replay={mode}", "routing replay (its "
                                                      "hooks and the engine's recorded experts)",

@@ -13,7 +13,6 @@ from relax.errors import ConfigError
 from relax.model import families
 from relax.train.parallel import check_divides
 
-ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 
 
 def check_config(train, algo, parallel, rollout, hf_config: dict) -> None:
@@ -21,9 +20,6 @@ def check_config(train, algo, parallel, rollout, hf_config: dict) -> None:
         raise ConfigError("rollout.true_on_policy=true is refused with train=megatron: its layers reduce in "
                           "their own order (fused kernels, tensor-parallel sums); use train=torch")
     families.megatron_family(hf_config, "train=megatron")
-    if train.attention_backend not in ATTENTION_BACKENDS:
-        raise ConfigError(f"train.attention_backend={train.attention_backend!r}: expected one "
-                          f"of {', '.join(ATTENTION_BACKENDS)}")
     if train.shared_prompt:
         raise ConfigError("train.shared_prompt=true is train=torch's (relax/train/packing.py): "
                           "Megatron-core's GPTModel applies RoPE by position in the row and ignores "
