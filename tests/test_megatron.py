@@ -301,12 +301,16 @@ EP = ["parallel=tp2sp", "parallel.ep=2"]
     # (context parallelism masks it itself) and as from v0.2, without one
     ("mistral", ["parallel=tp2"], {}), ("mistral", ["parallel=cp2"], {}),
     ("mistral", ["parallel=tp2"], {"sliding_window": None}), ("mixtral", EP, {}),
-    ("phi3", ["parallel=tp2"], {}), ("smollm3", ["parallel=tp2"], {}), ("glm", ["parallel=tp2"], {})])
+    # router noise is training-mode only: neither trainer applies it (the torch trainer's model stays in eval)
+    ("mixtral", EP, {"router_jitter_noise": 0.1}),
+    ("phi3", ["parallel=tp2"], {}), ("smollm3", ["parallel=tp2"], {}), ("glm", ["parallel=tp2"], {}),
+    ("starcoder2", ["parallel=tp2"], {})])
 def test_each_family_round_trips_and_matches_the_torch_trainer(family_model, tokenizer, family, layout,
                                                                config, tmp_path):
     """Per family (tests/families.py: Llama-3 RoPE scaling and tied embeddings, Qwen3's q/k
     norm and head_dim, both MoE layouts; Mistral's window, Mixtral's `block_sparse_moe` names, Phi-3's fused
-    projections and partial rotary, SmolLM3's layers without RoPE, GLM's interleaved RoPE), under
+    projections and partial rotary, SmolLM3's layers without RoPE, GLM's interleaved RoPE, StarCoder2's
+    LayerNorm, biases and GELU MLP), under
     TP (and EP for MoE): HF -> Megatron -> HF is bit-identical, and Megatron's first-step
     log-probs and grad norm are the torch trainer's. `config`: config.json values over the
     tests' model."""

@@ -1,5 +1,6 @@
 """train=megatron beyond the hand-written families, fast: what runs on Megatron's layer spec
-(Mistral and its sliding window, Mixtral, Phi-3 and GLM under their own checkpoint names, SmolLM3) and what
+(Mistral and its sliding window, Mixtral, Phi-3, GLM and StarCoder2 under their own checkpoint names,
+SmolLM3) and what
 is refused at start-up,
 naming the setting or the architecture. The slow tier (tests/test_megatron.py,
 test_each_family_round_trips_and_matches_the_torch_trainer) trains each against the torch trainer."""
@@ -9,6 +10,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 from relax.errors import ConfigError
 from relax.model import families, load_safetensors_dir, read_hf_config
@@ -17,7 +19,7 @@ from .conftest import make_cfg
 from .families import ARCHITECTURES, build_family_model
 
 # tests/families.py's architectures train=megatron runs as the tests build them
-RUNS = {"mistral", "mixtral", "phi3", "smollm3", "glm"}
+RUNS = {"mistral", "mixtral", "phi3", "smollm3", "glm", "starcoder2"}
 
 
 def plan(path, *overrides):
@@ -47,6 +49,7 @@ def test_megatron_runs_or_refuses_each_architecture_at_start_up(arch, family_mod
     ("mistral", {"sliding_window": 127}, (126, 0)),  # the key and the 126 before it
     ("mixtral", {"sliding_window": 32}, (31, 0)),
     ("phi3", {"sliding_window": 64}, (63, 0)),  # as Phi-3-mini-4k's 2047 of 4096
+    ("starcoder2", {"sliding_window": 6}, (5, 0)),
     ("qwen2", {"use_sliding_window": False, "sliding_window": 6}, None),  # a window Qwen2 does not use
 ])
 def test_a_sliding_window_becomes_megatrons_window_size(arch, config, window, tmp_path):
@@ -66,13 +69,13 @@ def test_a_sliding_window_becomes_megatrons_window_size(arch, config, window, tm
 
 
 @pytest.mark.parametrize("arch,config,refused", [
-    ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise=0.1: random noise on the router's input"),
     ("smollm3", {"mlp_bias": True}, "mlp_bias=True: MLP biases"),
+    ("starcoder2", {"hidden_act": "relu"}, "hidden_act='relu': silu, gelu_pytorch_tanh are passed on"),
     ("smollm3", {"use_sliding_window": True, "sliding_window": 6},
      "layer_types has 'sliding_attention' layers"),
 ])
-def test_router_noise_biases_and_per_layer_windows_are_refused_by_their_setting(arch, config, refused,
-                                                                                 tmp_path):
+def test_biases_per_layer_windows_and_activations_are_refused_by_their_setting(arch, config, refused,
+                                                                               tmp_path):
     hf = read_hf_config(build_family_model(tmp_path / arch, arch, **config))
     with pytest.raises(ConfigError, match=re.escape(refused)):
         families.megatron_family(hf, "train=megatron")
@@ -131,6 +134,34 @@ def test_phi3_fused_projections_split_into_llamas_and_join_back(family_model):
     gate_up = checkpoint["model.layers.0.mlp.gate_up_proj.weight"]
     assert llama["model.layers.0.mlp.up_proj.weight"].equal(gate_up[128:])
     assert sorted(back) == sorted(checkpoint) and all(back[n].equal(checkpoint[n]) for n in checkpoint)
+
+
+def test_starcoder2_maps_to_layernorm_biases_and_a_gelu_mlp(family_model):
+    """c_fc and c_proj (with biases) are a non-gated MLP's up and down projections; LayerNorm with
+    norm_epsilon, a bias on every linear layer from use_bias, GELU (tanh); sequence parallelism
+    (an RMSNorm of Relax's own) is refused."""
+    from transformers import AutoConfig
+
+    from relax.train.megatron import checks
+    from relax.train.megatron.model import transformer_config
+
+    from .test_megatron_convert import layout
+
+    checkpoint, llama, back = llama_names(family_model, "starcoder2")
+    biases = {n.replace("weight", "bias") for n in DENSE | {"mlp.up_proj.weight", "mlp.down_proj.weight"}}
+    assert layer_names(llama) == DENSE | {"mlp.up_proj.weight", "mlp.down_proj.weight"} | biases
+    assert llama["model.layers.1.mlp.up_proj.bias"] is checkpoint["model.layers.1.mlp.c_fc.bias"]
+    assert list(back) == list(checkpoint)
+    hf = AutoConfig.from_pretrained(family_model("starcoder2"))
+    config = transformer_config(hf, layout(), make_cfg("train=megatron").train, "float32")
+    assert (config.normalization, config.layernorm_epsilon, config.gated_linear_unit,
+            config.add_bias_linear, config.add_qkv_bias, config.activation_func(torch.tensor([1.0])).item()) == (
+        "LayerNorm", hf.norm_epsilon, False, True, True, pytest.approx(0.841192, abs=1e-6))
+    hf.use_bias = False
+    config = transformer_config(hf, layout(), make_cfg("train=megatron").train, "float32")
+    assert (config.add_bias_linear, config.add_qkv_bias) == (False, False)
+    with pytest.raises(ConfigError, match="sequence_parallel with LayerNorm: Relax's layer spec has a sequence"):
+        checks.check_layout(make_cfg("train=megatron", "parallel=tp2sp").parallel, hf.to_dict())
 
 
 def test_mixtral_maps_to_megatrons_moe_fields_and_its_expert_width(family_model):

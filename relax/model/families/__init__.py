@@ -60,6 +60,10 @@ class Family:
     fused: tuple[str, ...] = ()
     rotary_interleaved: bool = False  # RoPE turns pairs of adjacent dims (GLM), not the two halves
     sliding_window: bool = False  # config.json's sliding_window (null: none) masks every layer
+    norm: str = "RMSNorm"         # or "LayerNorm" (with biases: StarCoder2)
+    norm_eps_key: str = "rms_norm_eps"
+    gated_mlp: bool = True        # act(gate) * up, or act(up) alone (StarCoder2's c_fc, c_proj)
+    linear_bias_key: str | None = None  # config.json key that gives every linear layer a bias
 
     @property
     def hf_prefix(self) -> str:
@@ -190,6 +194,10 @@ def layer_family(hf: dict) -> Family:
     return LAYER_FAMILIES[hf["architectures"][0]]
 
 
+# the MLP activations Megatron's layer spec is given (relax/train/megatron/model.py)
+MEGATRON_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+
+
 def megatron_blocker(hf: dict) -> str | None:
     """Why Megatron's layer spec cannot run this config.json (None: it can)."""
     support = check(hf)
@@ -197,6 +205,8 @@ def megatron_blocker(hf: dict) -> str | None:
     if family is None:
         return ("no description in relax/model/families/; docs/models.md, \"Megatron beyond the "
                 "families\", says what it would take")
+    if hf.get("hidden_act", "silu") not in MEGATRON_ACTIVATIONS:
+        return f"hidden_act={hf['hidden_act']!r}: {', '.join(MEGATRON_ACTIVATIONS)} are passed on"
     return fast_path_blocker(hf, family)
 
 

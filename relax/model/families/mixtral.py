@@ -5,16 +5,10 @@ Megatron's layer spec only: transformers' forward elsewhere."""
 from relax.model.families import Family, MoE
 
 
-def _jitter(noise, hf: dict) -> bool:
-    return bool(noise)
-
-
 EXPERT = "block_sparse_moe.experts.{e}."
 FAMILY = Family(
     architecture="MixtralForCausalLM", model_type="mixtral", qkv_bias=False,
     moe=MoE(expert_size_key="intermediate_size", norm_topk_key=None), sliding_window=True,
-    refused={"router_jitter_noise": (_jitter, "random noise on the router's input while training, drawn "
-                                     "differently by each backend")},
     hand_written=False,
     checkpoint_names={"mlp.gate.weight": "block_sparse_moe.gate.weight",
                       "mlp.experts.{e}.gate_proj.weight": EXPERT + "w1.weight",

@@ -39,6 +39,10 @@ def check_layout(p, hf: dict) -> None:
                           f"(train.use_distributed_optimizer): use a layout with parallel.fsdp=false")
     if p.vpp > 1 and p.pp == 1:
         raise ConfigError(f"parallel={p.name}: virtual pipeline stages (vpp) need pp > 1")
+    if p.sequence_parallel and families.layer_family(hf).norm != "RMSNorm":
+        raise ConfigError(f"parallel={p.name}: sequence_parallel with {families.layer_family(hf).norm}: "
+                          f"Relax's layer spec has a sequence-parallel RMSNorm only; use a layout "
+                          f"without parallel.sequence_parallel")
     if p.sequence_parallel and p.tp == 1:
         raise ConfigError(f"parallel={p.name}: sequence_parallel shards activations over the "
                           f"tensor-parallel group and needs tp > 1")

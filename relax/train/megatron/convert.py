@@ -17,6 +17,12 @@ LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
 RENAMES = {  # Megatron (within a layer) -> HF (within a layer)
     "input_layernorm.weight": "input_layernorm.weight",
+    "input_layernorm.bias": "input_layernorm.bias",  # LayerNorm's (StarCoder2), as the biases below
+    "self_attention.linear_proj.bias": "self_attn.o_proj.bias",
+    "pre_mlp_layernorm.bias": "post_attention_layernorm.bias",
+    "mlp.linear_fc1.weight": "mlp.up_proj.weight",  # a non-gated MLP's (gated: FC1)
+    "mlp.linear_fc1.bias": "mlp.up_proj.bias",
+    "mlp.linear_fc2.bias": "mlp.down_proj.bias",
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
     "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",  # Qwen3's per-head q/k norm
     "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
@@ -29,6 +35,7 @@ RENAMES = {  # Megatron (within a layer) -> HF (within a layer)
 FC1 = {"mlp.linear_fc1.weight": "mlp.", "mlp.shared_experts.linear_fc1.weight": "mlp.shared_expert."}
 TOP = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
        "decoder.final_layernorm.weight": "model.norm.weight",
+       "decoder.final_layernorm.bias": "model.norm.bias",
        "output_layer.weight": "lm_head.weight"}
 
 
@@ -99,9 +106,10 @@ class CheckpointNames:
 
 
 class Heads:
-    """Head geometry of one HF config."""
+    """Head geometry of one HF config, and whether its MLP is gated (fc1 = [gate; up])."""
 
-    def __init__(self, hf_config):
+    def __init__(self, hf_config, gated: bool = True):
+        self.gated = gated
         self.heads = hf_config.num_attention_heads
         self.groups = hf_config.num_key_value_heads
         self.head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // self.heads
@@ -135,7 +143,7 @@ def hf_to_megatron(name: str, hf: dict[str, torch.Tensor], heads: Heads) -> torc
         if kind == "weight" and faults.active(f"megatron_qkv_half_transposed:{layer}"):
             q = q.roll(q.shape[0] // 2, dims=0)  # a conversion that put q's two halves back swapped
         return heads.fuse_qkv(q, k, v)
-    if rest in FC1:
+    if rest in FC1 and heads.gated:
         mlp = pre + FC1[rest]
         return torch.cat([hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"]])
     expert = EXPERT.match(rest)
@@ -159,7 +167,7 @@ def megatron_to_hf(name: str, tensor: torch.Tensor, heads: Heads) -> dict[str, t
         q, k, v = heads.split_qkv(tensor)
         return {f"{pre}self_attn.q_proj.{kind}": q, f"{pre}self_attn.k_proj.{kind}": k,
                 f"{pre}self_attn.v_proj.{kind}": v}
-    if rest in FC1:
+    if rest in FC1 and heads.gated:
         gate, up = tensor.chunk(2)
         mlp = pre + FC1[rest]
         return {mlp + "gate_proj.weight": gate, mlp + "up_proj.weight": up}
@@ -174,25 +182,26 @@ def megatron_to_hf(name: str, tensor: torch.Tensor, heads: Heads) -> dict[str, t
     return {pre + RENAMES[rest]: tensor}
 
 
-def is_gated_fc1(name: str) -> bool:
-    return name.endswith("linear_fc1.weight")
+def is_gated_fc1(name: str, gated: bool) -> bool:
+    return gated and name.endswith("linear_fc1.weight")
 
 
-def shard(name: str, full: torch.Tensor, dim: int | None, rank: int, size: int) -> torch.Tensor:
+def shard(name: str, full: torch.Tensor, dim: int | None, rank: int, size: int,
+          gated: bool = True) -> torch.Tensor:
     """This TP rank's part of a full Megatron tensor (gate/up split part by part)."""
     if dim is None or size == 1:
         return full
-    if is_gated_fc1(name):
+    if is_gated_fc1(name, gated):
         gate, up = full.chunk(2)
         return torch.cat([gate.chunk(size)[rank], up.chunk(size)[rank]])
     return full.chunk(size, dim=dim)[rank]
 
 
-def unshard(name: str, parts: list[torch.Tensor], dim: int | None) -> torch.Tensor:
+def unshard(name: str, parts: list[torch.Tensor], dim: int | None, gated: bool = True) -> torch.Tensor:
     """The full Megatron tensor from every TP rank's part (inverse of `shard`)."""
     if dim is None or len(parts) == 1:
         return parts[0]
-    if is_gated_fc1(name):
+    if is_gated_fc1(name, gated):
         gates, ups = zip(*(p.chunk(2) for p in parts))
         return torch.cat([*gates, *ups])
     return torch.cat(parts, dim=dim)

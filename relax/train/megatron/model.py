@@ -11,6 +11,7 @@ Weights are loaded by relax/train/megatron/weights.py.
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,8 @@ from relax.model import families, torch_dtype
 from relax.train.megatron.layout import Layout
 
 GPU = torch.cuda.is_available()
+# config.json's hidden_act (families.MEGATRON_ACTIVATIONS) -> the MLP's activation
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
 
 
 def deterministic_mode() -> None:
@@ -77,8 +80,10 @@ def transformer_config(hf, layout: Layout, train_cfg, dtype_name: str):
         num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size,
         num_attention_heads=hf.num_attention_heads, num_query_groups=hf.num_key_value_heads,
         kv_channels=families.head_dim(config_json), ffn_hidden_size=hf.intermediate_size,
-        normalization="RMSNorm", layernorm_epsilon=hf.rms_norm_eps, gated_linear_unit=True,
-        activation_func=F.silu, add_bias_linear=False,
+        normalization=family.norm, layernorm_epsilon=config_json[family.norm_eps_key],
+        gated_linear_unit=family.gated_mlp,
+        activation_func=ACTIVATIONS[config_json.get("hidden_act", "silu")],
+        add_bias_linear=bool(family.linear_bias_key and config_json.get(family.linear_bias_key)),
         add_qkv_bias=families.qkv_bias(config_json), qk_layernorm=family.qk_norm,
         rotary_interleaved=family.rotary_interleaved, window_size=window_size(config_json, family),
         hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype, pipeline_dtype=dtype,
@@ -107,7 +112,7 @@ def layer_spec(config, hf, vp_stage: int | None):
                                                           qk_layernorm=config.qk_layernorm)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(num_experts=experts, normalization="RMSNorm",
+    spec = get_gpt_layer_local_spec(num_experts=experts, normalization=config.normalization,
                                     qk_layernorm=config.qk_layernorm)
     if config.context_parallel_size > 1:
         from relax.train.megatron.context_parallel import ContextParallelAttention

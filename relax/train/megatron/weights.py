@@ -26,9 +26,10 @@ class Weights:
 
     def __init__(self, hf_config, layout: Layout):
         self.hf_config, self.layout = hf_config, layout
-        self.heads = convert.Heads(hf_config)
+        family = families.layer_family(hf_config.to_dict())
+        self.heads = convert.Heads(hf_config, gated=family.gated_mlp)
         # the conversion speaks Llama's names: the checkpoint's own, renamed in and out
-        self.names = convert.CheckpointNames(families.layer_family(hf_config.to_dict()), self.heads)
+        self.names = convert.CheckpointNames(family, self.heads)
         self.partition_dims: dict[str, int | None] = {}  # global name -> TP split dim
         self.passthrough: dict[str, torch.Tensor] = {}
 
@@ -65,7 +66,7 @@ class Weights:
                 split = [d for d in range(full.dim()) if full.shape[d] != param.shape[d]]
                 dim = self.partition_dims[global_name] = split[0] if split else None
                 rank, size, _ = self.layout.tp_of(param)
-                part = convert.shard(global_name, full, dim, rank, size)
+                part = convert.shard(global_name, full, dim, rank, size, self.heads.gated)
                 if part.shape != param.shape:
                     raise ValueError(f"{global_name}: converted shape {tuple(part.shape)} != "
                                      f"Megatron's {tuple(param.shape)}")
@@ -92,7 +93,7 @@ class Weights:
                     _, size, group = self.layout.tp_of(param)
                     parts = [torch.empty_like(data) for _ in range(size)]
                     dist.all_gather(parts, data.contiguous(), group=group)
-                    data = convert.unshard(global_name, parts, dim)
+                    data = convert.unshard(global_name, parts, dim, self.heads.gated)
                 if self.layout.owns(param):
                     mine.update(convert.megatron_to_hf(global_name, data.clone(), self.heads))
         weights = gather_tensors(self.names.to_checkpoint(mine), self.layout.rank, self.layout.world_size)
