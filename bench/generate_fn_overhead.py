@@ -42,6 +42,7 @@ def main() -> None:
     from relax.cli import CONF_DIR
     from relax.model import load_tokenizer, resolve_model_path
     from relax.rollout import SamplingParams, build_engine
+    from relax.rollout.spec import EngineSpec
     from relax.rollout.generate import generate_rollout
     from relax.task import build_task
 
@@ -50,7 +51,7 @@ def main() -> None:
         cfg = compose("config", overrides=args.overrides)
     path = resolve_model_path(cfg.model)
     tokenizer = load_tokenizer(path)
-    engine, task, r = build_engine(cfg, path, tokenizer), build_task(cfg.task, cfg.seed), cfg.rollout
+    engine, task, r = build_engine(cfg.rollout, EngineSpec.of(cfg.rollout, cfg.model, cfg.seed, path, tokenizer)), build_task(cfg.task, cfg.seed), cfg.rollout
     prompts = [p.tokens for p in task.prompts(0, r.rollout_batch_size, tokenizer)
                for _ in range(r.n_samples_per_prompt)]
 

@@ -26,6 +26,7 @@ from relax.model import load_causal_lm, load_tokenizer
 from relax.model import families, read_hf_config
 from relax.rollout import SamplingParams
 from relax.rollout.hf_engine import TransformersEngine
+from relax.rollout.spec import EngineSpec
 from relax.rollout.torch_engine import TorchEngine
 from relax.task.arithmetic import make_problem
 
@@ -105,9 +106,10 @@ def main() -> None:
     path = args.model_path or resolve_model_path(cfg.model)
     tokenizer = load_tokenizer(path)
     model = load_causal_lm(path, "float32")
-    engines = {GENERIC: TransformersEngine(cfg, path, [], tokenizer.pad_token_id)}
+    spec = EngineSpec(str(path), eos_token_ids=(), pad_token_id=tokenizer.pad_token_id)  # (no stop: full length)
+    engines = {GENERIC: TransformersEngine(cfg.rollout, spec)}
     if families.check(read_hf_config(path)).family is not None:
-        engines["hand-written"] = TorchEngine(cfg, path, eos_token_ids=[], pad_token_id=tokenizer.pad_token_id)
+        engines["hand-written"] = TorchEngine(cfg.rollout, spec)
 
     print(f"model: {path}")
     print(f"{'batch x new tokens':>20} {'generate tok/s':>15}" + "".join(f" {n + ' tok/s':>27}" for n in engines)

@@ -40,6 +40,7 @@ def main() -> None:
 
     from relax.model import load_tokenizer, resolve_model_path
     from relax.rollout import SamplingParams
+    from relax.rollout.spec import EngineSpec
     from relax.rollout.torch_engine import TorchEngine
     from relax.sample import Sample
     from relax.train import routing
@@ -49,7 +50,7 @@ def main() -> None:
     cfg = make_cfg(*MOE)
     path = resolve_model_path(cfg.model)
     tokenizer = load_tokenizer(path)
-    engine = TorchEngine(cfg, path, [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    engine = TorchEngine(cfg.rollout, EngineSpec.of(cfg.rollout, cfg.model, cfg.seed, path, tokenizer))
     moe_layers = engine.num_moe_layers
     prompts = [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": f"{a}+{a + 7}="}],
                                                        add_generation_prompt=True, tokenize=False),

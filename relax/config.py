@@ -83,7 +83,7 @@ class PackagedModelGroup(CachedModelGroup):  # model=smollm2: a GGUF shipped in 
 
 @dataclass
 class RolloutConfig:
-    _target_: str = MISSING  # engine class: Engine(cfg, model_path, eos_token_ids, pad_token_id)
+    _target_: str = MISSING  # engine class: Engine(rollout, spec) (relax/rollout/spec.py)
     num_rollout: int = 400  # rollouts in the run (rollout_id 0..num_rollout-1)
     rollout_batch_size: int = 32  # prompts per rollout
     n_samples_per_prompt: int = 8  # responses per prompt (the GRPO group size)

@@ -42,6 +42,7 @@ from relax.rollout.prefetch import Rollouts
 from relax.sample import Sample
 from relax.task import Task, build_task, check_rewards
 from relax.train import check_batch_split, check_train_keys, checkpoint_layout
+from relax.rollout.spec import EngineSpec
 from relax.train.spec import TrainerSpec
 
 log = logging.getLogger("relax")
@@ -164,12 +165,10 @@ def build(run: Run, cluster, parts: ExitStack):
              "model_path": str(run.model_path), "model_fingerprint": run.manifest["model_fingerprint"]}  # (relax compare: the same model?)
     log.info("Building %s", ", ".join(f"{k}={v}" for k, v in built.items() if v is not None))
     write_json(run.dir / "built.json", built)
-    spec = TrainerSpec.of(cfg.model, cfg.rollout, cfg.debug, cfg.seed, model_path=str(run.actor_path),
-                          ref_model_path=str(run.model_path), pad_token_id=run.tokenizer.pad_token_id,
-                          save_train_data=plan.save_train_data, profile_dir=plan.profile_dir,
-                          profile_rollouts=tuple(plan.profile_rollouts))
-    engine, trainer = cluster.build((run.actor_path, run.tokenizer) if plan.builds_rollout else None,
-                                    spec if plan.builds_train else None)
+    engine, trainer = cluster.build(
+        EngineSpec.of(cfg.rollout, cfg.model, cfg.seed, run.actor_path, run.tokenizer) if plan.builds_rollout
+        else None, TrainerSpec.of(cfg.model, cfg.rollout, cfg.debug, cfg.seed, run.actor_path, run.model_path,
+                                  run.tokenizer.pad_token_id, plan) if plan.builds_train else None)
     close_on_exit(parts, engine, "shutdown")  # (closed after the trainer: last in, first out)
     close_on_exit(parts, trainer, "shutdown")
     write_json(run.dir / "built.json", {**built, "placement": cluster.placement()})
@@ -243,7 +242,7 @@ def dump_layers(run: Run, trainer, engine, rollout_id: int, samples: list[Sample
         generated = [torch.tensor([lp for lp, m in zip(s.rollout_log_probs, s.loss_mask, strict=True) if m])
                      for s in chosen]
         layer_dump.save_dump(run.plan.dump_layers, rollout_id, "engine",
-                             {**manifest, "backend": cfg.rollout._target_, "dtype": engine_dtype(cfg)},
+                             {**manifest, "backend": cfg.rollout._target_, "dtype": engine_dtype(cfg.rollout, cfg.model)},
                              indices, forward, generated)
 
 

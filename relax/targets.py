@@ -12,7 +12,7 @@ from relax.errors import ConfigError
 # the classes ..."): positional arguments, then keywords. Task and logger are built by Hydra's
 # instantiate, which also passes the group's other keys as keywords.
 CALLS = {
-    "rollout": (("cfg", "model_path", "eos_token_ids", "pad_token_id"), ()),
+    "rollout": (("rollout", "spec"), ()),
     "train": (("train", "algo", "parallel", "spec"), ("rank", "world_size")),
     "task": ((), ("seed",)),
     "logger": ((), ("run_dir", "resume_from", "run_config")),
@@ -21,7 +21,8 @@ CALLS = {
 INSTANTIATED = ("task", "logger")
 # Parameters of an earlier interface, then what replaced them: a class that still takes them
 # would bind the new call to the wrong names, so it is refused naming them.
-RETIRED = {"train": ("cfg", "model_path", "relax.train.spec.TrainerSpec")}
+RETIRED = {"train": ("cfg", "model_path", "relax.train.spec.TrainerSpec"),
+           "rollout": ("cfg", "model_path", "relax.rollout.spec.EngineSpec")}
 
 
 def load_target(group_cfg, group: str):

@@ -171,10 +171,11 @@ def check_deterministic(model: Path) -> dict:
     from relax.model import load_tokenizer
     from relax.rollout import SamplingParams
     from relax.rollout.sglang_engine import SGLangEngine
+    from relax.rollout.spec import EngineSpec
 
     cfg = compose([o.format(model=model) for o in COMMANDS["deterministic"]])
     tokenizer = load_tokenizer(model)
-    engine = SGLangEngine(cfg, model, [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    engine = SGLangEngine(cfg.rollout, EngineSpec.of(cfg.rollout, cfg.model, cfg.seed, model, tokenizer))
     try:
         prompts = chat_prompts(cfg, tokenizer, 64)
         sampled = SamplingParams(1.0, 1.0, 64)
@@ -190,6 +191,7 @@ def check_deterministic(model: Path) -> dict:
 def check_throughput(engine, cfg, tokenizer) -> dict:
     from relax.rollout import SamplingParams
     from relax.rollout.sglang_engine import engine_args
+    from relax.rollout.spec import EngineSpec
 
     prompts = chat_prompts(cfg, tokenizer, 512)
     engine.generate(prompts[:8], SamplingParams(1.0, 1.0, 8), seed=0)  # warm-up
@@ -197,7 +199,7 @@ def check_throughput(engine, cfg, tokenizer) -> dict:
     gens = engine.generate(prompts, SamplingParams(1.0, 1.0, MAX_NEW_TOKENS), seed=1)
     seconds = time.perf_counter() - t0
     tokens = sum(len(g.tokens) for g in gens)
-    graphs = not engine_args(cfg, cfg.model.path)[0].get("disable_cuda_graph", False)
+    graphs = not engine_args(cfg.rollout, EngineSpec(str(cfg.model.path), (0,))).get("disable_cuda_graph", False)
     return {"passed": graphs and tokens > 0, "cuda_graphs": graphs, "tokens_per_s": tokens / seconds,
             "prompts": len(prompts), "mean_response_len": tokens / len(prompts)}
 
@@ -299,6 +301,7 @@ def real_run(out: dict, save, work: Path, te_rc: str | None) -> None:
 
     from relax.model import load_tokenizer
     from relax.rollout.sglang_engine import SGLangEngine
+    from relax.rollout.spec import EngineSpec
     from relax.train import build_trainer
 
     out["gpu"] = torch.cuda.get_device_name(0)
@@ -317,7 +320,7 @@ def real_run(out: dict, save, work: Path, te_rc: str | None) -> None:
 
     try:
         base = used_gib()
-        engine = SGLangEngine(cfg, model, [tokenizer.eos_token_id], tokenizer.pad_token_id)
+        engine = SGLangEngine(cfg.rollout, EngineSpec.of(cfg.rollout, cfg.model, cfg.seed, model, tokenizer))
         run(out, save, "sglang_cuda_graphs", lambda: check_throughput(engine, cfg, tokenizer))
         wait_for_transformer_engine(te_rc)
         trainer = build_trainer(cfg, model, model, tokenizer.pad_token_id, None, str(work))

@@ -40,6 +40,7 @@ def main(n: int, overrides: list[str]) -> None:
     from relax.cluster import open_cluster
     from relax.debug import sync_check
     from relax.model import load_tokenizer, resolve_model_path
+    from relax.rollout.spec import EngineSpec
     from relax.train.spec import TrainerSpec
 
     cfg = config(overrides or ["experiment=smollm2_arith_v1"])
@@ -49,9 +50,9 @@ def main(n: int, overrides: list[str]) -> None:
     run = SimpleNamespace(cfg=cfg, plan=SimpleNamespace(partial_sync=False))
     with tempfile.TemporaryDirectory() as tmp:
         cluster = open_cluster(cfg, Path(tmp))
-        spec = TrainerSpec.of(cfg.model, cfg.rollout, cfg.debug, cfg.seed, model_path=str(path),
-                              pad_token_id=tokenizer.pad_token_id)
-        engine, trainer = cluster.build((path, tokenizer), spec)
+        engine, trainer = cluster.build(
+            EngineSpec.of(cfg.rollout, cfg.model, cfg.seed, path, tokenizer),
+            TrainerSpec.of(cfg.model, cfg.rollout, cfg.debug, cfg.seed, path, pad_token_id=tokenizer.pad_token_id))
         try:
             checks, times = [], {True: [], False: []}
             timed = sync_check.check_sync_landed

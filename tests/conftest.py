@@ -41,21 +41,28 @@ def make_cfg(*overrides: str, run_dir: Path | None = None):
     return cfg
 
 
-def trainer_spec(cfg, model_path, ref_model_path=None, pad_token_id: int = 0, **resolved):
-    """The TrainerSpec a run of `cfg` gives its trainer (`resolved`: the rest, e.g. save_train_data)."""
+def trainer_spec(cfg, model_path, ref_model_path=None, pad_token_id: int = 0):
+    """The TrainerSpec a run of `cfg` gives its trainer."""
     from relax.train.spec import TrainerSpec
 
-    return TrainerSpec.of(cfg.model, cfg.rollout, cfg.debug, cfg.seed, model_path=str(model_path),
-                          ref_model_path=None if ref_model_path is None else str(ref_model_path),
-                          pad_token_id=pad_token_id, **resolved)
+    return TrainerSpec.of(cfg.model, cfg.rollout, cfg.debug, cfg.seed, model_path, ref_model_path, pad_token_id)
 
 
-def local_trainer(cfg, model_path, ref_model_path=None, pad_token_id: int = 0, **resolved):
+def local_trainer(cfg, model_path, ref_model_path=None, pad_token_id: int = 0):
     """The trainer `cfg` configures, in this process, as rank 0 of 1."""
     from relax.train import make_trainer
 
-    spec = trainer_spec(cfg, model_path, ref_model_path, pad_token_id, **resolved)
-    return make_trainer(cfg.train, cfg.algo, cfg.parallel, spec)
+    return make_trainer(cfg.train, cfg.algo, cfg.parallel, trainer_spec(cfg, model_path, ref_model_path,
+                                                                         pad_token_id))
+
+
+def engine_spec(cfg, model_path, eos_token_ids, pad_token_id: int = 0):
+    """The EngineSpec a run of `cfg` gives its engines."""
+    from relax.rollout import engine_dtype
+    from relax.rollout.spec import EngineSpec
+
+    return EngineSpec(str(model_path), tuple(eos_token_ids), pad_token_id, engine_dtype(cfg.rollout, cfg.model),
+                      cfg.seed)
 
 
 def trainer_checks(cfg, hf_config: dict) -> None:

@@ -17,7 +17,7 @@ from relax.rollout import SamplingParams
 from relax.rollout.hf_engine import TransformersEngine
 from relax.rollout.torch_engine import TorchEngine
 
-from .conftest import first_step_exact, make_cfg, relax_cli
+from .conftest import engine_spec, first_step_exact, make_cfg, relax_cli
 from .families import ARCHITECTURES, SGLANG_RUNS
 
 RUN = ["model=hf", "rollout.num_rollout=2", "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4",
@@ -58,7 +58,8 @@ def test_the_transformers_path_samples_what_the_hand_written_forward_does(family
     left-padded prompts sharing a GRPO prefix) with log-probs within fp32 rounding."""
     path = family_model(family)
     tokenizer = load_tokenizer(path)
-    args = (make_cfg(), path, [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    cfg = make_cfg()
+    args = (cfg.rollout, engine_spec(cfg, path, [tokenizer.eos_token_id], tokenizer.pad_token_id))
     fast, generic = TorchEngine(*args), TransformersEngine(*args)
     assert type(fast) is TorchEngine and generic.forward_name == "transformers' forward"
     prompts = [tokenizer(p)["input_ids"] for p in ("1+2=", "12+345=", "1+2=", "7*8=")]
@@ -72,7 +73,8 @@ def test_the_transformers_path_samples_what_the_hand_written_forward_does(family
 def test_engine_named_tensors_and_updates_by_hf_name(family_model):
     path = family_model("gpt_neox")
     tokenizer = load_tokenizer(path)
-    engine = TorchEngine(make_cfg(), path, [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    cfg = make_cfg()
+    engine = TorchEngine(cfg.rollout, engine_spec(cfg, path, [tokenizer.eos_token_id], tokenizer.pad_token_id))
     named = engine.named_tensors()
     assert "gpt_neox.layers.0.attention.query_key_value.weight" in named
     assert any(n.endswith("rotary_emb.inv_freq") for n in named)

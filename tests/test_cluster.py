@@ -23,7 +23,7 @@ import torch
 from relax.logger import read_metrics
 from relax.sample import Sample, Samples
 
-from .conftest import REPO, make_cfg, only_run_dir, relax_cli, run_loop, trainer_spec
+from .conftest import REPO, engine_spec, make_cfg, only_run_dir, relax_cli, run_loop, trainer_spec
 from .extras import RAY, require
 
 TINY = ["rollout.num_rollout=2", "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4",
@@ -190,7 +190,7 @@ def test_samples_do_not_depend_on_the_engine_count(tiny_path, tokenizer):
     task = build_task(cfg.task, cfg.seed)
 
     def rollout(n):
-        engines = [TorchEngine(cfg, tiny_path, [tokenizer.eos_token_id], tokenizer.pad_token_id)
+        engines = [TorchEngine(cfg.rollout, engine_spec(cfg, tiny_path, [tokenizer.eos_token_id], tokenizer.pad_token_id))
                    for _ in range(n)]
         group = EngineGroup(InDriver(engines, ["cpu"] * n), cfg.rollout)
         return generate_rollout(group, task, tokenizer, cfg.rollout, 1, cfg.seed)[0]
@@ -309,7 +309,7 @@ def test_a_rollouts_samples_cross_processes_field_by_field_and_arrive_equal(tiny
     from relax.task import build_task
 
     cfg = make_cfg(*TINY)
-    engine = TorchEngine(cfg, tiny_path, [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    engine = TorchEngine(cfg.rollout, engine_spec(cfg, tiny_path, [tokenizer.eos_token_id], tokenizer.pad_token_id))
     group = EngineGroup(InDriver([engine], ["cpu"]), cfg.rollout)
     samples, _ = generate_rollout(group, build_task(cfg.task, cfg.seed), tokenizer, cfg.rollout, 0, cfg.seed)
     assert type(samples) is Samples and len(samples) == 16
@@ -1046,7 +1046,8 @@ def test_errors_name_the_rank_or_engine_node_and_traceback(two_nodes, tiny_path,
     cfg = make_cfg(*on(two_nodes, *ROLES), "parallel=dp2", "rollout.num_engines=2")
     cluster = open_cluster(cfg, tmp_path)
     try:
-        engines, trainer = cluster.build((tiny_path, tokenizer), trainer_spec(cfg, tiny_path, tiny_path))
+        engines, trainer = cluster.build(engine_spec(cfg, tiny_path, [tokenizer.eos_token_id]),
+                                         trainer_spec(cfg, tiny_path, tiny_path))
         where = cluster.placement()
         rank_pids = [r["pid"] for r in where["trainer_ranks"]]
         node = where["trainer_ranks"][0]["node_ip"]

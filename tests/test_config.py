@@ -285,8 +285,8 @@ from relax.train.torch_trainer import TorchTrainer
 class StopAtOnceEngine:
     """Answers every prompt with its stop token, at log-prob -0.5."""
 
-    def __init__(self, cfg, model_path, eos_token_ids, pad_token_id):
-        self.eos = eos_token_ids[0]
+    def __init__(self, rollout, spec):
+        self.eos = spec.eos_token_ids[0]
 
     def generate(self, prompts, sp, seed):
         return [Generation([self.eos], [-0.5], "completed") for _ in prompts]

@@ -6,7 +6,7 @@ import pytest
 from relax.errors import ConfigError, RolloutError
 from relax.files import safe_load
 
-from .conftest import run_loop
+from .conftest import engine_spec, run_loop
 
 N = 4  # samples per prompt
 DYNAMIC = ["rollout.dynamic_sampling_filter=relax.rollout.generate.rewards_differ",
@@ -69,7 +69,7 @@ def test_a_round_with_more_passing_groups_than_needed_keeps_the_first_and_renumb
 
     cfg = make_cfg(*DYNAMIC, "rollout.dynamic_sampling_filter=tests.test_dynamic_sampling.odd_groups",
                    "rollout.over_sampling_batch_size=3", "rollout.max_new_tokens=2")
-    samples, metrics = generate_rollout(build_engine(cfg, tiny_path, tokenizer), build_task(cfg.task, cfg.seed), tokenizer,
+    samples, metrics = generate_rollout(build_engine(cfg.rollout, engine_spec(cfg, tiny_path, [tokenizer.eos_token_id], tokenizer.pad_token_id)), build_task(cfg.task, cfg.seed), tokenizer,
                                         cfg.rollout, 4, seed=1)
     assert metrics == {"rollout/filtered_groups": 3, "rollout/generation_rounds": 2}
     assert [s.metadata["generation_index"] for s in samples] == [*range(4, 8), *range(12, 16)]

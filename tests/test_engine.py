@@ -12,11 +12,11 @@ from relax.rollout.torch_engine import TorchEngine
 from relax.sample import log_prob_temperature
 from relax.task.arithmetic import make_problem
 
-from .conftest import make_cfg
+from .conftest import engine_spec, make_cfg
 
 
 def engine_for(path, tokenizer):
-    return TorchEngine(make_cfg(), path, [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    return TorchEngine(make_cfg().rollout, engine_spec(make_cfg(), path, [tokenizer.eos_token_id], tokenizer.pad_token_id))
 
 
 def chat_prompts(tokenizer, n, lo=10, hi=99, seed=0, repeat=1):
@@ -225,7 +225,7 @@ def test_rollout_values_no_run_can_use_are_refused_at_their_bounds(override, mes
     cfg = make_cfg(override)
     with pytest.raises(ConfigError, match=message):
         check_rollout(cfg.rollout)
-        check_engine(cfg)
+        check_engine(cfg.rollout, cfg.model, cfg.algo, cfg.debug)
 
 
 def test_greedy_and_top_p_1_are_valid_sampling_and_reach_the_engine():
@@ -234,7 +234,7 @@ def test_greedy_and_top_p_1_are_valid_sampling_and_reach_the_engine():
     cfg = make_cfg("rollout.temperature=0", "rollout.top_p=1.0", "rollout.num_engines=1",
                    "rollout.max_new_tokens=1")
     check_rollout(cfg.rollout)
-    check_engine(cfg)
+    check_engine(cfg.rollout, cfg.model, cfg.algo, cfg.debug)
     cfg = make_cfg("rollout.temperature=0.6", "rollout.top_p=0.9", "rollout.max_new_tokens=5")
     assert SamplingParams.of(cfg.rollout) == SamplingParams(0.6, 0.9, 5)
 

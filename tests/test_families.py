@@ -15,7 +15,7 @@ from relax.model import SUPPORTED_ARCHITECTURES, load_causal_lm, load_tokenizer
 from relax.rollout import SamplingParams
 from relax.rollout.torch_engine import TorchEngine
 
-from .conftest import local_trainer, make_cfg
+from .conftest import engine_spec, local_trainer, make_cfg
 from .families import FAMILIES
 from .test_engine import chat_prompts, hf_greedy
 
@@ -23,7 +23,8 @@ FAMILY_NAMES = list(FAMILIES)
 
 
 def engine_for(path, tokenizer, *overrides):
-    return TorchEngine(make_cfg(*overrides), path, [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    return TorchEngine(make_cfg(*overrides).rollout,
+                       engine_spec(make_cfg(*overrides), path, [tokenizer.eos_token_id], tokenizer.pad_token_id))
 
 
 @pytest.mark.parametrize("change,message", [

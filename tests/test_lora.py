@@ -19,7 +19,7 @@ from relax.rollout.torch_engine import TorchEngine
 from relax.task import build_task
 
 from . import extras
-from .conftest import local_trainer, make_cfg, run_loop, trainer_checks
+from .conftest import engine_spec, local_trainer, make_cfg, run_loop, trainer_checks
 from .test_layouts import compare, replay_dir, sweep  # noqa: F401 (replay_dir: a fixture)
 from .test_startup import relax_without
 
@@ -34,7 +34,7 @@ PROJECTIONS = {f"model.layers.{i}.{'self_attn' if p[0] in 'qkvo' else 'mlp'}.{p}
 
 def test_only_the_adapters_train_and_the_first_step_is_the_frozen_base(tiny_path, tokenizer):
     cfg = make_cfg("rollout.rollout_batch_size=8", "algo.use_kl_loss=true", "algo.kl_loss_coef=0.1", *LORA)
-    engine = TorchEngine(cfg, tiny_path, [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    engine = TorchEngine(cfg.rollout, engine_spec(cfg, tiny_path, [tokenizer.eos_token_id], tokenizer.pad_token_id))
     trainer = local_trainer(cfg, str(tiny_path), ref_model_path=str(tiny_path),
                            pad_token_id=tokenizer.pad_token_id)
     assert trainer.ref is None  # the reference is the actor with its adapters off: one copy of the weights
@@ -89,7 +89,7 @@ def test_a_lora_twin_moves_the_base_by_one_ulp_and_its_reference_with_it(tiny_pa
         assert torch.equal(merged[name], torch.where(merged[name] > w, up, down)), name
         assert (merged[name] > w).any() and (merged[name] < w).any(), name  # random directions
     assert all(not p.any() for n, p in trainer.lora.parameters() if ".lora_B." in n)
-    engine = TorchEngine(cfg, tiny_path, [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    engine = TorchEngine(cfg.rollout, engine_spec(cfg, tiny_path, [tokenizer.eos_token_id], tokenizer.pad_token_id))
     out = trainer.train(0, generate_rollout(engine, build_task(cfg.task, cfg.seed), tokenizer, cfg.rollout, 0, cfg.seed)[0])
     assert out["rollout"]["rollout/log_probs"] == out["rollout"]["rollout/ref_log_probs"]
     assert out["rollout"]["rollout/kl"] == 0.0 and out["steps"][0]["train/ppo_kl"] == 0.0

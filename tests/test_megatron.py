@@ -13,7 +13,7 @@ from relax.errors import ConfigError
 from relax.model import load_safetensors_dir, resolve_model_path
 
 from . import test_layers
-from .conftest import build_trainer, local_trainer, make_cfg, only_run_dir, relax_cli, run_loop
+from .conftest import build_trainer, engine_spec, local_trainer, make_cfg, only_run_dir, relax_cli, run_loop
 from .families import build_family_model
 
 pytestmark = pytest.mark.slow
@@ -321,7 +321,7 @@ def test_each_family_round_trips_and_matches_the_torch_trainer(family_model, tok
     path = build_family_model(tmp_path / "model", family, **config) if config else family_model(family)
     common = ["rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4", "train.micro_batch_size=8"]
     cfg = make_cfg(*common)
-    engine = TorchEngine(cfg, path, [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    engine = TorchEngine(cfg.rollout, engine_spec(cfg, path, [tokenizer.eos_token_id], tokenizer.pad_token_id))
     samples = rollout(cfg, engine, tokenizer)
     for s in samples:  # rewards that vary within groups (a random model earns none): gradients
         s.reward = float(s.index % 3 == 0)

@@ -13,7 +13,7 @@ from relax.model import load_safetensors_dir
 from relax.rollout.torch_engine import TorchEngine
 from relax.train.megatron.trainer import MegatronTrainer
 
-from .conftest import build_trainer, local_trainer, make_cfg
+from .conftest import build_trainer, engine_spec, local_trainer, make_cfg
 from .test_trainer import rollout
 
 # every setting off its default, and a clip far below the grad norm (~1): two steps apart
@@ -27,7 +27,7 @@ def test_megatron_steps_with_the_configured_adam_and_clipping_as_train_torch_doe
     """An ignored lr, weight decay, beta, eps or clip_grad, or a skipped clip, moves the weights
     elsewhere than train=torch's two steps do."""
     cfg = make_cfg(*BATCH, *OPTIMIZER)
-    engine = TorchEngine(cfg, tiny_path, [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    engine = TorchEngine(cfg.rollout, engine_spec(cfg, tiny_path, [tokenizer.eos_token_id], tokenizer.pad_token_id))
     samples = rollout(cfg, engine, tokenizer)
     for s in samples:  # rewards that vary within groups (a random model earns none): gradients
         s.reward = float(s.index % 3 == 0)

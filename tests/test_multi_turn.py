@@ -16,7 +16,7 @@ from relax.rollout.generate import generate_samples, single_turn
 from relax.sample import Sample
 from relax.task import Prompt, build_task
 
-from .conftest import make_cfg, run_loop
+from .conftest import engine_spec, make_cfg, run_loop
 
 CALC = ["rollout.generate_fn=relax.rollout.calculator.generate",
         "task.reward_fn=relax.rollout.calculator.reward", "rollout.rollout_batch_size=4",
@@ -133,7 +133,7 @@ class CountingEngine:
 
 @pytest.fixture(scope="module")
 def engine(tiny_path, tokenizer):
-    return build_engine(make_cfg(), tiny_path, tokenizer)
+    return build_engine(make_cfg().rollout, engine_spec(make_cfg(), tiny_path, [tokenizer.eos_token_id], tokenizer.pad_token_id))
 
 
 def samples_of(engine, fn, tokenizer, *overrides, n=4):

@@ -11,7 +11,7 @@ from relax.rollout import build_engine
 from relax.rollout.generate import generate_rollout
 from relax.task import build_task
 
-from .conftest import build_trainer, local_trainer, make_cfg, run_loop
+from .conftest import build_trainer, engine_spec, local_trainer, make_cfg, run_loop
 
 BATCH = ["rollout.rollout_batch_size=8", "train.micro_batch_size=16"]  # 64 samples, 4 micro-batches
 PERF = ("perf/step_time", "perf/peak_memory_mb")  # timings and memory: not numbers of the run
@@ -22,7 +22,7 @@ REF_ONLY = {"train/kl_loss", "rollout/ref_log_probs", "rollout/kl"}
 def rollouts(tiny_path, tokenizer):
     """Three rollouts of fixed data (the engine is never synced: each trainer sees the same)."""
     cfg = make_cfg(*BATCH)
-    engine = build_engine(cfg, tiny_path, tokenizer)
+    engine = build_engine(cfg.rollout, engine_spec(cfg, tiny_path, [tokenizer.eos_token_id], tokenizer.pad_token_id))
     task = build_task(cfg.task, cfg.seed)
     return [generate_rollout(engine, task, tokenizer, cfg.rollout, i, cfg.seed)[0] for i in range(3)]
 
@@ -110,7 +110,7 @@ def test_rollout_log_probs_are_the_old_policy(tiny_path, tokenizer):
     ppo_kl is the engine/trainer mismatch (a bf16 engine: clearly not 0), and algo.mis still
     masks on pi_train / pi_rollout."""
     cfg = make_cfg(*BATCH, "rollout.dtype=bfloat16")
-    samples, _ = generate_rollout(build_engine(cfg, tiny_path, tokenizer), build_task(cfg.task, cfg.seed), tokenizer,
+    samples, _ = generate_rollout(build_engine(cfg.rollout, engine_spec(cfg, tiny_path, [tokenizer.eos_token_id], tokenizer.pad_token_id)), build_task(cfg.task, cfg.seed), tokenizer,
                                   cfg.rollout, 0, cfg.seed)
     steps = {}
     for name, overrides in (("recomputed", []), ("engine", ["algo.use_rollout_log_probs=true"]),

@@ -17,7 +17,7 @@ from relax.sample import Sample
 from relax.train import routing
 from relax.train.common import make_micro_batch
 
-from .conftest import build_trainer, make_cfg, relax_cli, run_loop, trainer_checks
+from .conftest import build_trainer, engine_spec, make_cfg, relax_cli, run_loop, trainer_checks
 from .test_engine import chat_prompts, engine_for
 
 MOE = ["model.tiny.num_experts=4", "model.tiny.warmup_max_steps=0",
@@ -116,7 +116,7 @@ def sampled(moe_path, tokenizer, dtype: str, n: int = 16) -> list[Sample]:
     cfg = make_cfg(*MOE, f"rollout.dtype={dtype}")
     from relax.rollout.torch_engine import TorchEngine
 
-    engine = TorchEngine(cfg, moe_path, [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    engine = TorchEngine(cfg.rollout, engine_spec(cfg, moe_path, [tokenizer.eos_token_id], tokenizer.pad_token_id))
     prompts = chat_prompts(tokenizer, n, 1, 999, seed=5, repeat=4)
     gens = engine.generate(prompts, SamplingParams(1.0, 1.0, 8), seed=7)
     return [Sample(i, i // 4, "", p + g.tokens, len(g.tokens), reward=float(i % 2),

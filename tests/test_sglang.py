@@ -22,7 +22,7 @@ from relax.rollout.sglang_engine import SGLangEngine  # noqa: E402
 from relax.rollout.torch_engine import TorchEngine  # noqa: E402
 from relax.task import build_task  # noqa: E402
 
-from .conftest import FRESH, local_trainer, make_cfg, relax_cli  # noqa: E402
+from .conftest import FRESH, engine_spec, local_trainer, make_cfg, relax_cli  # noqa: E402
 from .extras import RAY, require  # noqa: E402
 from .families import FAMILIES  # noqa: E402
 from .test_engine import chat_prompts  # noqa: E402
@@ -34,8 +34,8 @@ GREEDY = SamplingParams(0.0, 1.0, 8)
 
 @pytest.fixture(scope="module")
 def sglang_engine(tiny_path, tokenizer):
-    engine = SGLangEngine(make_cfg("rollout=sglang"), tiny_path, [tokenizer.eos_token_id],
-                          tokenizer.pad_token_id)
+    engine = SGLangEngine(make_cfg("rollout=sglang").rollout,
+                          engine_spec(make_cfg(), tiny_path, [tokenizer.eos_token_id], tokenizer.pad_token_id))
     yield engine
     engine.shutdown()
 
@@ -50,7 +50,7 @@ def reset_weights(sglang_engine, tiny_path):
 
 
 def torch_engine(tiny_path, tokenizer):
-    return TorchEngine(make_cfg(), tiny_path, [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    return TorchEngine(make_cfg().rollout, engine_spec(make_cfg(), tiny_path, [tokenizer.eos_token_id], tokenizer.pad_token_id))
 
 
 def test_greedy_tokens_and_log_probs_match_the_torch_engine(sglang_engine, tiny_path, tokenizer):
@@ -89,7 +89,7 @@ def test_each_family_matches_the_torch_engine_and_syncs_by_checkpoint_names(fami
     after a sync from the torch trainer."""
     path = family_model(family)
     cfg = make_cfg("rollout=sglang")
-    engine = SGLangEngine(cfg, path, [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    engine = SGLangEngine(cfg.rollout, engine_spec(cfg, path, [tokenizer.eos_token_id], tokenizer.pad_token_id))
     try:
         prompts = chat_prompts(tokenizer, 8, 1, 999)
         ours = engine.generate(prompts, GREEDY, seed=0)
@@ -177,11 +177,11 @@ def test_disk_weight_update_mode(tiny_path, tokenizer, sglang_engine, reset_weig
     from safetensors.torch import load_file
 
     scaled = {k: v * 1.5 for k, v in load_file(str(tiny_path / "model.safetensors")).items()}
-    sglang_engine.cfg = make_cfg("rollout=sglang", "rollout.weight_update_mode=disk")
+    sglang_engine.rollout = make_cfg("rollout=sglang", "rollout.weight_update_mode=disk").rollout
     try:
         sglang_engine.update_weights(scaled)
     finally:
-        sglang_engine.cfg = make_cfg("rollout=sglang")
+        sglang_engine.rollout = make_cfg("rollout=sglang").rollout
     reference = torch_engine(tiny_path, tokenizer)
     reference.update_weights(scaled)
     prompts = chat_prompts(tokenizer, 8)
@@ -258,8 +258,8 @@ def test_a_colocated_engine_is_unchanged_by_release_and_resume(tiny_path, tokeni
     training does), the engine holds the tensors it had, buffers included (SGLang stashes them
     across a release), and generates what it did before."""
     gpu = torch.cuda.is_available()
-    engine = SGLangEngine(make_cfg("rollout=sglang", "rollout.colocate=true"), tiny_path,
-                          [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    engine = SGLangEngine(make_cfg("rollout=sglang", "rollout.colocate=true").rollout,
+                          engine_spec(make_cfg(), tiny_path, [tokenizer.eos_token_id], tokenizer.pad_token_id))
     try:
         assert engine.engine.server_args.enable_memory_saver is gpu
         prompts = chat_prompts(tokenizer, 8, 1, 999)
@@ -296,7 +296,7 @@ def test_colocated_loop_on_gpu(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU attention backend")
 def test_deterministic_mode_reproduces_a_sampled_rollout(tiny_path, tokenizer):
     cfg = make_cfg("rollout=sglang", "+rollout.sglang_server_args.enable_deterministic_inference=true")
-    engine = SGLangEngine(cfg, tiny_path, [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    engine = SGLangEngine(cfg.rollout, engine_spec(cfg, tiny_path, [tokenizer.eos_token_id], tokenizer.pad_token_id))
     try:
         prompts = chat_prompts(tokenizer, 8, repeat=4)
         first, again, other = (engine.generate(prompts, SamplingParams(1.0, 1.0, 8), seed)

@@ -23,7 +23,7 @@ from relax.rollout import SamplingParams, sample_seeds
 from relax.rollout import sglang_engine as se
 from relax.rollout.sglang_engine import SGLangEngine
 
-from .conftest import make_cfg
+from .conftest import engine_spec, make_cfg
 
 MB = 2**20
 
@@ -58,7 +58,7 @@ def write_model(path: Path, weights_bytes: int, **config) -> Path:
 def test_engine_args_on_cpu(tiny_path):
     cfg = make_cfg("rollout=sglang", "seed=77", "rollout.mem_fraction_static=0.3",
                    "rollout.max_total_tokens=1024")
-    args = se.engine_args(cfg, tiny_path, base_gpu_id=3)
+    args = se.engine_args(cfg.rollout, engine_spec(cfg, tiny_path, [0]), base_gpu_id=3)
     assert args["model_path"] == str(tiny_path) and args["tp_size"] == 1
     assert args["random_seed"] == 77 and args["mem_fraction_static"] == 0.3
     assert args["dtype"] == cfg.model.dtype and args["skip_tokenizer_init"] is True
@@ -74,19 +74,19 @@ def test_engine_args_on_cpu_size_the_memory_share_for_the_model(tmp_path, monkey
     fake_meminfo(monkeypatch, 64 * 2**30)
     model = write_model(tmp_path / "m", 4 * MB)
     cfg = make_cfg("rollout=sglang")
-    assert se.engine_args(cfg, model)["mem_fraction_static"] == se.cpu_mem_fraction(cfg, model)
+    assert se.engine_args(cfg.rollout, engine_spec(cfg, model, [0]))["mem_fraction_static"] == se.cpu_mem_fraction(cfg.rollout, engine_spec(cfg, model, [0]))
 
 
 def test_engine_args_of_an_moe_model_ask_for_its_experts(tmp_path):
     model = write_model(tmp_path / "moe", MB, num_experts=4, num_experts_per_tok=2,
                         model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"])
-    assert se.engine_args(make_cfg("rollout=sglang", "rollout.mem_fraction_static=0.3"),
-                          model)["enable_return_routed_experts"] is True
+    assert se.engine_args(make_cfg("rollout=sglang", "rollout.mem_fraction_static=0.3").rollout,
+                          engine_spec(make_cfg(), model, [0]))["enable_return_routed_experts"] is True
     # routing replay needs a family's MoE: a Mixtral's engine records no experts
     mixtral = write_model(tmp_path / "mixtral", MB, num_local_experts=4, num_experts_per_tok=2,
                           model_type="mixtral", architectures=["MixtralForCausalLM"])
-    assert se.engine_args(make_cfg("rollout=sglang", "rollout.mem_fraction_static=0.3"),
-                          mixtral)["enable_return_routed_experts"] is False
+    assert se.engine_args(make_cfg("rollout=sglang", "rollout.mem_fraction_static=0.3").rollout,
+                          engine_spec(make_cfg(), mixtral, [0]))["enable_return_routed_experts"] is False
 
 
 def test_sglang_server_args_override_relaxs_and_keep_its_weight_loaders(tiny_path):
@@ -94,7 +94,7 @@ def test_sglang_server_args_override_relaxs_and_keep_its_weight_loaders(tiny_pat
                    "+rollout.sglang_server_args.attention_backend=intel_amx",
                    "+rollout.sglang_server_args.sleep_on_idle=false",
                    "+rollout.sglang_server_args.custom_weight_loader=[my.loader]")
-    args = se.engine_args(cfg, tiny_path)
+    args = se.engine_args(cfg.rollout, engine_spec(cfg, tiny_path, [0]))
     assert args["attention_backend"] == "intel_amx" and args["sleep_on_idle"] is False
     assert args["custom_weight_loader"] == [se.EXPORT_TENSORS, se.FINGERPRINT, se.faults.SGLANG_DROP_BUFFER, "my.loader"]
 
@@ -104,17 +104,18 @@ def test_engine_args_refuse_tensor_parallelism_on_cpu(tiny_path):
         cfg = make_cfg("rollout=sglang", f"rollout.rollout_num_gpus={tp}",
                        f"rollout.rollout_num_gpus_per_engine={tp}")
         with pytest.raises(ConfigError, match=f"rollout_num_gpus_per_engine={tp}"):
-            se.engine_args(cfg, tiny_path)
+            se.engine_args(cfg.rollout, engine_spec(cfg, tiny_path, [0]))
 
 
 def test_engine_args_on_gpu(tiny_path, monkeypatch):
     monkeypatch.setattr(se, "GPU", True)
-    args = se.engine_args(make_cfg("rollout=sglang", "rollout.colocate=true"), tiny_path, base_gpu_id=3)
+    args = se.engine_args(make_cfg("rollout=sglang", "rollout.colocate=true").rollout, engine_spec(make_cfg(), tiny_path, [0]),
+                          base_gpu_id=3)
     assert args["base_gpu_id"] == 3 and args["mem_fraction_static"] == 0.8
     assert args["enable_memory_saver"] is True
     assert "device" not in args and "disable_cuda_graph" not in args and "sleep_on_idle" not in args
     args = se.engine_args(make_cfg("rollout=sglang", "rollout.rollout_num_gpus=2",
-                                   "rollout.rollout_num_gpus_per_engine=2"), tiny_path)
+                                   "rollout.rollout_num_gpus_per_engine=2").rollout, engine_spec(make_cfg(), tiny_path, [0]))
     assert args["tp_size"] == 2 and args["base_gpu_id"] == 0 and args["enable_memory_saver"] is False
 
 
@@ -131,8 +132,8 @@ def test_cpu_mem_fraction_is_twice_weights_and_kv_cache_over_available(tmp_path,
     kv = 4096 * 2 * 3 * 2 * 32 * width
     available = 2**28
     fake_meminfo(monkeypatch, available)
-    assert se.cpu_mem_fraction(cfg, model) == pytest.approx(2 * (weights + kv) / available)
-    assert 0.05 < se.cpu_mem_fraction(cfg, model) < 0.9
+    assert se.cpu_mem_fraction(cfg.rollout, engine_spec(cfg, model, [0])) == pytest.approx(2 * (weights + kv) / available)
+    assert 0.05 < se.cpu_mem_fraction(cfg.rollout, engine_spec(cfg, model, [0])) < 0.9
 
 
 def test_cpu_mem_fraction_without_head_dim_or_kv_heads(tmp_path, monkeypatch):
@@ -143,16 +144,16 @@ def test_cpu_mem_fraction_without_head_dim_or_kv_heads(tmp_path, monkeypatch):
     cfg = make_cfg("rollout=sglang", "rollout.dtype=float32", "rollout.max_total_tokens=1000")
     fake_meminfo(monkeypatch, 2**27)
     kv = 1000 * 2 * 3 * 4 * 16 * 4  # every head a kv head, head_dim = 64 / 4
-    assert se.cpu_mem_fraction(cfg, model) == pytest.approx(2 * (2 * MB * 2 + kv) / 2**27)
+    assert se.cpu_mem_fraction(cfg.rollout, engine_spec(cfg, model, [0])) == pytest.approx(2 * (2 * MB * 2 + kv) / 2**27)
 
 
 def test_cpu_mem_fraction_is_bounded(tmp_path, monkeypatch):
     model = write_model(tmp_path / "m", 4 * MB)
     cfg = make_cfg("rollout=sglang", "rollout.dtype=float32")
     fake_meminfo(monkeypatch, 2**50)
-    assert se.cpu_mem_fraction(cfg, model) == 0.05
+    assert se.cpu_mem_fraction(cfg.rollout, engine_spec(cfg, model, [0])) == 0.05
     fake_meminfo(monkeypatch, 8 * MB)
-    assert se.cpu_mem_fraction(cfg, model) == 0.9
+    assert se.cpu_mem_fraction(cfg.rollout, engine_spec(cfg, model, [0])) == 0.9
 
 
 # --- sglang_to_hf -------------------------------------------------------------------------
@@ -237,18 +238,21 @@ def test_sglang_sampling_params_carry_every_setting_and_the_samples_seeds():
 
 # --- check_config -------------------------------------------------------------------------
 
+def check_config(cfg) -> None:
+    SGLangEngine.check_config(cfg.rollout, cfg.model, cfg.algo, cfg.debug)
+
+
 @pytest.mark.parametrize("n", [2, 3])
 def test_several_engines_on_cpu_are_refused(n):
     with pytest.raises(ConfigError, match=f"rollout.num_engines={n}"):
-        SGLangEngine.check_config(make_cfg("rollout=sglang", f"rollout.num_engines={n}"))
+        check_config(make_cfg("rollout=sglang", f"rollout.num_engines={n}"))
 
 
 @pytest.mark.parametrize("gpus", [2, 4])
 def test_the_weight_check_with_tensor_parallel_engines_is_refused(gpus):
     with pytest.raises(ConfigError, match="rollout_num_gpus_per_engine=1"):
-        SGLangEngine.check_config(make_cfg("rollout=sglang", f"rollout.rollout_num_gpus={gpus}",
-                                           f"rollout.rollout_num_gpus_per_engine={gpus}",
-                                           "debug.check_weight_update_equal=true"))
+        check_config(make_cfg("rollout=sglang", f"rollout.rollout_num_gpus={gpus}",
+                              f"rollout.rollout_num_gpus_per_engine={gpus}", "debug.check_weight_update_equal=true"))
 
 
 @pytest.mark.sglang
@@ -257,10 +261,10 @@ def test_routing_replay_is_refused_by_an_sglang_without_routed_experts(monkeypat
     from sglang.srt.server_args import ServerArgs
 
     cfg = make_cfg("rollout=sglang", "algo.routing_replay=rollout")
-    SGLangEngine.check_config(cfg)  # this SGLang has them
+    check_config(cfg)  # this SGLang has them
     monkeypatch.delattr(ServerArgs, "enable_return_routed_experts")
     with pytest.raises(ConfigError, match="enable_return_routed_experts"):
-        SGLangEngine.check_config(cfg)
+        check_config(cfg)
 
 
 # --- the wrapper's calls, against a stand-in for sglang.Engine ------------------------------
@@ -287,7 +291,7 @@ class FakeEngine:
 
 def wrapper(engine, hf_config=None, moe_layers=None, cfg=None) -> SGLangEngine:
     obj = SGLangEngine.__new__(SGLangEngine)
-    obj.cfg, obj.eos, obj.engine = cfg or make_cfg("rollout=sglang"), [2], engine
+    obj.rollout, obj.eos, obj.engine = (cfg or make_cfg("rollout=sglang")).rollout, [2], engine
     obj.hf_config, obj.moe_layers, obj.deterministic = hf_config or HF, moe_layers, False
     return obj
 

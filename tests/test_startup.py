@@ -108,8 +108,13 @@ class ReadmeLogger:  # the logger README used to document: no run_config=
         pass
 
 
-class TwoArgEngine:
-    def __init__(self, cfg, model_path):
+class TwoArgEngine:  # takes no spec
+    def __init__(self, rollout):
+        pass
+
+
+class OldEngine:  # the interface before EngineSpec
+    def __init__(self, cfg, model_path, eos_token_ids, pad_token_id):
         pass
 
 
@@ -162,17 +167,21 @@ def test_a_target_class_that_cannot_take_the_loops_call_is_refused_at_start_up(t
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_trainer_of_the_interface_before_trainer_spec_is_refused_naming_the_new_call(tmp_path):
+@pytest.mark.parametrize("group,target,spec,call", [
+    ("train", "OldTrainer", "relax.train.spec.TrainerSpec", "train, algo, parallel, spec, rank=, world_size="),
+    ("rollout", "OldEngine", "relax.rollout.spec.EngineSpec", "rollout, spec")])
+def test_a_class_of_the_interface_before_its_spec_is_refused_naming_the_new_call(tmp_path, group, target, spec,
+                                                                                 call):
     """Its (cfg, model_path, ...) would bind the new call to the wrong names, so binding alone
     cannot refuse it."""
     from relax.loop import prepare
 
-    path = "tests.test_startup.OldTrainer"
-    with pytest.raises(ConfigError, match=rf"^train\._target_='{re.escape(path)}': its signature \(cfg, "
-                                          r"model_path, .*\) takes cfg, model_path, as the interface before "
-                                          r"relax\.train\.spec\.TrainerSpec did; the loop calls it as "
-                                          r"OldTrainer\(train, algo, parallel, spec, rank=, world_size=\)"):
-        prepare(make_cfg(f"train._target_={path}"), tmp_path)
+    path = f"tests.test_startup.{target}"
+    with pytest.raises(ConfigError, match=rf"^{group}\._target_='{re.escape(path)}': its signature \(cfg, "
+                                          rf"model_path, .*\) takes cfg, model_path, as the interface before "
+                                          rf"{re.escape(spec)} did; the loop calls it as "
+                                          rf"{target}\({re.escape(call)}\)"):
+        prepare(make_cfg(f"{group}._target_={path}"), tmp_path)
     assert list(tmp_path.iterdir()) == []
 
 

@@ -11,7 +11,7 @@ from relax.rollout import build_engine
 from relax.rollout.generate import generate_rollout
 from relax.task import build_task
 
-from .conftest import local_trainer, make_cfg
+from .conftest import engine_spec, local_trainer, make_cfg
 
 BATCH = ["rollout.rollout_batch_size=8"]
 
@@ -23,7 +23,7 @@ def rollouts(tiny_path):
     out = {}
     for dtype in ("float32", "bfloat16"):
         cfg = make_cfg(*BATCH, f"rollout.dtype={dtype}")
-        engine = build_engine(cfg, tiny_path, tokenizer)
+        engine = build_engine(cfg.rollout, engine_spec(cfg, tiny_path, [tokenizer.eos_token_id], tokenizer.pad_token_id))
         out[dtype] = generate_rollout(engine, build_task(cfg.task, cfg.seed), tokenizer, cfg.rollout, 0, cfg.seed)[0]
     return out
 

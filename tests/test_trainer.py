@@ -9,7 +9,7 @@ from relax.rollout.torch_engine import TorchEngine
 from relax.sample import Sample
 from relax.task import build_task
 
-from .conftest import local_trainer, make_cfg, run_loop
+from .conftest import engine_spec, local_trainer, make_cfg, run_loop
 
 
 def rollout(cfg, engine, tokenizer, rollout_id=0):
@@ -19,7 +19,7 @@ def rollout(cfg, engine, tokenizer, rollout_id=0):
 
 def test_first_step_log_probs_equal_ref_and_kl_zero(tiny_path, tokenizer):
     cfg = make_cfg("rollout.rollout_batch_size=8", "algo.use_kl_loss=true", "algo.kl_loss_coef=0.1")
-    engine = TorchEngine(cfg, tiny_path, [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    engine = TorchEngine(cfg.rollout, engine_spec(cfg, tiny_path, [tokenizer.eos_token_id], tokenizer.pad_token_id))
     trainer = local_trainer(cfg, str(tiny_path), ref_model_path=str(tiny_path),
                            pad_token_id=tokenizer.pad_token_id)
     out = trainer.train(0, rollout(cfg, engine, tokenizer))
@@ -37,7 +37,7 @@ def test_first_step_log_probs_equal_ref_and_kl_zero(tiny_path, tokenizer):
 
 def test_weight_sync_makes_engine_match_trainer(tiny_path, tokenizer):
     cfg = make_cfg("rollout.rollout_batch_size=16", "train.lr=0.02")
-    engine = TorchEngine(cfg, tiny_path, [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    engine = TorchEngine(cfg.rollout, engine_spec(cfg, tiny_path, [tokenizer.eos_token_id], tokenizer.pad_token_id))
     trainer = local_trainer(cfg, str(tiny_path), ref_model_path=str(tiny_path),
                            pad_token_id=tokenizer.pad_token_id)
     samples = rollout(cfg, engine, tokenizer)

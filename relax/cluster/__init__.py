@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 
 from relax.targets import load_target
 from relax.errors import ConfigError
+from relax.rollout.spec import EngineSpec
 from relax.train.spec import TrainerSpec
 
 
@@ -32,7 +33,7 @@ class LocalCluster:
     def check_config(cfg) -> None:
         from relax.rollout import uses_gpus
 
-        if cfg.train["async"] and uses_gpus(cfg):
+        if cfg.train["async"] and uses_gpus(cfg.rollout):
             raise ConfigError("train.async=true on cluster=local with GPUs: the engines start at cuda:0, "
                               "where trainer rank 0 runs, so generation and training would share a device; "
                               "use cluster=ray, whose placement group gives engines GPUs of their own")
@@ -41,32 +42,30 @@ class LocalCluster:
         self.cfg, self.log_dir = cfg, str(log_dir) if log_dir else None
         self.engines = self.trainer = None
 
-    def build(self, engine_spec: tuple | None, trainer_spec: TrainerSpec | None):
-        """engine_spec: (model_path, tokenizer). Returns (engines, trainer), None for what is not
-        asked."""
+    def build(self, engine_spec: EngineSpec | None, trainer_spec: TrainerSpec | None):
+        """Returns (engines, trainer), None for what is not asked."""
         if engine_spec:
-            self.engines = self._engines(*engine_spec)
+            self.engines = self._engines(engine_spec)
         if trainer_spec:
             self.trainer = self._trainer(trainer_spec)
         return self.engines, self.trainer
 
-    def _engines(self, model_path, tokenizer):
+    def _engines(self, spec: EngineSpec):
         from relax.cluster.engines import EngineGroup, InDriver, make_engine, make_engine_host
         from relax.rollout import num_engines, uses_gpus
 
-        cfg, engines = self.cfg, []
-        tp = cfg.rollout.rollout_num_gpus_per_engine
-        devices = [f"cuda:{i * tp}" if uses_gpus(cfg) else "cpu" for i in range(num_engines(cfg))]
+        cfg, r, engines = self.cfg, self.cfg.rollout, []
+        tp = r.rollout_num_gpus_per_engine
+        devices = [f"cuda:{i * tp}" if uses_gpus(r) else "cpu" for i in range(num_engines(r))]
         if cfg.train["async"]:  # generation overlaps training: each engine in a process of its own
             from relax.cluster.engine_processes import EngineProcesses
 
-            return EngineGroup(EngineProcesses(make_engine_host, (OmegaConf.to_container(cfg, resolve=True),
-                                                             model_path, tokenizer), devices,
-                                               [i * tp for i in range(len(devices))], self.log_dir,
-                                               cfg.train.num_threads), cfg.rollout)
+            return EngineGroup(EngineProcesses(make_engine_host, (OmegaConf.to_container(r, resolve=True), spec),
+                                               devices, [i * tp for i in range(len(devices))], self.log_dir,
+                                               cfg.train.num_threads), r)
         try:
             for i in range(len(devices)):
-                engines.append(make_engine(cfg, model_path, tokenizer, base_gpu_id=i * tp))
+                engines.append(make_engine(r, spec, base_gpu_id=i * tp))
         except BaseException:
             for engine in engines:
                 engine.shutdown()

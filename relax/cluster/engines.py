@@ -18,16 +18,16 @@ from relax.cluster.ranks import RankError, on_this_host
 from relax.rollout import buckets, build_engine
 
 
-def make_engine(cfg, model_path, tokenizer, base_gpu_id: int = 0):
-    """Build one engine (in the driver or inside a Ray actor, from a plain config)."""
-    if not isinstance(cfg, DictConfig):
-        cfg = OmegaConf.create(cfg)
-    return build_engine(cfg, model_path, tokenizer, base_gpu_id)
+def make_engine(rollout, spec, base_gpu_id: int = 0):
+    """Build one engine (in the driver, or in a process or Ray actor from a plain rollout dict)."""
+    if not isinstance(rollout, DictConfig):
+        rollout = OmegaConf.create(rollout)
+    return build_engine(rollout, spec, base_gpu_id)
 
 
-def make_engine_host(cfg, model_path, tokenizer, base_gpu_id: int = 0) -> EngineHost:
+def make_engine_host(rollout, spec, base_gpu_id: int = 0) -> EngineHost:
     """make_engine, for an engine in a process of its own (a local process or a Ray actor)."""
-    return EngineHost(make_engine(cfg, model_path, tokenizer, base_gpu_id))
+    return EngineHost(make_engine(rollout, spec, base_gpu_id))
 
 
 def sample(engine, names: list[str], salt: int) -> dict | None:

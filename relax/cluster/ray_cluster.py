@@ -38,6 +38,7 @@ from relax.errors import USER_ERRORS, ConfigError
 from relax.process import sigterm_left_to_the_driver
 from relax.rollout import buckets, num_engines
 from relax.train import make_trainer
+from relax.rollout.spec import EngineSpec
 from relax.train.spec import TrainerSpec
 
 log = logging.getLogger(__name__)
@@ -202,11 +203,10 @@ class RayCluster:
         log.info("Ray %s at %s (%s)", ray.__version__, ray.get_runtime_context().gcs_address,
                  "private instance" if self.private else "joined")
 
-    def build(self, engine_spec: tuple | None, trainer_spec: TrainerSpec | None):
-        """Start every engine and trainer rank (engine_spec: model_path, tokenizer); returns
-        (engines, trainer)."""
+    def build(self, engine_spec: EngineSpec | None, trainer_spec: TrainerSpec | None):
+        """Start every engine and trainer rank; returns (engines, trainer)."""
         cfg = self.cfg
-        plan = plan_bundles(cfg, trainer_spec is not None, engine_spec is not None, num_engines(cfg))
+        plan = plan_bundles(cfg, trainer_spec is not None, engine_spec is not None, num_engines(cfg.rollout))
         needs: dict[str, float] = {}
         for bundle in plan.bundles:
             for k, v in bundle.items():
@@ -225,8 +225,7 @@ class RayCluster:
             hosts.where = hosts.collect(refs)
         builds = []
         if engines.actors:
-            model_path, tokenizer = engine_spec
-            args = [(make_engine_host, (plain, model_path, tokenizer), {"base_gpu_id": 0})] * len(engines)
+            args = [(make_engine_host, (plain["rollout"], engine_spec), {"base_gpu_id": 0})] * len(engines)
             builds.append((engines, [a.build.remote(*x) for a, x in zip(engines.actors, args, strict=True)]))
         if ranks.actors:
             address, port = ray.get(ranks.actors[0].open_store.remote(len(ranks)))

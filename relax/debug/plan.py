@@ -288,7 +288,7 @@ def resolve(cfg, start_rollout_id: int = 0, hf_config: dict | None = None, run_d
     if not train_only:
         from relax.rollout import check_engine
 
-        check_engine(cfg)
+        check_engine(r, cfg.model, cfg.algo, cfg.debug)
     return Plan(builds_rollout=not train_only, builds_train=builds_train,
                 rollout_ids=rollout_ids, save_rollout_data=save_rollout,
                 load_rollout_data=load, save_train_data=save_train if builds_train else None,

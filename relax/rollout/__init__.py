@@ -79,16 +79,16 @@ def check_functions(rollout_cfg) -> None:
                           f"integer")
 
 
-def engine_dtype(cfg) -> str:
+def engine_dtype(rollout, model) -> str:
     """The engine's dtype: rollout.dtype, or the model's (a bf16 engine against an fp32
     trainer is the classic rollout/train mismatch that algo.tis corrects)."""
-    return cfg.rollout.dtype or cfg.model.dtype
+    return rollout.dtype or model.dtype
 
 
-def check_engine(cfg) -> None:
+def check_engine(rollout, model, algo, debug) -> None:
     """Start-up refusals: the engine class imports and supports what the config asks of it."""
-    engine = load_target(cfg.rollout, "rollout")
-    r = cfg.rollout
+    engine = load_target(rollout, "rollout")
+    r = rollout
     if r.weight_update_mode == "distributed" and (
             not hasattr(engine, "receive_weights") or not torch_cuda_available()):
         raise ConfigError("rollout.weight_update_mode=distributed broadcasts weights over NCCL into "
@@ -102,34 +102,34 @@ def check_engine(cfg) -> None:
         raise ConfigError(f"rollout.num_engines={r.num_engines}: expected at least 1 (or null)")
     from relax.model import torch_dtype
 
-    torch_dtype(engine_dtype(cfg), "rollout.dtype" if r.dtype else "model.dtype")
+    torch_dtype(engine_dtype(r, model), "rollout.dtype" if r.dtype else "model.dtype")
     if hasattr(engine, "check_config"):
-        engine.check_config(cfg)
+        engine.check_config(r, model, algo, debug)
     check_functions(r)
 
 
-def num_engines(cfg) -> int:
+def num_engines(rollout) -> int:
     """rollout.num_engines, or else rollout_num_gpus / rollout_num_gpus_per_engine GPU engines
     (1 on CPU)."""
-    r = cfg.rollout
+    r = rollout
     if r.num_engines is not None:
         return r.num_engines
-    return r.rollout_num_gpus // r.rollout_num_gpus_per_engine if uses_gpus(cfg) else 1
+    return r.rollout_num_gpus // r.rollout_num_gpus_per_engine if uses_gpus(r) else 1
 
 
-def uses_gpus(cfg) -> bool:
+def uses_gpus(rollout) -> bool:
     """Whether the engine places itself on GPUs (it takes `base_gpu_id`) and there are GPUs."""
     import inspect
 
-    engine = load_target(cfg.rollout, "rollout")
+    engine = load_target(rollout, "rollout")
     return torch_cuda_available() and "base_gpu_id" in inspect.signature(engine).parameters
 
 
-def build_engine(cfg, model_path: Path, tokenizer, base_gpu_id: int = 0):
-    """One engine; a GPU engine on the visible GPUs base_gpu_id.. (its tensor-parallel size)."""
-    gpus = {"base_gpu_id": base_gpu_id} if uses_gpus(cfg) else {}
-    engine = load_target(cfg.rollout, "rollout")
-    return engine(cfg, model_path, [tokenizer.eos_token_id], tokenizer.pad_token_id, **gpus)
+def build_engine(rollout, spec, base_gpu_id: int = 0):
+    """One engine (`spec`: an EngineSpec, relax/rollout/spec.py); a GPU engine on the visible
+    GPUs base_gpu_id.. (its tensor-parallel size)."""
+    gpus = {"base_gpu_id": base_gpu_id} if uses_gpus(rollout) else {}
+    return load_target(rollout, "rollout")(rollout, spec, **gpus)
 
 
 # numpy's SeedSequence constants (numpy/random/bit_generator.pyx): pool of 4 32-bit words

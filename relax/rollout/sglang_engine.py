@@ -22,7 +22,8 @@ from relax.errors import ConfigError
 from relax.process import sigterm_left_to_the_driver
 from relax.model import families, model_config, read_hf_config, torch_dtype
 from relax.model.sglang_support import SERVED, sglang_to_hf
-from relax.rollout import Generation, SamplingParams, buckets, engine_dtype, num_engines, prompt_seeds
+from relax.rollout import Generation, SamplingParams, buckets, num_engines, prompt_seeds
+from relax.rollout.spec import EngineSpec
 
 log = logging.getLogger(__name__)
 GPU = torch.cuda.is_available()
@@ -31,17 +32,17 @@ EXPORT_TENSORS = f"{__name__}.export_tensors"  # the custom weight loader that r
 FINGERPRINT = f"{__name__}.fingerprint_tensors"  # ... and the one that samples them (the sync check)
 
 
-def engine_args(cfg, model_path: Path, base_gpu_id: int = 0) -> dict:
+def engine_args(rollout, spec: EngineSpec, base_gpu_id: int = 0) -> dict:
     """sglang.Engine keyword arguments for one engine on GPUs base_gpu_id.. (of those visible)."""
-    r = cfg.rollout
+    r, model_path = rollout, Path(spec.model_path)
     tp = r.rollout_num_gpus_per_engine
     if not GPU and tp > 1:
         raise ConfigError(f"rollout=sglang on CPU runs without tensor parallelism; "
                           f"got rollout_num_gpus_per_engine={tp}")
-    memory = r.mem_fraction_static or (0.8 if GPU else cpu_mem_fraction(cfg, model_path))
-    common = dict(model_path=str(model_path), dtype=engine_dtype(cfg), tp_size=tp,
+    memory = r.mem_fraction_static or (0.8 if GPU else cpu_mem_fraction(r, spec))
+    common = dict(model_path=str(model_path), dtype=spec.dtype, tp_size=tp,
                   mem_fraction_static=memory, skip_tokenizer_init=True,
-                  random_seed=cfg.seed, log_level="error",
+                  random_seed=spec.seed, log_level="error",
                   # a family's MoE: every request returns its tokens' experts (relax/train/routing.py)
                   enable_return_routed_experts=records_experts(read_hf_config(model_path)))
     if GPU:  # CUDA graphs stay on; the memory saver lets a colocated engine free GPU memory
@@ -57,18 +58,18 @@ def engine_args(cfg, model_path: Path, base_gpu_id: int = 0) -> dict:
     return {**common, "base_gpu_id": base_gpu_id} if GPU else common
 
 
-def cpu_mem_fraction(cfg, model_path: Path) -> float:
+def cpu_mem_fraction(rollout, spec: EngineSpec) -> float:
     """On CPU SGLang sizes weights + KV cache as a share of the memory available when it starts:
     twice what this model needs (its weights in the engine dtype, bounded by reading the files as
     16-bit, and max_total_tokens of KV cache), at least 0.05. A fixed share that fits a tiny
     model leaves a real one no KV cache
     (SmolLM2-135M: 0.54 GB of fp32 weights + 0.38 GB of KV cache for 8192 tokens)."""
-    hf = read_hf_config(model_path)
-    width = torch.finfo(torch_dtype(engine_dtype(cfg))).bits // 8
-    weights = sum(f.stat().st_size for f in Path(model_path).glob("*.safetensors")) * width / 2
+    hf = read_hf_config(spec.model_path)
+    width = torch.finfo(torch_dtype(spec.dtype)).bits // 8
+    weights = sum(f.stat().st_size for f in Path(spec.model_path).glob("*.safetensors")) * width / 2
     head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
     kv_heads = hf.get("num_key_value_heads") or hf["num_attention_heads"]
-    kv_cache = cfg.rollout.max_total_tokens * 2 * hf["num_hidden_layers"] * kv_heads * head_dim * width
+    kv_cache = rollout.max_total_tokens * 2 * hf["num_hidden_layers"] * kv_heads * head_dim * width
     meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
     available = int(meminfo["MemAvailable"].split()[0]) * 1024
     return min(0.9, max(0.05, 2 * (weights + kv_cache) / available))
@@ -97,23 +98,23 @@ class SGLangEngine:
     """Rollout engine interface (relax/rollout/__init__.py), with colocation and NCCL weight sync."""
 
     @staticmethod
-    def check_config(cfg) -> None:
-        r = cfg.rollout
+    def check_config(rollout, model, algo, debug) -> None:
+        r = rollout
         if r.mem_fraction_static is not None and not 0 < r.mem_fraction_static < 1:
             raise ConfigError(f"rollout.mem_fraction_static={r.mem_fraction_static}: expected a fraction of "
                               f"the memory in (0, 1), or null")
         if r.max_total_tokens < 1:
             raise ConfigError(f"rollout.max_total_tokens={r.max_total_tokens}: expected a positive integer")
-        if cfg.debug.check_weight_update_equal and cfg.rollout.rollout_num_gpus_per_engine > 1:
+        if debug.check_weight_update_equal and r.rollout_num_gpus_per_engine > 1:
             raise ConfigError("debug.check_weight_update_equal reads the engine's tensors back "
                               "unsharded: run it with rollout.rollout_num_gpus_per_engine=1")
-        if not GPU and num_engines(cfg) > 1:
+        if not GPU and num_engines(r) > 1:
             raise ConfigError(f"rollout=sglang on CPU runs one engine; got rollout.num_engines="
-                              f"{cfg.rollout.num_engines} (rollout=torch runs several)")
-        if cfg.rollout.true_on_policy:
+                              f"{r.num_engines} (rollout=torch runs several)")
+        if r.true_on_policy:
             raise ConfigError("rollout.true_on_policy=true is refused with rollout=sglang: its CPU kernels are "
                               "not batch-invariant (docs/true-on-policy.md); use rollout=torch")
-        hf = model_config(cfg.model)
+        hf = model_config(model)
         why = families.sglang_blocker(hf)
         if why:
             served = ", ".join([*families.SUPPORTED_ARCHITECTURES, *sorted(SERVED)])
@@ -121,7 +122,7 @@ class SGLangEngine:
                               f"and this model is {hf['architectures'][0]} ({why}): use rollout=torch, which "
                               f"runs any transformers causal LM")
         require_extra("rollout=sglang", "sglang")  # at start-up, not when the engine is built
-        if cfg.algo.routing_replay == "rollout":
+        if algo.routing_replay == "rollout":
             from sglang.srt.server_args import ServerArgs
 
             if not hasattr(ServerArgs, "enable_return_routed_experts"):
@@ -131,18 +132,17 @@ class SGLangEngine:
                                   f"{sglang.__version__} cannot return (no enable_return_routed_experts; "
                                   f"0.5.23 can): upgrade SGLang, or use rollout=torch")
 
-    def __init__(self, cfg, model_path: Path, eos_token_ids: list[int], pad_token_id: int,
-                 base_gpu_id: int = 0):
-        """`pad_token_id` is unused: SGLang batches prompts of any length without padding."""
+    def __init__(self, rollout, spec: EngineSpec, base_gpu_id: int = 0):
+        """(spec.pad_token_id is unused: SGLang batches prompts of any length without padding.)"""
         import sglang  # (check_config made sure it is installed)
-        self.cfg, self.eos = cfg, eos_token_ids
-        self.hf_config = read_hf_config(model_path)
+        self.rollout, self.eos = rollout, list(spec.eos_token_ids)
+        self.hf_config = read_hf_config(spec.model_path)
         with sigterm_left_to_the_driver():  # (its scheduler dying of one would kill the driver: SIGKILL)
-            self.engine = sglang.Engine(**engine_args(cfg, model_path, base_gpu_id))
+            self.engine = sglang.Engine(**engine_args(rollout, spec, base_gpu_id))
         self._leave_sigterm_to_relax()
         moe = families.moe_layers(self.hf_config) if records_experts(self.hf_config) else None
         self.moe_layers = None if moe is None else [i for i, sparse in enumerate(moe) if sparse]
-        self.deterministic = bool(cfg.rollout.sglang_server_args.get("enable_deterministic_inference"))
+        self.deterministic = bool(rollout.sglang_server_args.get("enable_deterministic_inference"))
         log.info("SGLang %s engine on %s", sglang.__version__,
                  f"GPUs {base_gpu_id}.." if GPU else "CPU")
 
@@ -191,7 +191,7 @@ class SGLangEngine:
         named = faults.skip_sync(faults.perturb_sync(named))
         if faults.active("drop_buffer"):
             _run_in_scheduler(self.engine, faults.SGLANG_DROP_BUFFER)
-        if self.cfg.rollout.weight_update_mode == "disk":
+        if self.rollout.weight_update_mode == "disk":
             self._update_from_disk(named)
         else:
             self._update_from_tensors(named)
@@ -214,7 +214,7 @@ class SGLangEngine:
 
     def _update_from_tensors(self, named: dict[str, torch.Tensor]) -> None:
         _check(self.engine.begin_weight_update(), "begin_weight_update")
-        for bucket in buckets(named, self.cfg.rollout.weight_update_bucket_mb * 2**20):
+        for bucket in buckets(named, self.rollout.weight_update_bucket_mb * 2**20):
             tensors = [(name, t.detach().contiguous()) for name, t in bucket.items()]
             _check(self.engine.update_weights_from_tensor(named_tensors=tensors, flush_cache=False),
                    "update_weights_from_tensor")
@@ -243,7 +243,7 @@ class SGLangEngine:
         """The weight-sync check's sample of `names` under HF names, taken in the scheduler process
         from the served model's own tensors (`fingerprint_tensors`); None for a TP engine, whose
         shards no HF tensor matches (the check then skips it)."""
-        if self.cfg.rollout.rollout_num_gpus_per_engine > 1:
+        if self.rollout.rollout_num_gpus_per_engine > 1:
             return None
         with tempfile.TemporaryDirectory(prefix="relax-fingerprint-") as tmp:
             _run_in_scheduler(self.engine, FINGERPRINT, json.dumps(

@@ -15,6 +15,7 @@ from relax.errors import ConfigError
 from relax.model import families, read_hf_config, torch_dtype
 from relax.rollout import Generation, SamplingParams, engine_dtype, prompt_seeds
 from relax.rollout.fingerprint import fingerprint
+from relax.rollout.spec import EngineSpec
 from relax.sample import log_prob_temperature
 
 log = logging.getLogger(__name__)
@@ -28,28 +29,29 @@ class TorchEngineBase:
     forward_name = ""  # what the start-up log line says runs the model
 
     @staticmethod
-    def check_config(cfg) -> None:
-        r = cfg.rollout
+    def check_config(rollout, model, algo, debug) -> None:
+        r = rollout
         if r.true_on_policy and r.top_p < 1:
             raise ConfigError(f"rollout.true_on_policy=true with rollout.top_p={r.top_p} is refused: the trainer "
                               f"scores the whole softmax, so the engine must sample from it (rollout.top_p=1)")
-        if r.true_on_policy and engine_dtype(cfg) != cfg.model.dtype:
+        if r.true_on_policy and engine_dtype(r, model) != model.dtype:
             raise ConfigError(f"rollout.true_on_policy=true with rollout.dtype={r.dtype} is refused: engine and "
-                              f"trainer compute in one dtype (model.dtype={cfg.model.dtype}); leave rollout.dtype null")
+                              f"trainer compute in one dtype (model.dtype={model.dtype}); leave rollout.dtype null")
 
-    def __init__(self, cfg, model_path: Path, eos_token_ids: list[int], pad_token_id: int):
-        if cfg.rollout.rollout_num_gpus > 1:
+    def __init__(self, rollout, spec: EngineSpec):
+        if rollout.rollout_num_gpus > 1:
             log.info("rollout=torch runs on CPU; rollout_num_gpus=%d is used by GPU engines",
-                     cfg.rollout.rollout_num_gpus)
+                     rollout.rollout_num_gpus)
+        model_path = Path(spec.model_path)
         from transformers import AutoConfig
 
         self.support = families.check(read_hf_config(model_path), f"{model_path}/config.json")
         self.config = AutoConfig.from_pretrained(str(model_path))
         self.num_layers = self.config.num_hidden_layers
-        self.eos = torch.tensor(eos_token_ids, dtype=torch.long)
-        self.pad_token_id = pad_token_id
-        self.dtype = torch_dtype(engine_dtype(cfg))
-        self.true_on_policy = cfg.rollout.true_on_policy
+        self.eos = torch.tensor(spec.eos_token_ids, dtype=torch.long)
+        self.pad_token_id = spec.pad_token_id
+        self.dtype = torch_dtype(spec.dtype)
+        self.true_on_policy = rollout.true_on_policy
         self.routes: list[list[torch.Tensor]] | None = None  # while generating an MoE model: per
         # MoE layer, each forward's top-k expert ids ([rows, top_k], rows as flattened [B, T])
         self.num_moe_layers = 0

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from relax import faults
 from relax.model import families, load_safetensors_dir, read_hf_config
 from relax.rollout.hf_engine import TransformersEngine
+from relax.rollout.spec import EngineSpec
 from relax.rollout.torch_base import TorchEngineBase
 
 
@@ -52,13 +53,13 @@ class TorchEngine(TorchEngineBase):
     """The hand-written forward over a preallocated cache (relax/rollout/torch_base.py: the rest)."""
     forward_name = "the hand-written forward"
 
-    def __new__(cls, cfg, model_path: Path, *args, **kwargs):
+    def __new__(cls, rollout, spec: EngineSpec, *args, **kwargs):
         """TorchEngine builds the hand-written forward where the model's family has one, else
         transformers' (hf_engine.TransformersEngine, which `rollout._target_` can also name), as
         under rollout.true_on_policy: the trainer's forward, batch-invariant."""
-        if cls is TorchEngine and (cfg.rollout.true_on_policy
-                                   or families.check(read_hf_config(model_path)).family is None):
-            return TransformersEngine(cfg, model_path, *args, **kwargs)  # (not a TorchEngine: built here)
+        if cls is TorchEngine and (rollout.true_on_policy
+                                   or families.check(read_hf_config(spec.model_path)).family is None):
+            return TransformersEngine(rollout, spec, *args, **kwargs)  # (not a TorchEngine: built here)
         return super().__new__(cls)
 
     def _load_model(self, model_path: Path) -> None:

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from relax.errors import ConfigError, ReplayError
+from relax.rollout.spec import EngineSpec
 from relax.tools.mismatch_scoring import Scorer
 from relax.tools.plots import figure_dir, out_dir, pyplot
 
@@ -141,7 +142,8 @@ def explain(run_dir: Path, rollout: int | None = None) -> Report:
     rollout_lp = torch.tensor([x for r in rows for x in r["rollout_log_probs"]], dtype=torch.float64)
     mismatch = float((trained - rollout_lp).abs().mean())
 
-    scorer = Scorer(cfg, rows, tokenizer)
+    scorer = Scorer(cfg.rollout, EngineSpec.of(cfg.rollout, cfg.model, cfg.seed, model_path, tokenizer), rows,
+                    tokenizer)
     r = cfg.rollout
     t_cfg = log_prob_temperature(float(r.temperature))
     train_dtype, eng_dtype = str(cfg.model.dtype), str(r.dtype or cfg.model.dtype)

@@ -5,6 +5,7 @@ full forward, as per-token log-probs under a temperature (and top-p renormalisat
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 def token_log_probs(logits, tokens, temperature: float, top_p: float = 1.0):
@@ -33,8 +34,10 @@ def torch_inference(fn):
 class Scorer:
     """Each variant's per-token log-probs of the trained tokens, one flat tensor per variant."""
 
-    def __init__(self, cfg, rows, tokenizer):
-        self.cfg, self.tokenizer = cfg, tokenizer
+    def __init__(self, rollout, spec, rows, tokenizer):
+        """`rollout`, `spec`: the run's rollout group and EngineSpec, from which each engine is
+        rebuilt."""
+        self.rollout, self.spec, self.tokenizer = rollout, spec, tokenizer
         self.stand_in: str | None = None  # why the run's engine class is not the one rebuilt
         self.prompts = [r["tokens"][:len(r["tokens"]) - len(r["loss_mask"])] for r in rows]
         self.responses = [r["tokens"][len(p):] for p, r in zip(self.prompts, rows, strict=True)]
@@ -52,18 +55,16 @@ class Scorer:
         from relax.rollout.torch_base import TorchEngineBase
         from relax.rollout.torch_engine import TorchEngine
 
-        cfg = OmegaConf.create(OmegaConf.to_container(self.cfg))
-        with open_dict(cfg):
-            if dtype is not None:
-                cfg.rollout.dtype = dtype
-            cfg.rollout.rollout_num_gpus = 1
+        rollout = OmegaConf.create(OmegaConf.to_container(self.rollout))
+        with open_dict(rollout):
+            rollout.rollout_num_gpus = 1
         try:
-            cls = load_target(cfg.rollout, "rollout")
+            cls = load_target(rollout, "rollout")
         except Exception as e:  # noqa: BLE001 - a class this machine cannot import: the stock engine
             cls, self.stand_in = TorchEngine, f"rollout._target_ does not import here ({e}): the torch engine stands in"
         if not (isinstance(cls, type) and issubclass(cls, TorchEngineBase)):
-            cls, self.stand_in = TorchEngine, f"rollout._target_={cfg.rollout._target_}: the torch engine stands in"
-        return cls(cfg, Path(path), [self.tokenizer.eos_token_id], self.tokenizer.pad_token_id)
+            cls, self.stand_in = TorchEngine, f"rollout._target_={rollout._target_}: the torch engine stands in"
+        return cls(rollout, dataclasses.replace(self.spec, model_path=str(path), dtype=dtype or self.spec.dtype))
 
     def decode(self, engine, variants: dict, alone: bool = False, recompute: bool = False) -> dict:
         """Teacher-forced through the engine's own prefill and KV-cache decode, the samples in one
@@ -88,7 +89,7 @@ class Scorer:
         responses = [self.responses[i] for i in which]
         pad = engine.pad_token_id
         B, P = len(prompts), max(map(len, prompts))
-        N = max(max(map(len, responses)), int(self.cfg.rollout.max_new_tokens))
+        N = max(max(map(len, responses)), int(self.rollout.max_new_tokens))
         unique: dict[tuple, int] = {}
         row_of = torch.tensor([unique.setdefault(tuple(p), len(unique)) for p in prompts])
         ids = torch.tensor([[pad] * (P - len(p)) + list(p) for p in unique])

@@ -22,9 +22,14 @@ class TrainerSpec:
     profile_rollouts: tuple[int, ...] = ()  # debug.profile_rollouts, resolved
 
     @classmethod
-    def of(cls, model, rollout, debug, seed: int, **resolved) -> TrainerSpec:
-        """From the model, rollout and debug groups, and what start-up resolved (`resolved`:
-        paths, pad_token_id, the plan's save and profile settings)."""
-        return cls(dtype=model.dtype, seed=seed, temperature=rollout.temperature,
+    def of(cls, model, rollout, debug, seed: int, model_path, ref_model_path=None, pad_token_id: int = 0,
+           plan=None) -> TrainerSpec:
+        """From the model, rollout and debug groups, the paths, and the run's plan (its resolved
+        save and profile settings; relax/debug/plan.py)."""
+        resolved = {} if plan is None else dict(
+            save_train_data=plan.save_train_data, profile_dir=plan.profile_dir,
+            profile_rollouts=tuple(plan.profile_rollouts))
+        return cls(model_path=str(model_path), ref_model_path=ref_model_path and str(ref_model_path),
+                   pad_token_id=pad_token_id, dtype=model.dtype, seed=seed, temperature=rollout.temperature,
                    max_new_tokens=rollout.max_new_tokens, true_on_policy=rollout.true_on_policy,
                    check_batch_invariance=debug.check_batch_invariance, **resolved)
