@@ -16,7 +16,7 @@ from relax.rollout import SamplingParams
 from relax.rollout.hf_engine import TransformersEngine
 from relax.rollout.torch_engine import TorchEngine
 
-from .conftest import first_step_exact, make_cfg, relax_cli
+from .conftest import engine_spec, first_step_exact, make_cfg, relax_cli
 
 STRICT = ["rollout.num_rollout=2", "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4",
           "rollout.max_new_tokens=16", "debug.strict_checks=true", "debug.check_weight_update_equal=true",
@@ -26,7 +26,8 @@ STRICT = ["rollout.num_rollout=2", "rollout.rollout_batch_size=4", "rollout.n_sa
 @pytest.mark.slow
 def test_smollm2_on_transformers_forward_samples_and_trains_like_the_hand_written_one(smollm2_path, tmp_path):
     tokenizer = load_tokenizer(smollm2_path)
-    args = (make_cfg("model=smollm2"), smollm2_path, [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    cfg = make_cfg("model=smollm2")
+    args = (cfg.rollout, engine_spec(cfg, smollm2_path, [tokenizer.eos_token_id], tokenizer.pad_token_id))
     fast, generic = TorchEngine(*args), TransformersEngine(*args)
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                            tokenize=False) for q in ("What is 12+34?", "Name a colour.", "What is 12+34?")]
