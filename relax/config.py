@@ -285,7 +285,7 @@ class CheckpointConfig:
 
 @dataclass
 class ClusterConfig:  # where ranks and engines run: relax/cluster/, docs/cluster.md
-    _target_: str = MISSING  # cluster class, called with (cfg, run_dir)
+    _target_: str = MISSING  # cluster class: Cluster(cluster, rollout, train, algo, parallel, run_dir)
 
 
 @dataclass

@@ -140,7 +140,7 @@ def prepare(cfg, run_dir: Path, accept=lambda: None) -> Run:
             if rollout_id in plan.dump_layers_rollouts:
                 check_dump_samples(cfg.debug, n, f"the replay file {plan.replay_files[rollout_id]}")
     evaluator = build_evaluator(cfg.eval, cfg.rollout, cfg.seed, task, tokenizer, plan)
-    check_cluster(cfg)  # with the other checks: a refused cluster leaves the dump dir as it was
+    check_cluster(cfg.cluster, cfg.rollout, cfg.train)  # with the other checks: a refused cluster leaves the dump dir as it was
     accept()
     if plan.dump_dir:  # with the rollout/train data, enough to reproduce the run
         tokenizer.save_pretrained(plan.dump_dir / "tokenizer")
@@ -324,7 +324,8 @@ def rl_loop(cfg, run_dir: Path, stop: Stop | None = None, accept=lambda: None) -
     stop, log_setup = stop or Stop(), LogGuard()
     run = prepare(cfg, run_dir, accept)
     with ExitStack() as parts:  # closed last in, first out: each even when one before it raises
-        cluster = close_on_exit(parts, open_cluster(cfg, run_dir), "close")
+        cluster = close_on_exit(parts, open_cluster(cfg.cluster, cfg.rollout, cfg.train, cfg.algo, cfg.parallel,
+                                                    run_dir), "close")
         engine, trainer, weight_check = build(run, cluster, parts)
         metrics = close_on_exit(parts, instantiate(cfg.logger, "logger", run_dir=run_dir,
                                                    resume_from=run.start,

@@ -16,13 +16,14 @@ CALLS = {
     "train": (("train", "algo", "parallel", "spec"), ("rank", "world_size")),
     "task": ((), ("seed",)),
     "logger": ((), ("run_dir", "resume_from", "run_config")),
-    "cluster": (("cfg", "run_dir"), ()),
+    "cluster": (("cluster", "rollout", "train", "algo", "parallel", "run_dir"), ()),
 }
 INSTANTIATED = ("task", "logger")
 # Parameters of an earlier interface, then what replaced them: a class that still takes them
 # would bind the new call to the wrong names, so it is refused naming them.
 RETIRED = {"train": ("cfg", "model_path", "relax.train.spec.TrainerSpec"),
-           "rollout": ("cfg", "model_path", "relax.rollout.spec.EngineSpec")}
+           "rollout": ("cfg", "model_path", "relax.rollout.spec.EngineSpec"),
+           "cluster": ("cfg", "the groups it reads")}
 
 
 def load_target(group_cfg, group: str):

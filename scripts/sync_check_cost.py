@@ -49,7 +49,7 @@ def main(n: int, overrides: list[str]) -> None:
     tokenizer = load_tokenizer(path)
     run = SimpleNamespace(cfg=cfg, plan=SimpleNamespace(partial_sync=False))
     with tempfile.TemporaryDirectory() as tmp:
-        cluster = open_cluster(cfg, Path(tmp))
+        cluster = open_cluster(cfg.cluster, cfg.rollout, cfg.train, cfg.algo, cfg.parallel, Path(tmp))
         engine, trainer = cluster.build(
             EngineSpec.of(cfg.rollout, cfg.model, cfg.seed, path, tokenizer),
             TrainerSpec.of(cfg.model, cfg.rollout, cfg.debug, cfg.seed, path, pad_token_id=tokenizer.pad_token_id))

@@ -91,11 +91,16 @@ def run_loop(run_dir: Path, *overrides: str):
     return read_metrics(run_dir)
 
 
-def build_trainer(cfg, model_path, log_dir=None, pad_token_id=0):
-    """The trainer a run of `cfg` builds (in the driver, or its rank processes / actors)."""
+def cluster_of(cfg, log_dir):
+    """The cluster a run of `cfg` opens."""
     from relax.cluster import open_cluster
 
-    return open_cluster(cfg, log_dir).build(None, trainer_spec(cfg, model_path, model_path, pad_token_id))[1]
+    return open_cluster(cfg.cluster, cfg.rollout, cfg.train, cfg.algo, cfg.parallel, log_dir)
+
+
+def build_trainer(cfg, model_path, log_dir=None, pad_token_id=0):
+    """The trainer a run of `cfg` builds (in the driver, or its rank processes / actors)."""
+    return cluster_of(cfg, log_dir).build(None, trainer_spec(cfg, model_path, model_path, pad_token_id))[1]
 
 
 def relax_cli(*args: str, cwd: Path, entry: list[str] | None = None, env: dict | None = None,

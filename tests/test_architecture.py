@@ -167,3 +167,40 @@ def test_the_circle_check_finds_a_planted_circle(tmp_path):
     graph = import_graph(package)
     assert graph["relax.sub.b"] == {"relax.sub.c"}
     assert circles(graph) == [frozenset({"relax.a", "relax.sub.b", "relax.sub.c"})]
+
+
+# The functions that take the whole composed config: the entry point, start-up, the loop, and the
+# experiment's identity (saved with checkpoints, compared on resume, hashed into replay data).
+# Every other part is built from the groups it reads (docs/architecture.md).
+WHOLE_CONFIG = {
+    "relax/cli.py": {"hydra_app"}, "relax/process.py": {"__init__"}, "relax/config.py": {"check_numbers"},
+    "relax/loop.py": {"run_job", "rl_loop", "prepare"}, "relax/debug/plan.py": {"resolve"},
+    "relax/checkpoint/experiment.py": {"save_experiment", "check_same_experiment"},
+    "relax/replay/__init__.py": {"build_manifest"},
+}
+
+
+def whole_config_takers(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """file -> the functions with a parameter named `cfg`."""
+    found: dict[str, set[str]] = {}
+    for path in sorted(p for p in package.rglob("*.py") if "__pycache__" not in p.parts):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and "cfg" in {
+                    a.arg for a in (*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs)}:
+                found.setdefault(path.relative_to(package.parent).as_posix(), set()).add(node.name)
+    return found
+
+
+def test_at_most_ten_functions_take_the_whole_config():
+    found = whole_config_takers()
+    assert sum(map(len, WHOLE_CONFIG.values())) <= 10
+    assert found == WHOLE_CONFIG, ("a part takes the whole config (cfg); give it the groups it reads: "
+                                   f"{ {f: sorted(n - WHOLE_CONFIG.get(f, set())) for f, n in found.items()} }")
+
+
+def test_the_whole_config_check_sees_a_planted_taker(tmp_path):
+    package = tmp_path / "relax"
+    package.mkdir()
+    (package / "engine.py").write_text("class E:\n    def __init__(self, cfg, path):\n        pass\n"
+                                       "def build(rollout, spec):\n    pass\n")
+    assert whole_config_takers(package) == {"relax/engine.py": {"__init__"}}

@@ -23,7 +23,7 @@ import torch
 from relax.logger import read_metrics
 from relax.sample import Sample, Samples
 
-from .conftest import REPO, engine_spec, make_cfg, only_run_dir, relax_cli, run_loop, trainer_spec
+from .conftest import REPO, cluster_of, engine_spec, make_cfg, only_run_dir, relax_cli, run_loop, trainer_spec
 from .extras import RAY, require
 
 TINY = ["rollout.num_rollout=2", "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4",
@@ -67,26 +67,31 @@ def assert_same_training(run, reference, logprob_atol: float, grad_rtol: float):
 
 # -- no Ray ----------------------------------------------------------------------------------
 
+def ray_cluster(cfg, run_dir):
+    from relax.cluster.ray_cluster import RayCluster
+
+    return RayCluster(cfg.cluster, cfg.rollout, cfg.train, cfg.algo, cfg.parallel, run_dir)
+
+
 def test_placement_follows_the_debug_plan():
     from relax.cluster.placement import plan_bundles
 
     cfg = make_cfg("parallel=dp2", "cluster=ray", "cluster.num_cpus_per_engine=2")
-    separate = plan_bundles(cfg, True, True, num_engines=3)
+    separate = plan_bundles(cfg.cluster, cfg.parallel, cfg.rollout, True, True, num_engines=3)
     assert separate.bundles == [{"CPU": 1.0}] * 2 + [{"CPU": 2.0}] * 3
     # bundles come back from Ray sorted by node: ranks and engines keep their own bundles
     assert separate.assign([4, 0, 2, 1, 3]) == ([0, 1], [4, 2, 3])
-    rollout_only = plan_bundles(cfg, False, True, num_engines=3)
+    rollout_only = plan_bundles(cfg.cluster, cfg.parallel, cfg.rollout, False, True, num_engines=3)
     assert rollout_only.bundles == [{"CPU": 2.0}] * 3 and rollout_only.assign([2, 1, 0]) == ([], [2, 1, 0])
-    train_only = plan_bundles(cfg, True, False, num_engines=3)
+    train_only = plan_bundles(cfg.cluster, cfg.parallel, cfg.rollout, True, False, num_engines=3)
     assert train_only.bundles == [{"CPU": 1.0}] * 2 and train_only.assign([1, 0]) == ([1, 0], [])
-    colocated = plan_bundles(make_cfg("parallel=dp2", "cluster=ray", "cluster.num_gpus_per_rank=1",
-                                      "rollout.colocate=true"), True, True, num_engines=3)
+    shared = make_cfg("parallel=dp2", "cluster=ray", "cluster.num_gpus_per_rank=1", "rollout.colocate=true")
+    colocated = plan_bundles(shared.cluster, shared.parallel, shared.rollout, True, True, num_engines=3)
     assert colocated.bundles == [{"CPU": 1.0, "GPU": 1.0}] * 3  # max(2 ranks, 3 engines), shared
     assert colocated.rank_resources == {"CPU": 0.5, "GPU": 0.5}
     assert colocated.assign([2, 0, 1]) == ([2, 0], [2, 0, 1])
     # colocated but rollout-only: nothing to share, each engine's bundle is its own, whole
-    engines_only = plan_bundles(make_cfg("parallel=dp2", "cluster=ray", "cluster.num_gpus_per_rank=1",
-                                         "rollout.colocate=true"), False, True, num_engines=3)
+    engines_only = plan_bundles(shared.cluster, shared.parallel, shared.rollout, False, True, num_engines=3)
     assert engines_only.bundles == [{"CPU": 1.0}] * 3 and engines_only.roles == ["engine"] * 3
     assert engines_only.engine_resources == {"CPU": 1.0}
 
@@ -109,10 +114,12 @@ def test_cluster_keys_are_refused_at_their_bounds(overrides, message):
     from relax.cluster.placement import check_cluster
     from relax.errors import ConfigError
 
-    check_cluster(make_cfg("cluster=ray", "cluster.num_gpus_per_rank=1", "cluster.num_gpus_per_engine=1",
-                           "rollout.colocate=true"))  # one GPU each, shared: accepted
+    ok = make_cfg("cluster=ray", "cluster.num_gpus_per_rank=1", "cluster.num_gpus_per_engine=1",
+                  "rollout.colocate=true")
+    check_cluster(ok.cluster, ok.rollout, ok.train)  # one GPU each, shared: accepted
+    cfg = make_cfg("cluster=ray", *overrides)
     with pytest.raises(ConfigError, match=re.escape(message)):
-        check_cluster(make_cfg("cluster=ray", *overrides))
+        check_cluster(cfg.cluster, cfg.rollout, cfg.train)
 
 
 def test_runtime_env_vars_reach_ray_as_strings():
@@ -386,9 +393,7 @@ def test_a_private_instance_fits_the_jobs_cpus_and_resources_and_is_stopped_with
     custom resources and the runtime_env; close() shuts Ray down and releases the reaper."""
     import os
 
-    from relax.cluster.ray_cluster import RayCluster
-
-    cluster = RayCluster(make_cfg("cluster=ray", "+cluster.runtime_env.env_vars.X=abc"), tmp_path)
+    cluster = ray_cluster(make_cfg("cluster=ray", "+cluster.runtime_env.env_vars.X=abc"), tmp_path)
     cpus = os.cpu_count() + 0.5  # more than this machine has, and not whole
     cluster._connect({"CPU": cpus, "GPU": 0, "trainer": 2.0})
     assert fake_ray["init"] == [dict(address="local", num_cpus=os.cpu_count() + 1, resources={"trainer": 2.0},
@@ -405,17 +410,16 @@ def test_a_joined_or_enclosing_ray_is_left_running_and_a_refused_address_is_name
                                                                                   monkeypatch):
     """Already connected (a sweep's Ray task): nothing started, nothing shut down at close.
     cluster.address=...: no private instance; ray.init's ConnectionError names the key."""
-    from relax.cluster.ray_cluster import RayCluster
     from relax.errors import ConfigError
 
     fake_ray["initialized"] = True
-    cluster = RayCluster(make_cfg("cluster=ray"), tmp_path)
+    cluster = ray_cluster(make_cfg("cluster=ray"), tmp_path)
     cluster._connect({"CPU": 1})
     assert fake_ray["init"] == [] and cluster.connected and not cluster.owned and cluster.reaper is None
     cluster.close()
     assert fake_ray["shutdown"] == 0
     fake_ray["initialized"] = False
-    cluster = RayCluster(make_cfg("cluster=ray", "cluster.address=10.0.0.1:6379"), tmp_path)
+    cluster = ray_cluster(make_cfg("cluster=ray", "cluster.address=10.0.0.1:6379"), tmp_path)
     cluster._connect({"CPU": 1})
     joined = dict(address="10.0.0.1:6379", runtime_env=None, logging_level=logging.WARNING)
     assert fake_ray["init"] == [joined]
@@ -428,7 +432,7 @@ def test_a_joined_or_enclosing_ray_is_left_running_and_a_refused_address_is_name
         raise ConnectionError("the GCS did not answer")
     monkeypatch.setattr("ray.init", refuse)
     with pytest.raises(ConfigError, match=r"^cluster.address=10.0.0.1:6379: the GCS did not answer$"):
-        RayCluster(make_cfg("cluster=ray", "cluster.address=10.0.0.1:6379"), tmp_path)._connect({"CPU": 1})
+        ray_cluster(make_cfg("cluster=ray", "cluster.address=10.0.0.1:6379"), tmp_path)._connect({"CPU": 1})
 
 
 def test_ray_hosts_collect_in_order_raise_user_errors_as_themselves_and_a_peers_death_first(monkeypatch):
@@ -1040,11 +1044,10 @@ def test_actors_on_the_drivers_node_are_called_through_a_socket_and_weights_cros
 
 
 def test_errors_name_the_rank_or_engine_node_and_traceback(two_nodes, tiny_path, tokenizer, tmp_path):
-    from relax.cluster import open_cluster
     from relax.cluster.ranks import RankError
 
     cfg = make_cfg(*on(two_nodes, *ROLES), "parallel=dp2", "rollout.num_engines=2")
-    cluster = open_cluster(cfg, tmp_path)
+    cluster = cluster_of(cfg, tmp_path)
     try:
         engines, trainer = cluster.build(engine_spec(cfg, tiny_path, [tokenizer.eos_token_id]),
                                          trainer_spec(cfg, tiny_path, tiny_path))

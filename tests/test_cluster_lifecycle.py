@@ -116,7 +116,8 @@ from tests.conftest import make_cfg
 from relax.cluster.ray_cluster import RayCluster
 
 caught = []
-cluster = RayCluster(make_cfg("cluster=ray"), sys.argv[1])
+cfg = make_cfg("cluster=ray")
+cluster = RayCluster(cfg.cluster, cfg.rollout, cfg.train, cfg.algo, cfg.parallel, sys.argv[1])
 cluster._connect({"CPU": 1})
 signal.signal(signal.SIGTERM, lambda signum, frame: caught.append(signum))  # (the run's Stop)
 cluster.close()

@@ -118,6 +118,11 @@ class OldEngine:  # the interface before EngineSpec
         pass
 
 
+class OldCluster:  # the interface before the groups it reads
+    def __init__(self, cfg, run_dir):
+        pass
+
+
 class RanklessTrainer:
     def __init__(self, train, algo, parallel, spec):
         pass
@@ -167,18 +172,20 @@ def test_a_target_class_that_cannot_take_the_loops_call_is_refused_at_start_up(t
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("group,target,spec,call", [
-    ("train", "OldTrainer", "relax.train.spec.TrainerSpec", "train, algo, parallel, spec, rank=, world_size="),
-    ("rollout", "OldEngine", "relax.rollout.spec.EngineSpec", "rollout, spec")])
-def test_a_class_of_the_interface_before_its_spec_is_refused_naming_the_new_call(tmp_path, group, target, spec,
-                                                                                 call):
+@pytest.mark.parametrize("group,target,retired,spec,call", [
+    ("train", "OldTrainer", "cfg, model_path", "relax.train.spec.TrainerSpec",
+     "train, algo, parallel, spec, rank=, world_size="),
+    ("rollout", "OldEngine", "cfg, model_path", "relax.rollout.spec.EngineSpec", "rollout, spec"),
+    ("cluster", "OldCluster", "cfg", "the groups it reads", "cluster, rollout, train, algo, parallel, run_dir")])
+def test_a_class_of_the_interface_before_its_spec_is_refused_naming_the_new_call(tmp_path, group, target, retired,
+                                                                                 spec, call):
     """Its (cfg, model_path, ...) would bind the new call to the wrong names, so binding alone
     cannot refuse it."""
     from relax.loop import prepare
 
     path = f"tests.test_startup.{target}"
-    with pytest.raises(ConfigError, match=rf"^{group}\._target_='{re.escape(path)}': its signature \(cfg, "
-                                          rf"model_path, .*\) takes cfg, model_path, as the interface before "
+    with pytest.raises(ConfigError, match=rf"^{group}\._target_='{re.escape(path)}': its signature \({retired}"
+                                          rf".*\) takes {retired}, as the interface before "
                                           rf"{re.escape(spec)} did; the loop calls it as "
                                           rf"{target}\({re.escape(call)}\)"):
         prepare(make_cfg(f"{group}._target_={path}"), tmp_path)

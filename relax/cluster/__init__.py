@@ -15,31 +15,34 @@ from relax.rollout.spec import EngineSpec
 from relax.train.spec import TrainerSpec
 
 
-def check_cluster(cfg):
+def check_cluster(cluster, rollout, train):
     """The class `cluster._target_` names, imported, after its start-up refusals (check_config):
     relax.loop.prepare calls this with its other checks, before it writes anything."""
-    cluster = load_target(cfg.cluster, "cluster")
-    if hasattr(cluster, "check_config"):
-        cluster.check_config(cfg)
-    return cluster
+    cls = load_target(cluster, "cluster")
+    if hasattr(cls, "check_config"):
+        cls.check_config(cluster, rollout, train)
+    return cls
 
 
-def open_cluster(cfg, run_dir):
-    return check_cluster(cfg)(cfg, run_dir)
+def open_cluster(cluster, rollout, train, algo, parallel, run_dir):
+    """The cluster, built from the groups it reads: its own, and what it places (engines of
+    `rollout`, trainer ranks of `train`, `algo`, `parallel`)."""
+    return check_cluster(cluster, rollout, train)(cluster, rollout, train, algo, parallel, run_dir)
 
 
 class LocalCluster:
     @staticmethod
-    def check_config(cfg) -> None:
+    def check_config(cluster, rollout, train) -> None:
         from relax.rollout import uses_gpus
 
-        if cfg.train["async"] and uses_gpus(cfg.rollout):
+        if train["async"] and uses_gpus(rollout):
             raise ConfigError("train.async=true on cluster=local with GPUs: the engines start at cuda:0, "
                               "where trainer rank 0 runs, so generation and training would share a device; "
                               "use cluster=ray, whose placement group gives engines GPUs of their own")
 
-    def __init__(self, cfg, log_dir):
-        self.cfg, self.log_dir = cfg, str(log_dir) if log_dir else None
+    def __init__(self, cluster, rollout, train, algo, parallel, log_dir):
+        self.rollout, self.train, self.algo, self.parallel = rollout, train, algo, parallel
+        self.log_dir = str(log_dir) if log_dir else None
         self.engines = self.trainer = None
 
     def build(self, engine_spec: EngineSpec | None, trainer_spec: TrainerSpec | None):
@@ -54,15 +57,15 @@ class LocalCluster:
         from relax.cluster.engines import EngineGroup, InDriver, make_engine, make_engine_host
         from relax.rollout import num_engines, uses_gpus
 
-        cfg, r, engines = self.cfg, self.cfg.rollout, []
+        r, engines = self.rollout, []
         tp = r.rollout_num_gpus_per_engine
         devices = [f"cuda:{i * tp}" if uses_gpus(r) else "cpu" for i in range(num_engines(r))]
-        if cfg.train["async"]:  # generation overlaps training: each engine in a process of its own
+        if self.train["async"]:  # generation overlaps training: each engine in a process of its own
             from relax.cluster.engine_processes import EngineProcesses
 
             return EngineGroup(EngineProcesses(make_engine_host, (OmegaConf.to_container(r, resolve=True), spec),
                                                devices, [i * tp for i in range(len(devices))], self.log_dir,
-                                               cfg.train.num_threads), r)
+                                               self.train.num_threads), r)
         try:
             for i in range(len(devices)):
                 engines.append(make_engine(r, spec, base_gpu_id=i * tp))
@@ -70,22 +73,21 @@ class LocalCluster:
             for engine in engines:
                 engine.shutdown()
             raise
-        return EngineGroup(InDriver(engines, devices), cfg.rollout)
+        return EngineGroup(InDriver(engines, devices), r)
 
     def _trainer(self, spec: TrainerSpec):
         from relax.targets import load_target
         from relax.train import make_trainer, runs_in_driver
 
-        cfg = self.cfg
-        groups = (cfg.train, cfg.algo, cfg.parallel)
-        if runs_in_driver(cfg.train, cfg.parallel, cfg.rollout.weight_update_mode):
+        groups = (self.train, self.algo, self.parallel)
+        if runs_in_driver(self.train, self.parallel, self.rollout.weight_update_mode):
             return make_trainer(*groups, spec)
         from relax.cluster.ranks import LocalRanks
 
         plain = [OmegaConf.to_container(g, resolve=True) for g in groups]  # picklable, no resolvers needed
-        trainer = load_target(cfg.train, "train")
-        return LocalRanks(make_trainer, cfg.parallel.world_size, args=(*plain, spec), log_dir=self.log_dir,
-                          num_threads=cfg.train.num_threads,
+        trainer = load_target(self.train, "train")
+        return LocalRanks(make_trainer, self.parallel.world_size, args=(*plain, spec), log_dir=self.log_dir,
+                          num_threads=self.train.num_threads,
                           preload=(trainer.__module__, *getattr(trainer, "rank_imports", ())))
 
     def placement(self) -> dict:

@@ -50,9 +50,9 @@ def _shape(cpus: float, gpus: float, custom) -> dict[str, float]:
     return {k: float(v) for k, v in {"CPU": cpus, "GPU": gpus, **dict(custom)}.items() if v}
 
 
-def check_cluster(cfg) -> None:
+def check_cluster(cluster, rollout, train) -> None:
     """cluster=ray's start-up refusals (RayCluster.check_config), before Ray starts."""
-    c = cfg.cluster
+    c = cluster
     if c.address is not None and not ADDRESS.fullmatch(c.address):
         raise ConfigError(f"cluster.address={c.address!r}: expected auto, host:port or ray://host:port "
                           f"(null: a private Ray instance)")
@@ -71,12 +71,12 @@ def check_cluster(cfg) -> None:
             cpus = c[f"num_cpus_per_{side}"]
             raise ConfigError(f"cluster.num_cpus_per_{side}={cpus}: each {side}'s bundle would reserve "
                               f"nothing (no CPU, GPU or custom resource); expected > 0")
-    tp = cfg.rollout.rollout_num_gpus_per_engine
+    tp = rollout.rollout_num_gpus_per_engine
     if c.num_gpus_per_engine and c.num_gpus_per_engine != tp:
         raise ConfigError(f"cluster.num_gpus_per_engine={c.num_gpus_per_engine} but each engine runs on "
                           f"rollout.rollout_num_gpus_per_engine={tp} GPUs: make them equal")
     ray_runtime_env(c)
-    if cfg.rollout.colocate and c.num_gpus_per_engine > max(c.num_gpus_per_rank, 1):
+    if rollout.colocate and c.num_gpus_per_engine > max(c.num_gpus_per_rank, 1):
         raise ConfigError(f"cluster=ray with rollout.colocate=true shares one GPU between rank i and "
                           f"engine i; engines of {c.num_gpus_per_engine} GPUs need rollout.colocate=false")
 
@@ -102,14 +102,15 @@ def ray_runtime_env(c) -> dict | None:
     return env
 
 
-def plan_bundles(cfg, builds_train: bool, builds_rollout: bool, num_engines: int) -> BundlePlan:
+def plan_bundles(cluster, parallel, rollout, builds_train: bool, builds_rollout: bool,
+                 num_engines: int) -> BundlePlan:
     """The bundles a job asks for and which bundle each rank and engine gets."""
-    c = cfg.cluster
+    c = cluster
     rank = _shape(c.num_cpus_per_rank, c.num_gpus_per_rank, c.resources_per_rank)
     engine = _shape(c.num_cpus_per_engine, c.num_gpus_per_engine, c.resources_per_engine)
-    world = cfg.parallel.world_size if builds_train else 0
+    world = parallel.world_size if builds_train else 0
     engines = num_engines if builds_rollout else 0
-    if cfg.rollout.colocate and world and engines:
+    if rollout.colocate and world and engines:
         shared = {k: max(rank.get(k, 0.0), engine.get(k, 0.0)) for k in rank.keys() | engine.keys()}
         half = lambda shape: {k: v / 2 for k, v in shape.items()}  # noqa: E731 (both fit in one bundle)
         n = max(world, engines)

@@ -169,15 +169,16 @@ def keep_sigterm_in_the_driver() -> None:
 class RayCluster:
     check_config = staticmethod(check_cluster)
 
-    def __init__(self, cfg, log_dir):
-        self.cfg, self.log_dir = cfg, str(log_dir)
+    def __init__(self, cluster, rollout, train, algo, parallel, log_dir):
+        self.cluster, self.rollout, self.train, self.algo, self.parallel = cluster, rollout, train, algo, parallel
+        self.log_dir = str(log_dir)
         self.connected = self.owned = self.private = False  # owned: ray.init was ours to undo
         self.reaper = self.group = None
         self.hosts: list[RayHosts] = []
         self.bundle_where: list[dict] = []
 
     def _connect(self, needs: dict[str, float]) -> None:
-        c = self.cfg.cluster
+        c = self.cluster
         runtime_env = ray_runtime_env(c)
         if ray.is_initialized():  # inside a Ray task (e.g. a sweep on Ray): use its cluster
             log.info("Already connected to Ray: this job's actors join that cluster")
@@ -205,19 +206,18 @@ class RayCluster:
 
     def build(self, engine_spec: EngineSpec | None, trainer_spec: TrainerSpec | None):
         """Start every engine and trainer rank; returns (engines, trainer)."""
-        cfg = self.cfg
-        plan = plan_bundles(cfg, trainer_spec is not None, engine_spec is not None, num_engines(cfg.rollout))
+        plan = plan_bundles(self.cluster, self.parallel, self.rollout, trainer_spec is not None,
+                            engine_spec is not None, num_engines(self.rollout))
         needs: dict[str, float] = {}
         for bundle in plan.bundles:
             for k, v in bundle.items():
                 needs[k] = needs.get(k, 0) + v
         self._connect(needs)
         t0 = time.perf_counter()
-        self.group, order, self.bundle_where = reserve(plan, cfg.cluster.placement_strategy,
-                                                       cfg.cluster.placement_timeout_s)
+        self.group, order, self.bundle_where = reserve(plan, self.cluster.placement_strategy,
+                                                       self.cluster.placement_timeout_s)
         rank_bundles, engine_bundles = plan.assign(order)
-        threads = cfg.train.num_threads
-        plain = OmegaConf.to_container(cfg, resolve=True)
+        threads = self.train.num_threads
         ranks = self._start("trainer rank", rank_bundles, plan.rank_resources, threads)
         engines = self._start("rollout engine", engine_bundles, plan.engine_resources, threads)
         started = [(hosts, [a.where.remote() for a in hosts.actors]) for hosts in (ranks, engines)]
@@ -225,23 +225,24 @@ class RayCluster:
             hosts.where = hosts.collect(refs)
         builds = []
         if engines.actors:
-            args = [(make_engine_host, (plain["rollout"], engine_spec), {"base_gpu_id": 0})] * len(engines)
+            rollout = OmegaConf.to_container(self.rollout, resolve=True)  # picklable, no resolvers needed
+            args = [(make_engine_host, (rollout, engine_spec), {"base_gpu_id": 0})] * len(engines)
             builds.append((engines, [a.build.remote(*x) for a, x in zip(engines.actors, args, strict=True)]))
         if ranks.actors:
             address, port = ray.get(ranks.actors[0].open_store.remote(len(ranks)))
-            groups = tuple(plain[g] for g in ("train", "algo", "parallel"))
+            groups = tuple(OmegaConf.to_container(g, resolve=True) for g in (self.train, self.algo, self.parallel))
             builds.append((ranks, [actor.build.remote(
                 make_trainer, (*groups, trainer_spec), {"rank": r, "world_size": len(ranks)},
                 dict(rank=r, world_size=len(ranks), address=address, port=port, log_dir=self.log_dir,
                      num_threads=threads, device_index=0)) for r, actor in enumerate(ranks.actors)]))
         for hosts, refs in builds:
             hosts.collect(refs)  # on an error: its actors stopped here, the others by close()
-        if cfg.cluster.same_node_sockets:
+        if self.cluster.same_node_sockets:
             self.hosts = [ranks, engines] = [reach_by_socket(hosts) for hosts in self.hosts]
         log.info("Ray actors ready in %.1f s: %d trainer rank(s), %d engine(s)", time.perf_counter() - t0,
                  len(ranks), len(engines))
-        return (EngineGroup(engines, cfg.rollout) if engines.actors else None,
-                RayRanks(ranks, cfg.rollout.weight_update_bucket_mb * 2**20) if ranks.actors else None)
+        return (EngineGroup(engines, self.rollout) if engines.actors else None,
+                RayRanks(ranks, self.rollout.weight_update_bucket_mb * 2**20) if ranks.actors else None)
 
     def _start(self, role: str, bundles: list[int], resources: dict, threads: int) -> RayHosts:
         options = dict(num_cpus=resources.get("CPU", 0), num_gpus=resources.get("GPU", 0),
@@ -256,7 +257,7 @@ class RayCluster:
         return hosts
 
     def placement(self) -> dict:
-        c = self.cfg.cluster
+        c = self.cluster
         ranks, engines = self.hosts or (None, None)
         address = ray.get_runtime_context().gcs_address if self.connected else None
         return {"cluster": "ray", "address": address,
