@@ -140,7 +140,7 @@ def prepare(cfg, run_dir: Path, accept=lambda: None) -> Run:
             if rollout_id in plan.dump_layers_rollouts:
                 check_dump_samples(cfg.debug, n, f"the replay file {plan.replay_files[rollout_id]}")
     evaluator = build_evaluator(cfg.eval, cfg.rollout, cfg.seed, task, tokenizer, plan)
-    check_cluster(cfg.cluster, cfg.rollout, cfg.train)  # with the other checks: a refused cluster leaves the dump dir as it was
+    check_cluster(cfg.cluster, cfg.rollout, cfg.train)  # a refused cluster leaves the dump dir as it was
     accept()
     if plan.dump_dir:  # with the rollout/train data, enough to reproduce the run
         tokenizer.save_pretrained(plan.dump_dir / "tokenizer")

@@ -109,17 +109,17 @@ def test_placement_follows_the_debug_plan():
 ], ids=["timeout_0", "negative", "fewer_gpus_than_tp", "colocated_tp2", "env_var_list",
         "env_vars_not_a_mapping"])
 def test_cluster_keys_are_refused_at_their_bounds(overrides, message):
-    """check_cluster's bounds, each just past the edge: a zero timeout, -1 GPUs, an engine of
+    """check_ray_keys' bounds, each just past the edge: a zero timeout, -1 GPUs, an engine of
     fewer GPUs than its TP, a colocated engine wider than the rank's one GPU."""
-    from relax.cluster.placement import check_cluster
+    from relax.cluster.placement import check_ray_keys
     from relax.errors import ConfigError
 
     ok = make_cfg("cluster=ray", "cluster.num_gpus_per_rank=1", "cluster.num_gpus_per_engine=1",
                   "rollout.colocate=true")
-    check_cluster(ok.cluster, ok.rollout, ok.train)  # one GPU each, shared: accepted
+    check_ray_keys(ok.cluster, ok.rollout, ok.train)  # one GPU each, shared: accepted
     cfg = make_cfg("cluster=ray", *overrides)
     with pytest.raises(ConfigError, match=re.escape(message)):
-        check_cluster(cfg.cluster, cfg.rollout, cfg.train)
+        check_ray_keys(cfg.cluster, cfg.rollout, cfg.train)
 
 
 def test_runtime_env_vars_reach_ray_as_strings():

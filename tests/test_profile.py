@@ -41,9 +41,10 @@ def test_the_profiled_rollout_has_a_trace_and_phases_on_every_rank(tmp_path, tin
         phases = phases_of(text)
         # on-policy (one step per rollout): no pass of the old policy of its own
         assert set(phases) == set(PHASES) and phases["step:old_log_probs"] == 0 < phases["step:reference"]
-        # the marked phases are inside the call, and the backward pass is the largest of them
+        # the marked phases are inside the call, each that ran took time (which is largest is the
+        # machine's business: on a loaded one the reference forward can outlast forward+backward)
         assert 0 < sum(phases.values()) <= total * 1.01, text
-        assert phases["step:forward_backward"] == max(phases.values()) > 0
+        assert min(v for k, v in phases.items() if k != "step:old_log_probs") > 0
         assert "Self CPU" in text and "aten::" in text  # the operator table
 
 

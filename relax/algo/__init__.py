@@ -62,9 +62,6 @@ def check_algo(algo, rollout) -> None:
                           f"pi_new / pi_rollout, already the importance ratio that TIS would apply a second "
                           f"time (its clip bounds it). Drop algo.tis, or keep it with recomputed old "
                           f"log-probs (use_rollout_log_probs=false); algo.mis works with both")
-    if algo.loss_agg_mode == "seq-mean-token-sum-norm" and rollout.max_new_tokens < 1:
-        raise ConfigError("algo.loss_agg_mode=seq-mean-token-sum-norm divides by the generation "
-                          f"budget rollout.max_new_tokens (got {rollout.max_new_tokens}): set it > 0")
     if algo.advantage_estimator == "grpo" and rollout.n_samples_per_prompt == 1:
         log.warning("algo.advantage_estimator=grpo with rollout.n_samples_per_prompt=1: GRPO without a "
                     "group has no baseline (each advantage is its raw reward, verl's mean 0 / std 1 "

@@ -50,7 +50,7 @@ def _shape(cpus: float, gpus: float, custom) -> dict[str, float]:
     return {k: float(v) for k, v in {"CPU": cpus, "GPU": gpus, **dict(custom)}.items() if v}
 
 
-def check_cluster(cluster, rollout, train) -> None:
+def check_ray_keys(cluster, rollout, train) -> None:
     """cluster=ray's start-up refusals (RayCluster.check_config), before Ray starts."""
     c = cluster
     if c.address is not None and not ADDRESS.fullmatch(c.address):

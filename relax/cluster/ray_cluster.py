@@ -26,7 +26,7 @@ from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from relax.cluster.engines import EngineGroup, make_engine_host
-from relax.cluster.placement import check_cluster, check_reachable, plan_bundles, ray_runtime_env, reserve
+from relax.cluster.placement import check_ray_keys, check_reachable, plan_bundles, ray_runtime_env, reserve
 from relax.cluster.ranks import (RankError, RankGroup, freeze_heap, open_store, run_method, start_rank,
                                  thread_lock_for_progress_bars)
 from relax.cluster.ray_hosts import RayHosts
@@ -167,7 +167,7 @@ def keep_sigterm_in_the_driver() -> None:
 
 
 class RayCluster:
-    check_config = staticmethod(check_cluster)
+    check_config = staticmethod(check_ray_keys)
 
     def __init__(self, cluster, rollout, train, algo, parallel, log_dir):
         self.cluster, self.rollout, self.train, self.algo, self.parallel = cluster, rollout, train, algo, parallel
