@@ -19,6 +19,7 @@ LAYERS = [
     {"rollout", "train"},
     {"debug", "eval"},
     {"cluster"},
+    {"startup"},  # what a run checks and resolves before anything is built
     {"loop", "tools"},  # the run and the offline tools: neither imports the other
     {"cli"},
     {"__main__", "entrypoints"},
@@ -174,7 +175,7 @@ def test_the_circle_check_finds_a_planted_circle(tmp_path):
 # Every other part is built from the groups it reads (docs/architecture.md).
 WHOLE_CONFIG = {
     "relax/cli.py": {"hydra_app"}, "relax/process.py": {"__init__"}, "relax/config.py": {"check_numbers"},
-    "relax/loop.py": {"run_job", "rl_loop", "prepare"}, "relax/debug/plan.py": {"resolve"},
+    "relax/loop.py": {"run_job", "rl_loop"}, "relax/startup.py": {"prepare"}, "relax/debug/plan.py": {"resolve"},
     "relax/checkpoint/experiment.py": {"save_experiment", "check_same_experiment"},
     "relax/replay/__init__.py": {"build_manifest"},
 }

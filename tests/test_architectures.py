@@ -178,7 +178,7 @@ def test_routing_replay_is_refused_for_an_moe_without_a_hand_written_forward(fam
 def test_a_config_transformers_would_not_build_is_refused_at_start_up(change, message, family_model, tmp_path):
     import shutil
 
-    from relax.loop import prepare
+    from relax.startup import prepare
 
     model = shutil.copytree(family_model("mistral"), tmp_path / "model")
     config = json.loads((model / "config.json").read_text())

@@ -265,7 +265,7 @@ def test_backend_only_keys_are_refused_elsewhere():
 
 @pytest.mark.parametrize("group", ["rollout", "train", "task", "logger"])
 def test_a_target_that_does_not_import_is_refused_before_building(tmp_path, group):
-    from relax.loop import prepare
+    from relax.startup import prepare
 
     with pytest.raises(ConfigError, match=rf"{group}\._target_='relax\.nope\.Missing' does not import: "
                                           r"No module named 'relax\.nope'"):

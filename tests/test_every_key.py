@@ -1,7 +1,7 @@
 """Every key of the schema (relax/config.py: RelaxConfig and each option's subclass that a
 conf/<group>/<option>.yaml pulls in) tried with a wrong type, zero, a negative and a huge value
 (what its type admits; strings and lists with a value no option has), each against the start-up
-checks: `relax.loop.prepare`, what a run goes through before anything is built. Each value is
+checks: `relax.startup.prepare`, what a run goes through before anything is built. Each value is
 either refused there, by a ConfigError naming the key and the value or Hydra's merge error naming
 the key, with nothing written into the run dir, or valid: VALID says why, key by key. A key added
 to the schema without a place in VALID or ALWAYS_REFUSED fails test_every_key_is_classified, so
@@ -203,9 +203,9 @@ class Built(Exception):
 
 @pytest.fixture(scope="module")
 def start_up(tmp_path_factory, tiny_path):
-    """Runs the start-up checks (relax.loop.prepare) on a config with one key set, in a run dir that
+    """Runs the start-up checks (relax.startup.prepare) on a config with one key set, in a run dir that
     nothing may change, from a launch dir of its own (relative paths land there)."""
-    from relax.loop import prepare
+    from relax.startup import prepare
     from relax.model import load_tokenizer
 
     root = tmp_path_factory.mktemp("every_key")
@@ -218,7 +218,7 @@ def start_up(tmp_path_factory, tiny_path):
         mp.setattr("relax.model.gguf.ensure_packaged_model", mock.Mock(side_effect=Built))  # model=smollm2
         mp.setattr("relax.rollout.sglang_engine.require_extra", lambda *a: None)  # rollout=sglang's checks
         tokenizer = load_tokenizer(tiny_path)
-        mp.setattr("relax.loop.load_tokenizer", lambda path: tokenizer)
+        mp.setattr("relax.startup.load_tokenizer", lambda path: tokenizer)
 
         def check(key: str, value, *more: str) -> Exception | None:
             _, option = KEYS[key]

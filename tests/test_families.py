@@ -36,7 +36,7 @@ def test_model_hf_refuses_what_no_engine_runs_before_anything_is_built(family_mo
                                                                        message):
     import shutil
 
-    from relax.loop import prepare
+    from relax.startup import prepare
 
     model = shutil.copytree(family_model("qwen3"), tmp_path / "model")
     config = json.loads((model / "config.json").read_text())

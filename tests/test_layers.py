@@ -237,7 +237,7 @@ def test_a_replays_dump_samples_are_checked_against_the_dumped_rollouts_file_onl
     """Rollout 1's replay file holds 8 samples, rollout 0's 16: sample 15 is refused only where
     rollout 1 is the one dumped, and the error names its file."""
     from relax.errors import ConfigError
-    from relax.loop import prepare
+    from relax.startup import prepare
     from relax.replay import keep_groups, read_rollout, save_rollout
 
     first = Path(replay[1].split("=", 1)[1].format(rollout_id=0))

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from relax import loop
+from relax import loop, startup
 from relax.cluster import LocalCluster
 from relax.errors import ConfigError, Interrupted, NonFiniteError
 from relax.files import safe_load
@@ -340,10 +340,10 @@ def test_a_run_logs_its_weight_sync_time_and_a_resume_at_the_last_rollout_runs_n
     assert f"resume: {tmp_path / 'run' / 'checkpoints' / 'rollout_000001'} is at the run's last rollout " \
            "(rollout.num_rollout=2): nothing left to run" in caplog.text
     with pytest.raises(ConfigError, match=r"train.lora.rank=4 \(the run: 0\) would make another experiment"):
-        loop.prepare(make_cfg(*common, f"resume={tmp_path / 'run'}", "train.lora.rank=4"), tmp_path / "lora")
+        startup.prepare(make_cfg(*common, f"resume={tmp_path / 'run'}", "train.lora.rank=4"), tmp_path / "lora")
     # allowed knowingly, the trainer state still cannot take it
     with pytest.raises(ConfigError, match=r"saved with train.lora=None \(this run: \{'rank': 4"):
-        loop.prepare(make_cfg(*common, f"resume={tmp_path / 'run'}", "train.lora.rank=4",
+        startup.prepare(make_cfg(*common, f"resume={tmp_path / 'run'}", "train.lora.rank=4",
                               "resume_allow_changes=[train.lora]"), tmp_path / "lora")
 
 
@@ -466,5 +466,5 @@ def test_close_on_exit_closes_last_in_first_out_and_keeps_the_first_error(caplog
 def test_prompts_are_checked_against_the_positions_max_new_tokens_leaves(tmp_path):
     """The tiny model has 128 positions: rollout.max_new_tokens=128 leaves none for a prompt."""
     with pytest.raises(ConfigError, match="rollout.max_new_tokens=128 leaves no room"):
-        loop.prepare(make_cfg("rollout.max_new_tokens=128"), tmp_path)
+        startup.prepare(make_cfg("rollout.max_new_tokens=128"), tmp_path)
     assert not (tmp_path / "built.json").exists()

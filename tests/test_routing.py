@@ -235,7 +235,7 @@ def test_r2_replays_the_old_passs_routing_in_later_steps(tmp_path, replay):
 
 def test_routing_replay_is_refused_where_it_cannot_work(tmp_path, tiny_path, moe_path, near_tie,
                                                         bf16_rollout):
-    from relax.loop import prepare
+    from relax.startup import prepare
 
     moe = read_hf_config(moe_path)
     with pytest.raises(ConfigError, match="the model is dense"):

@@ -162,7 +162,7 @@ NOT_A_CLASS = 3
 ])
 def test_a_target_class_that_cannot_take_the_loops_call_is_refused_at_start_up(tmp_path, group, target,
                                                                                 reason):
-    from relax.loop import prepare
+    from relax.startup import prepare
 
     path = f"tests.test_startup.{target}"
     with pytest.raises(ConfigError, match=rf"^{group}\._target_='{re.escape(path)}': the loop calls it as "
@@ -181,7 +181,7 @@ def test_a_class_of_the_interface_before_its_spec_is_refused_naming_the_new_call
                                                                                  spec, call):
     """Its (cfg, model_path, ...) would bind the new call to the wrong names, so binding alone
     cannot refuse it."""
-    from relax.loop import prepare
+    from relax.startup import prepare
 
     path = f"tests.test_startup.{target}"
     with pytest.raises(ConfigError, match=rf"^{group}\._target_='{re.escape(path)}': its signature \({retired}"
@@ -195,7 +195,7 @@ def test_a_class_of_the_interface_before_its_spec_is_refused_naming_the_new_call
 def test_a_target_or_function_that_names_no_callable_is_refused_naming_the_key(tmp_path):
     """A dotted path to a constant or a module imports but cannot be called: a ConfigError naming
     the key, not a TypeError (or Hydra's ValueError) later."""
-    from relax.loop import prepare
+    from relax.startup import prepare
     from relax.targets import load_function
 
     with pytest.raises(ConfigError, match=r"^rollout\._target_='tests\.test_startup\.NOT_A_CLASS' does not "

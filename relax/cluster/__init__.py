@@ -17,7 +17,7 @@ from relax.train.spec import TrainerSpec
 
 def check_cluster(cluster, rollout, train):
     """The class `cluster._target_` names, imported, after its start-up refusals (check_config):
-    relax.loop.prepare calls this with its other checks, before it writes anything."""
+    relax.startup.prepare calls this with its other checks, before it writes anything."""
     cls = load_target(cluster, "cluster")
     if hasattr(cls, "check_config"):
         cls.check_config(cluster, rollout, train)

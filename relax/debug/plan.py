@@ -279,7 +279,7 @@ def resolve(cfg, start_rollout_id: int = 0, hf_config: dict | None = None, run_d
 
         check_trainer(cfg.train, cfg.algo, cfg.parallel, r, cfg.model.dtype,
                       hf_config or model_config(cfg.model))
-        if not load:  # a replay's sample counts are checked with its files (relax.loop.prepare)
+        if not load:  # a replay's sample counts are checked with its files (relax.startup.prepare)
             check_batch_split(cfg.train, cfg.parallel, r.rollout_batch_size * r.n_samples_per_prompt,
                               "rollout.rollout_batch_size x rollout.n_samples_per_prompt")
             if dump_layers:
