@@ -15,33 +15,14 @@ against `before`. Goal: `off` within noise of `before` (at most +3 %).
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from revisions import REPO, run_job, worktree
 
 
-def loop_seconds(run: Path) -> float:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return sum(
-        r.get("perf/rollout_time", 0.0) + r.get("perf/train_time", 0.0) for r in rows if "step" not in r
-    )
-
-
-def run(tree: Path, out: Path, args: list[str]) -> float:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    subprocess.run(
-        [sys.executable, "-m", "relax", *args, f"hydra.run.dir={out}"],
-        cwd=tree,
-        env=env,
-        check=True,
-        capture_output=True,
-    )
-    return loop_seconds(out)
+def loop_seconds(rows: list[dict]) -> float:
+    return sum(r.get("perf/rollout_time", 0.0) + r.get("perf/train_time", 0.0) for r in rows if "step" not in r)
 
 
 def main() -> None:
@@ -52,30 +33,19 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     common = [f"rollout.num_rollout={args.rollouts}", "checkpoint.save_interval=null", *args.overrides]
-    with tempfile.TemporaryDirectory() as tmp:
-        before = Path(tmp) / "before"
-        subprocess.run(
-            ["git", "-C", str(REPO), "worktree", "add", "--detach", str(before), args.before],
-            check=True,
-            capture_output=True,
-        )
-        try:
-            variants = {
-                "before": (before, common),
-                "off": (REPO, common),
-                "on": (REPO, [*common, f"debug.dump_layers={tmp}/layers_{{}}"]),
-            }
-            best: dict[str, float] = {}
-            for repeat in range(args.repeats):
-                for name, (tree, extra) in variants.items():
-                    extra = [x.replace("{}", str(repeat)) for x in extra]
-                    seconds = run(tree, Path(tmp) / f"{name}_{repeat}", extra)
-                    best[name] = min(best.get(name, seconds), seconds)
-                    print(f"repeat {repeat + 1}/{args.repeats} {name:6s} loop {seconds:7.2f} s", flush=True)
-        finally:
-            subprocess.run(
-                ["git", "-C", str(REPO), "worktree", "remove", "--force", str(before)], capture_output=True
-            )
+    with tempfile.TemporaryDirectory() as tmp, worktree(args.before, Path(tmp) / "before") as before:
+        variants = {
+            "before": (before, common),
+            "off": (REPO, common),
+            "on": (REPO, [*common, f"debug.dump_layers={tmp}/layers_{{}}"]),
+        }
+        best: dict[str, float] = {}
+        for repeat in range(args.repeats):
+            for name, (tree, extra) in variants.items():
+                extra = [x.replace("{}", str(repeat)) for x in extra]
+                seconds = loop_seconds(run_job(tree, Path(tmp) / f"{name}_{repeat}", extra))
+                best[name] = min(best.get(name, seconds), seconds)
+                print(f"repeat {repeat + 1}/{args.repeats} {name:6s} loop {seconds:7.2f} s", flush=True)
     print(f"\n== {args.rollouts} rollouts, fastest of {args.repeats} ==")
     for name, seconds in best.items():
         print(f"  {name:6s} {seconds:7.2f} s   x{seconds / best['before']:.3f} of before")
