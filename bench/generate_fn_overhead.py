@@ -51,7 +51,8 @@ def main() -> None:
         cfg = compose("config", overrides=args.overrides)
     path = resolve_model_path(cfg.model)
     tokenizer = load_tokenizer(path)
-    engine, task, r = build_engine(cfg.rollout, EngineSpec.of(cfg.rollout, cfg.model, cfg.seed, path, tokenizer)), build_task(cfg.task, cfg.seed), cfg.rollout
+    spec = EngineSpec.of(cfg.rollout, cfg.model, cfg.seed, path, [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    engine, task, r = build_engine(cfg.rollout, spec), build_task(cfg.task, cfg.seed), cfg.rollout
     prompts = [p.tokens for p in task.prompts(0, r.rollout_batch_size, tokenizer)
                for _ in range(r.n_samples_per_prompt)]
 

@@ -50,7 +50,8 @@ def main() -> None:
     cfg = make_cfg(*MOE)
     path = resolve_model_path(cfg.model)
     tokenizer = load_tokenizer(path)
-    engine = TorchEngine(cfg.rollout, EngineSpec.of(cfg.rollout, cfg.model, cfg.seed, path, tokenizer))
+    engine = TorchEngine(cfg.rollout, EngineSpec.of(cfg.rollout, cfg.model, cfg.seed, path,
+                                                    [tokenizer.eos_token_id], tokenizer.pad_token_id))
     moe_layers = engine.num_moe_layers
     prompts = [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": f"{a}+{a + 7}="}],
                                                        add_generation_prompt=True, tokenize=False),

@@ -84,13 +84,15 @@ def build(run: Run, cluster, parts: ExitStack):
     engine-weights check); `parts` shuts them down at the end, also when a later step fails."""
     cfg, plan, weight_check = run.cfg, run.plan, None
     built = {**plan.built(cfg.rollout, cfg.train, cfg.parallel), "cluster": cfg.cluster._target_,
-             "model_path": str(run.model_path), "model_fingerprint": run.manifest["model_fingerprint"]}  # (relax compare: the same model?)
+             "model_path": str(run.model_path),  # (relax compare: the same model?)
+             "model_fingerprint": run.manifest["model_fingerprint"]}
     log.info("Building %s", ", ".join(f"{k}={v}" for k, v in built.items() if v is not None))
     write_json(run.dir / "built.json", built)
     engine, trainer = cluster.build(
-        EngineSpec.of(cfg.rollout, cfg.model, cfg.seed, run.actor_path, run.tokenizer) if plan.builds_rollout
-        else None, TrainerSpec.of(cfg.model, cfg.rollout, cfg.debug, cfg.seed, run.actor_path, run.model_path,
-                                  run.tokenizer.pad_token_id, plan) if plan.builds_train else None)
+        EngineSpec.of(cfg.rollout, cfg.model, cfg.seed, run.actor_path, [run.tokenizer.eos_token_id],
+                      run.tokenizer.pad_token_id) if plan.builds_rollout else None,
+        TrainerSpec.of(cfg.model, cfg.rollout, cfg.debug, cfg.seed, run.actor_path, run.model_path,
+                       run.tokenizer.pad_token_id, plan) if plan.builds_train else None)
     close_on_exit(parts, engine, "shutdown")  # (closed after the trainer: last in, first out)
     close_on_exit(parts, trainer, "shutdown")
     write_json(run.dir / "built.json", {**built, "placement": cluster.placement()})
@@ -164,7 +166,8 @@ def dump_layers(run: Run, trainer, engine, rollout_id: int, samples: list[Sample
         generated = [torch.tensor([lp for lp, m in zip(s.rollout_log_probs, s.loss_mask, strict=True) if m])
                      for s in chosen]
         layer_dump.save_dump(run.plan.dump_layers, rollout_id, "engine",
-                             {**manifest, "backend": cfg.rollout._target_, "dtype": engine_dtype(cfg.rollout, cfg.model)},
+                             {**manifest, "backend": cfg.rollout._target_,
+                              "dtype": engine_dtype(cfg.rollout, cfg.model)},
                              indices, forward, generated)
 
 
@@ -246,8 +249,8 @@ def rl_loop(cfg, run_dir: Path, stop: Stop | None = None, accept=lambda: None) -
     stop, log_setup = stop or Stop(), LogGuard()
     run = prepare(cfg, run_dir, accept)
     with ExitStack() as parts:  # closed last in, first out: each even when one before it raises
-        cluster = close_on_exit(parts, open_cluster(cfg.cluster, cfg.rollout, cfg.train, cfg.algo, cfg.parallel,
-                                                    run_dir), "close")
+        cluster = open_cluster(cfg.cluster, cfg.rollout, cfg.train, cfg.algo, cfg.parallel, run_dir)
+        close_on_exit(parts, cluster, "close")
         engine, trainer, weight_check = build(run, cluster, parts)
         metrics = close_on_exit(parts, instantiate(cfg.logger, "logger", run_dir=run_dir,
                                                    resume_from=run.start,

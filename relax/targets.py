@@ -21,9 +21,9 @@ CALLS = {
 INSTANTIATED = ("task", "logger")
 # Parameters of an earlier interface, then what replaced them: a class that still takes them
 # would bind the new call to the wrong names, so it is refused naming them.
-RETIRED = {"train": ("cfg", "model_path", "relax.train.spec.TrainerSpec"),
-           "rollout": ("cfg", "model_path", "relax.rollout.spec.EngineSpec"),
-           "cluster": ("cfg", "the groups it reads")}
+RETIRED = {"train": (("cfg", "model_path"), "relax.train.spec.TrainerSpec"),
+           "rollout": (("cfg", "model_path"), "relax.rollout.spec.EngineSpec"),
+           "cluster": (("cfg",), "the groups it reads")}
 
 
 def load_target(group_cfg, group: str):
@@ -61,9 +61,10 @@ def check_signature(target, group: str, path: str, group_cfg) -> None:
     except (TypeError, ValueError):  # a builtin or C type: nothing to check against
         return
     call = ", ".join([*positional, *(f"{k}=" for k in keywords)])
-    if retired := [name for name in RETIRED.get(group, ())[:-1] if name in signature.parameters]:
+    old_names, replaced_by = RETIRED.get(group, ((), ""))
+    if retired := [name for name in old_names if name in signature.parameters]:
         raise ConfigError(f"{group}._target_={path!r}: its signature {signature} takes {', '.join(retired)}, "
-                          f"as the interface before {RETIRED[group][-1]} did; the loop calls it as "
+                          f"as the interface before {replaced_by} did; the loop calls it as "
                           f"{target.__name__}({call}) (docs/backends.md describes the interface)")
     try:
         signature.bind(*positional, **dict.fromkeys(keywords))

@@ -175,7 +175,8 @@ def check_deterministic(model: Path) -> dict:
 
     cfg = compose([o.format(model=model) for o in COMMANDS["deterministic"]])
     tokenizer = load_tokenizer(model)
-    engine = SGLangEngine(cfg.rollout, EngineSpec.of(cfg.rollout, cfg.model, cfg.seed, model, tokenizer))
+    engine = SGLangEngine(cfg.rollout, EngineSpec.of(cfg.rollout, cfg.model, cfg.seed, model,
+                                                       [tokenizer.eos_token_id], tokenizer.pad_token_id))
     try:
         prompts = chat_prompts(cfg, tokenizer, 64)
         sampled = SamplingParams(1.0, 1.0, 64)
@@ -320,7 +321,8 @@ def real_run(out: dict, save, work: Path, te_rc: str | None) -> None:
 
     try:
         base = used_gib()
-        engine = SGLangEngine(cfg.rollout, EngineSpec.of(cfg.rollout, cfg.model, cfg.seed, model, tokenizer))
+        engine = SGLangEngine(cfg.rollout, EngineSpec.of(cfg.rollout, cfg.model, cfg.seed, model,
+                                                           [tokenizer.eos_token_id], tokenizer.pad_token_id))
         run(out, save, "sglang_cuda_graphs", lambda: check_throughput(engine, cfg, tokenizer))
         wait_for_transformer_engine(te_rc)
         trainer = build_trainer(cfg, model, model, tokenizer.pad_token_id, None, str(work))

@@ -51,7 +51,7 @@ def main(n: int, overrides: list[str]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         cluster = open_cluster(cfg.cluster, cfg.rollout, cfg.train, cfg.algo, cfg.parallel, Path(tmp))
         engine, trainer = cluster.build(
-            EngineSpec.of(cfg.rollout, cfg.model, cfg.seed, path, tokenizer),
+            EngineSpec.of(cfg.rollout, cfg.model, cfg.seed, path, [tokenizer.eos_token_id], tokenizer.pad_token_id),
             TrainerSpec.of(cfg.model, cfg.rollout, cfg.debug, cfg.seed, path, pad_token_id=tokenizer.pad_token_id))
         try:
             checks, times = [], {True: [], False: []}

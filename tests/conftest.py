@@ -45,7 +45,8 @@ def trainer_spec(cfg, model_path, ref_model_path=None, pad_token_id: int = 0):
     """The TrainerSpec a run of `cfg` gives its trainer."""
     from relax.train.spec import TrainerSpec
 
-    return TrainerSpec.of(cfg.model, cfg.rollout, cfg.debug, cfg.seed, model_path, ref_model_path, pad_token_id)
+    return TrainerSpec.of(cfg.model, cfg.rollout, cfg.debug, cfg.seed, model_path, ref_model_path,
+                          pad_token_id)
 
 
 def local_trainer(cfg, model_path, ref_model_path=None, pad_token_id: int = 0):
@@ -58,11 +59,9 @@ def local_trainer(cfg, model_path, ref_model_path=None, pad_token_id: int = 0):
 
 def engine_spec(cfg, model_path, eos_token_ids, pad_token_id: int = 0):
     """The EngineSpec a run of `cfg` gives its engines."""
-    from relax.rollout import engine_dtype
     from relax.rollout.spec import EngineSpec
 
-    return EngineSpec(str(model_path), tuple(eos_token_ids), pad_token_id, engine_dtype(cfg.rollout, cfg.model),
-                      cfg.seed)
+    return EngineSpec.of(cfg.rollout, cfg.model, cfg.seed, model_path, eos_token_ids, pad_token_id)
 
 
 def trainer_checks(cfg, hf_config: dict) -> None:

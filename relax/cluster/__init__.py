@@ -63,8 +63,9 @@ class LocalCluster:
         if self.train["async"]:  # generation overlaps training: each engine in a process of its own
             from relax.cluster.engine_processes import EngineProcesses
 
-            return EngineGroup(EngineProcesses(make_engine_host, (OmegaConf.to_container(r, resolve=True), spec),
-                                               devices, [i * tp for i in range(len(devices))], self.log_dir,
+            plain = OmegaConf.to_container(r, resolve=True)  # picklable, no resolvers needed
+            return EngineGroup(EngineProcesses(make_engine_host, (plain, spec), devices,
+                                               [i * tp for i in range(len(devices))], self.log_dir,
                                                self.train.num_threads), r)
         try:
             for i in range(len(devices)):

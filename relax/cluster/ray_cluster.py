@@ -170,7 +170,8 @@ class RayCluster:
     check_config = staticmethod(check_ray_keys)
 
     def __init__(self, cluster, rollout, train, algo, parallel, log_dir):
-        self.cluster, self.rollout, self.train, self.algo, self.parallel = cluster, rollout, train, algo, parallel
+        self.cluster, self.rollout, self.train = cluster, rollout, train
+        self.algo, self.parallel = algo, parallel
         self.log_dir = str(log_dir)
         self.connected = self.owned = self.private = False  # owned: ray.init was ours to undo
         self.reaper = self.group = None
@@ -230,7 +231,8 @@ class RayCluster:
             builds.append((engines, [a.build.remote(*x) for a, x in zip(engines.actors, args, strict=True)]))
         if ranks.actors:
             address, port = ray.get(ranks.actors[0].open_store.remote(len(ranks)))
-            groups = tuple(OmegaConf.to_container(g, resolve=True) for g in (self.train, self.algo, self.parallel))
+            groups = [OmegaConf.to_container(g, resolve=True)  # picklable, no resolvers needed
+                      for g in (self.train, self.algo, self.parallel)]
             builds.append((ranks, [actor.build.remote(
                 make_trainer, (*groups, trainer_spec), {"rank": r, "world_size": len(ranks)},
                 dict(rank=r, world_size=len(ranks), address=address, port=port, log_dir=self.log_dir,

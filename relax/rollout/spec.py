@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from relax.rollout import engine_dtype
+
 
 @dataclass(frozen=True)
 class EngineSpec:
@@ -15,6 +17,6 @@ class EngineSpec:
     seed: int = 0                    # the run's seed
 
     @classmethod
-    def of(cls, rollout, model, seed: int, model_path, tokenizer) -> EngineSpec:
-        return cls(model_path=str(model_path), eos_token_ids=(tokenizer.eos_token_id,),
-                   pad_token_id=tokenizer.pad_token_id, dtype=rollout.dtype or model.dtype, seed=seed)
+    def of(cls, rollout, model, seed: int, model_path, eos_token_ids, pad_token_id: int) -> EngineSpec:
+        return cls(model_path=str(model_path), eos_token_ids=tuple(eos_token_ids), pad_token_id=pad_token_id,
+                   dtype=engine_dtype(rollout, model), seed=seed)

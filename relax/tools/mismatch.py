@@ -142,8 +142,9 @@ def explain(run_dir: Path, rollout: int | None = None) -> Report:
     rollout_lp = torch.tensor([x for r in rows for x in r["rollout_log_probs"]], dtype=torch.float64)
     mismatch = float((trained - rollout_lp).abs().mean())
 
-    scorer = Scorer(cfg.rollout, EngineSpec.of(cfg.rollout, cfg.model, cfg.seed, model_path, tokenizer), rows,
-                    tokenizer)
+    spec = EngineSpec.of(cfg.rollout, cfg.model, cfg.seed, model_path, [tokenizer.eos_token_id],
+                         tokenizer.pad_token_id)
+    scorer = Scorer(cfg.rollout, spec, rows, tokenizer)
     r = cfg.rollout
     t_cfg = log_prob_temperature(float(r.temperature))
     train_dtype, eng_dtype = str(cfg.model.dtype), str(r.dtype or cfg.model.dtype)
