@@ -9,14 +9,19 @@ Nothing here imports torch: `relax --help` and `relax --cfg job` only compose.
 from __future__ import annotations
 
 import difflib
+import importlib
 import json
+import logging
 import os
 import re
 import sys
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from relax import config, process, targets
 from relax.errors import ConfigError
@@ -150,10 +155,7 @@ def with_run_overrides(overrides: list[str]) -> list[str]:
     values = [o.partition("=")[2].strip("'\"") for o in overrides if o.partition("=")[0] == "resume"]
     if not values or values[-1].lower() in ("false", "null", "none", ""):
         return overrides
-    import logging
-
-    from omegaconf import OmegaConf
-
+    # here, not at the top: relax.checkpoint imports torch, which `--help` and `--cfg job` never need
     from relax.checkpoint import experiment_of, find_checkpoint, resumed_run
     from relax.checkpoint.experiment import resume_argv
 
@@ -178,9 +180,6 @@ def check_overrides(args: list[str]) -> None:
     if any(a.split("=")[0] in HYDRA_FLAGS and a.split("=")[0] not in ("--cfg", "-c", "--resolve")
            for a in args):
         return
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
 
     overrides = [a for a in args if "=" in a and not a.startswith("-")]
     try:
@@ -207,8 +206,6 @@ def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     refuse_unknown_tool(args)
     if args and args[0] in SUBCOMMANDS:
-        import importlib
-
         module = importlib.import_module(SUBCOMMANDS[args[0]])
         sys.exit(module.main(args[1:]))
     config.register()

@@ -11,13 +11,16 @@ only compose.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import sys
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import II, MISSING, DictConfig, OmegaConf
 
 from relax.errors import ConfigError
@@ -345,11 +348,6 @@ def sweep_subdir(task_overrides: Any) -> str:
     line comes from RELAX_ARGV where relax.cli set it: a job that a launcher runs in another
     process (hydra/launcher=ray) has another sys.argv.
     """
-    import json
-    import os
-
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     argv = json.loads(os.environ["RELAX_ARGV"]) if "RELAX_ARGV" in os.environ else sys.argv[1:]
     overrides = [a for a in argv if "=" in a and not a.startswith("-")]
     swept = {

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import socket
 
+import torch
+import torch.distributed as dist
+
 
 def free_port() -> int:
     """A TCP port free on this host now (for a rendezvous or a weight-sync group)."""
@@ -17,9 +20,6 @@ def gather_tensors(mine: dict, rank: int, world_size: int) -> dict:
 
     Names, shapes and dtypes travel as objects, the tensors themselves by send/recv:
     `gather_object` would pickle every byte, far slower for a real model (docs/results.md)."""
-    import torch
-    import torch.distributed as dist
-
     if world_size == 1:
         return mine
     meta = [(name, t.shape, t.dtype) for name, t in mine.items()]

@@ -4,7 +4,12 @@ Not a user feature: faults are switched on only by the RELAX_FAULT environment v
 (comma-separated names), which the test suite sets for a single run.
 """
 
+import errno
 import os
+import signal
+import time
+
+import torch
 
 
 def active(name: str) -> bool:
@@ -21,12 +26,8 @@ def point(site: str) -> None:
     `fill_disk_at:<site>:<n>` fills the disk of the working directory there (`fill_disk`)."""
     _visits[site] = _visits.get(site, 0) + 1
     if active(f"kill_at:{site}:{_visits[site]}"):
-        import signal
-
         os.kill(os.getpid(), signal.SIGKILL)
     if active(f"pause_at:{site}:{_visits[site]}"):
-        import time
-
         time.sleep(600)
     if active(f"fill_disk_at:{site}:{_visits[site]}"):
         fill_disk(".")
@@ -36,8 +37,6 @@ def fill_disk(folder: str) -> None:
     """The filesystem holding `folder` filled to the last byte by one file in it, as another
     program filling a shared disk would: the next write that needs space fails as on a full
     disk (ENOSPC). Only a small one (a test's tmpfs): a filesystem over 64 MiB is refused."""
-    import errno
-
     stat = os.statvfs(folder)
     if stat.f_blocks * stat.f_frsize > 64 << 20:
         raise RuntimeError(f"fill_disk: refusing to fill {os.path.abspath(folder)}: over 64 MiB")
@@ -55,7 +54,6 @@ def perturb_sync(named: dict) -> dict:
     name = "model.layers.0.mlp.down_proj.weight"
     if not active("sync_perturb") or name not in named:  # weights may come in buckets
         return named
-    import torch
 
     noise = 3 * named[name].std() * torch.randn_like(named[name])
     return {**named, name: named[name] + noise}

@@ -30,13 +30,14 @@ from relax.logger.summary import log_summary
 from relax.model import read_hf_config
 from relax.process import Job, LogGuard, Stop, close_on_exit
 from relax.replay import keep_groups, load_rollout, save_rollout
+from relax.rollout import engine_dtype
 from relax.rollout.prefetch import Rollouts
 from relax.rollout.spec import EngineSpec
 from relax.sample import Sample
 from relax.startup import Run, prepare
 from relax.targets import instantiate
 from relax.task import check_rewards
-from relax.train import check_train_keys, checkpoint_layout
+from relax.train import check_train_keys, checkpoint_layout, layer_dump
 from relax.train.spec import TrainerSpec
 
 log = logging.getLogger("relax")
@@ -152,9 +153,6 @@ def rollout(run: Run, rollouts: Rollouts, rollout_id: int) -> tuple[list[Sample]
 def dump_layers(run: Run, trainer, engine, rollout_id: int, samples: list[Sample]) -> None:
     """debug.dump_layers: the trainer's view of the dumped samples before the rollout's first
     step, and the engine's of the same sequences (relax/debug/layers.py)."""
-    from relax.rollout import engine_dtype
-    from relax.train import layer_dump
-
     cfg, indices = run.cfg, list(run.cfg.debug.dump_layers_samples)
     manifest = {"model_fingerprint": run.manifest["model_fingerprint"], "layout": cfg.parallel.name,
                 "noise_ulp": cfg.parallel.noise_ulp}

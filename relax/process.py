@@ -14,7 +14,12 @@ import sys
 import threading
 import time
 from contextlib import ExitStack, contextmanager
+from multiprocessing import resource_tracker
 from pathlib import Path
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import OmegaConf
 
 from relax.errors import ConfigError, DiskFull, Interrupted
 
@@ -149,8 +154,6 @@ def sigterm_left_to_the_driver():
     blocked, as Ray and SGLang block SIGINT there themselves: a SIGTERM to every process of the
     job (`timeout`, `kill -- -PGID`, Slurm, systemd) is then the driver's, which stops after the
     rollout and stops them itself, instead of each dying of it under a running job."""
-    from multiprocessing import resource_tracker
-
     # started inside, multiprocessing's resource tracker would unblock SIGTERM again: it blocks
     # SIGINT and SIGTERM around its own start, then unblocks them, whatever they were before
     resource_tracker.ensure_running()
@@ -278,10 +281,6 @@ class Job:
     is one Hydra created for this job."""
 
     def __init__(self, cfg):
-        from hydra.core.hydra_config import HydraConfig
-        from hydra.types import RunMode
-        from omegaconf import OmegaConf
-
         hydra = HydraConfig.get()
         self.run_dir, self.accepted = Path(hydra.runtime.output_dir), False
         self.sweep, self.launcher = hydra.mode == RunMode.MULTIRUN, hydra.launcher._target_

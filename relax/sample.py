@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
+from relax.errors import ConfigError
+
 
 @dataclass
 class Sample:
@@ -87,8 +89,6 @@ OPTIONAL_FIELDS = {"routed_experts"}  # (added with replay format 2: format 1 fi
 def require_routed_experts(samples: list[Sample], where: str) -> None:
     """algo.routing_replay=rollout (R3) trains on the engine's experts: every sample must carry
     them (relax/train/routing.py)."""
-    from relax.errors import ConfigError
-
     missing = [s.index for s in samples if s.routed_experts is None]
     if missing:
         raise ConfigError(f"algo.routing_replay=rollout: samples {missing[:8]} of {where} carry no "

@@ -4,7 +4,14 @@ a ConfigError naming the key before anything is built."""
 
 from __future__ import annotations
 
+import importlib.util
+import inspect
 import sys
+
+from hydra._internal.utils import _locate
+from hydra.errors import InstantiationException
+from hydra.utils import get_method
+from hydra.utils import instantiate as hydra_instantiate
 
 from relax.errors import ConfigError
 
@@ -31,8 +38,6 @@ def load_target(group_cfg, group: str):
     call the loop makes (CALLS): a ConfigError naming the key when it does not import or its
     signature lacks a parameter, so a typo in a user's class path stops the run before anything
     is built. A module that refuses to import (require_extra: an extra that is not installed) says so."""
-    from hydra._internal.utils import _locate  # get_method's lookup, without its own ERROR log line
-
     path = group_cfg._target_
     try:
         target = _locate(path)
@@ -51,8 +56,6 @@ def load_target(group_cfg, group: str):
 
 def check_signature(target, group: str, path: str, group_cfg) -> None:
     """`target` accepts the call CALLS describes for `group` (bound to placeholders, not run)."""
-    import inspect
-
     positional, keywords = CALLS[group]
     if group in INSTANTIATED:
         keywords = (*(k for k in group_cfg if k != "_target_"), *keywords)
@@ -92,8 +95,6 @@ EXTRAS = {
 def require_extra(option: str, *modules: str) -> None:
     """A ConfigError naming `option` (e.g. cluster=ray) and what to install when one of the
     modules it needs (keys of EXTRAS) is not installed here. The one place that asks."""
-    import importlib.util
-
     for module in modules:
         try:
             found = importlib.util.find_spec(module) is not None
@@ -107,8 +108,6 @@ def require_extra(option: str, *modules: str) -> None:
 def load_function(path: str, key: str, expected: str):
     """The function the dotted `path` (the value of config key `key`, e.g. task.reward_fn)
     names, imported: a ConfigError naming the key and the `expected` signature when it does not."""
-    from hydra.utils import get_method
-
     try:
         return get_method(path)
     except (ImportError, ValueError) as e:
@@ -119,9 +118,6 @@ def load_function(path: str, key: str, expected: str):
 def instantiate(group_cfg, group: str, **kwargs):
     """Hydra's instantiate for a group whose class needs only its own keys (task, logger):
     `_target_` called with the group's other keys as keyword arguments, plus `kwargs`."""
-    from hydra.errors import InstantiationException
-    from hydra.utils import instantiate as hydra_instantiate
-
     load_target(group_cfg, group)
     try:
         return hydra_instantiate(group_cfg, _recursive_=False, _convert_="all", **kwargs)

@@ -11,6 +11,9 @@ import logging
 import shutil
 from pathlib import Path
 
+import torch
+from safetensors import safe_open
+
 from relax import faults
 from relax.checkpoint.experiment import save_experiment, saved_in
 from relax.errors import ConfigError, DiskFull, NonFiniteError
@@ -88,9 +91,6 @@ def _ensure_space(root: Path, complete: list[Path], keep_last: int | None) -> No
 def check_finite_weights(folder: Path) -> None:
     """Refuse to checkpoint NaN/Inf weights (its HF dir's, its LoRA adapter's), tensor by tensor
     (nothing is held in memory)."""
-    import torch
-    from safetensors import safe_open
-
     for file in sorted(Path(folder).rglob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():

@@ -9,9 +9,14 @@ import os
 
 from omegaconf import OmegaConf
 
-from relax.targets import load_target
+from relax.cluster.engine_processes import EngineProcesses
+from relax.cluster.engines import EngineGroup, InDriver, make_engine, make_engine_host
+from relax.cluster.ranks import LocalRanks, on_this_host
 from relax.errors import ConfigError
+from relax.rollout import num_engines, uses_gpus
 from relax.rollout.spec import EngineSpec
+from relax.targets import load_target
+from relax.train import make_trainer, runs_in_driver
 from relax.train.spec import TrainerSpec
 
 
@@ -33,8 +38,6 @@ def open_cluster(cluster, rollout, train, algo, parallel, run_dir):
 class LocalCluster:
     @staticmethod
     def check_config(cluster, rollout, train) -> None:
-        from relax.rollout import uses_gpus
-
         if train["async"] and uses_gpus(rollout):
             raise ConfigError("train.async=true on cluster=local with GPUs: the engines start at cuda:0, "
                               "where trainer rank 0 runs, so generation and training would share a device; "
@@ -54,15 +57,10 @@ class LocalCluster:
         return self.engines, self.trainer
 
     def _engines(self, spec: EngineSpec):
-        from relax.cluster.engines import EngineGroup, InDriver, make_engine, make_engine_host
-        from relax.rollout import num_engines, uses_gpus
-
         r, engines = self.rollout, []
         tp = r.rollout_num_gpus_per_engine
         devices = [f"cuda:{i * tp}" if uses_gpus(r) else "cpu" for i in range(num_engines(r))]
         if self.train["async"]:  # generation overlaps training: each engine in a process of its own
-            from relax.cluster.engine_processes import EngineProcesses
-
             plain = OmegaConf.to_container(r, resolve=True)  # picklable, no resolvers needed
             return EngineGroup(EngineProcesses(make_engine_host, (plain, spec), devices,
                                                [i * tp for i in range(len(devices))], self.log_dir,
@@ -77,13 +75,9 @@ class LocalCluster:
         return EngineGroup(InDriver(engines, devices), r)
 
     def _trainer(self, spec: TrainerSpec):
-        from relax.targets import load_target
-        from relax.train import make_trainer, runs_in_driver
-
         groups = (self.train, self.algo, self.parallel)
         if runs_in_driver(self.train, self.parallel, self.rollout.weight_update_mode):
             return make_trainer(*groups, spec)
-        from relax.cluster.ranks import LocalRanks
 
         plain = [OmegaConf.to_container(g, resolve=True) for g in groups]  # picklable, no resolvers needed
         trainer = load_target(self.train, "train")
@@ -95,8 +89,6 @@ class LocalCluster:
         if self.trainer is None or hasattr(self.trainer, "placement"):
             ranks = self.trainer.placement() if self.trainer else []
         else:  # the trainer runs in the driver
-            from relax.cluster.ranks import on_this_host
-
             ranks = [{"rank": 0, **on_this_host(os.getpid(), "cpu")}]
         return {"cluster": "local", "trainer_ranks": ranks,
                 "engines": self.engines.placement() if self.engines else []}

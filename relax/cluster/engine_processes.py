@@ -12,6 +12,7 @@ import signal
 import threading
 import traceback
 
+import torch
 import torch.multiprocessing as mp
 
 from relax.cluster.ranks import (RankError, freeze_heap, leave_stops_to_the_driver, on_this_host, receive,
@@ -27,7 +28,6 @@ def _engine_main(conn, driver, index: int, factory, args, kwargs, log_file: str 
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints a hung engine's stacks
     logging.basicConfig(level=logging.INFO, format=f"[%(asctime)s][engine{index}][%(name)s] %(message)s",
                         handlers=[logging.FileHandler(log_file)] if log_file else None, force=True)
-    import torch
 
     torch.set_num_threads(num_threads)
     shared = SharedWeights()  # the driver's weight buckets, mapped from its memory

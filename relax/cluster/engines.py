@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from relax.cluster.ranks import RankError, on_this_host
 from relax.rollout import buckets, build_engine
+from relax.rollout.generate import generate_rollout
 
 
 def make_engine(rollout, spec, base_gpu_id: int = 0):
@@ -54,8 +55,6 @@ class EngineHost:
         self.rollout = task, tokenizer, rollout_cfg
 
     def generate_rollout(self, rollout_id: int, seed: int) -> tuple[list, dict]:
-        from relax.rollout.generate import generate_rollout
-
         task, tokenizer, rollout_cfg = self.rollout
         return generate_rollout(self.engine, task, tokenizer, rollout_cfg, rollout_id, seed)
 
@@ -110,8 +109,6 @@ class EngineGroup:
         """One rollout (relax/rollout/generate.py). A single engine in a process of its own
         (train.async on cluster=local, or cluster=ray) makes it there; otherwise it is made
         here, each engine call spread over the engines."""
-        from relax.rollout.generate import generate_rollout
-
         if self.num_engines > 1 or isinstance(self.hosts, InDriver):
             return generate_rollout(self, task, tokenizer, rollout_cfg, rollout_id, seed)
         if not self._rollout_set:

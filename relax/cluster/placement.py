@@ -18,6 +18,8 @@ import socket
 import time
 from dataclasses import dataclass
 
+from omegaconf import OmegaConf
+
 from relax.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -84,8 +86,6 @@ def check_ray_keys(cluster, rollout, train) -> None:
 def ray_runtime_env(c) -> dict | None:
     """cluster.runtime_env as Ray takes it: its env_vars' values as strings (Hydra reads
     `env_vars.OMP_NUM_THREADS=4` as the int 4, which Ray refuses only once it has started)."""
-    from omegaconf import OmegaConf
-
     env = OmegaConf.to_container(c.runtime_env, resolve=True) or {}
     env_vars = env.get("env_vars")
     if env_vars is None:
@@ -129,6 +129,7 @@ def describe(bundles: list[dict[str, float]]) -> str:
 
 def offered() -> str:
     """What the cluster has, in all and free, per node."""
+    # optional: ray (relax[ray])
     import ray
 
     nodes = [n for n in ray.nodes() if n["Alive"]]
@@ -144,6 +145,7 @@ def offered() -> str:
 def reserve(plan: BundlePlan, strategy: str, timeout_s: float):
     """Create the placement group and wait for it (logging what is missing every 30 s); then
     order its bundles by node and device. Returns (group, order, bundle_nodes)."""
+    # optional: ray (relax[ray])
     from ray.util.placement_group import placement_group, remove_placement_group
 
     group = placement_group(plan.bundles, strategy=strategy)
@@ -162,6 +164,7 @@ def reserve(plan: BundlePlan, strategy: str, timeout_s: float):
 
 def order_bundles(group, bundles) -> tuple[list[int], list[dict]]:
     """Bundle indices sorted by (node IP, node id, GPU ids), and where each bundle landed."""
+    # optional: ray (relax[ray])
     import ray
     from ray.util import placement_group_table
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -197,6 +200,7 @@ def check_reachable(address: str) -> None:
     be a cluster that has since stopped."""
     if "://" in address:  # Ray Client: ray.init reports it
         return
+    # optional: ray (relax[ray])
     from ray._private.services import canonicalize_bootstrap_address
 
     try:

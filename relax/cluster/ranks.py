@@ -13,10 +13,14 @@ import os
 import signal
 import socket
 import sys
+import threading
 import traceback
 from multiprocessing.connection import wait
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
+from tqdm import tqdm
 
 from relax import faults
 from relax.cluster.shared_weights import SharedBucket, SharedWeights, on_cpu
@@ -32,8 +36,6 @@ class RankError(RuntimeError):
 
 
 def local_device(index: int) -> str:
-    import torch
-
     return f"cuda:{index}" if torch.cuda.is_available() else "cpu"
 
 
@@ -47,8 +49,6 @@ def open_store(world_size: int):
     """The rendezvous store, opened on a port the OS picks at bind time (a port found free
     earlier may be taken by then: Ray's workers open ports all the time). Ranks connect to
     it by address and `store.port`."""
-    import torch.distributed as dist
-
     return dist.TCPStore("0.0.0.0", 0, world_size, is_master=True, wait_for_workers=False)
 
 
@@ -64,8 +64,6 @@ def start_rank(rank: int, world_size: int, address: str, port: int, log_dir: str
     logging.basicConfig(
         level=logging.INFO, format=f"[%(asctime)s][rank{rank}][%(name)s] %(message)s",
         handlers=[logging.FileHandler(log_file)] if log_file else None, force=True)
-    import torch
-    import torch.distributed as dist
 
     torch.set_num_threads(num_threads)
     backend = "gloo"
@@ -92,10 +90,6 @@ def thread_lock_for_progress_bars() -> None:
     unlink. The driver SIGKILLs these processes, and at the end of every run with local ranks
     the resource tracker warned of the semaphores left behind. Their bars, each process its own,
     need a lock between threads only."""
-    import threading
-
-    from tqdm import tqdm
-
     tqdm.set_lock(threading.RLock())
 
 
@@ -180,7 +174,6 @@ def _rank_main(conn, driver, environ, rank, world_size, port, factory, args, kwa
     leave_stops_to_the_driver(driver)
     thread_lock_for_progress_bars()
     start_rank(rank, world_size, "127.0.0.1", port, log_dir, num_threads, rank)
-    import torch.distributed as dist
 
     outbox = SharedWeights()  # rank 0's weights, in shared memory the driver maps
     try:
@@ -240,8 +233,6 @@ def rank_context(preload: tuple[str, ...]):
     slowest, docs/results.md) once per driver, and every rank of every job of a sweep forks from it with them
     imported. Only the first call's `preload` counts (one server per driver). With CUDA,
     spawn: an import that asks CUDA anything in the server would break CUDA in its forks."""
-    import torch
-
     if torch.cuda.is_available():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")

@@ -13,6 +13,7 @@ import signal
 import time
 import traceback
 
+import torch
 from omegaconf import OmegaConf
 
 from relax.targets import require_extra
@@ -22,6 +23,7 @@ try:
 except ImportError:
     require_extra("cluster=ray", "ray")  # not installed: name the extra, not the module
     raise  # installed, but broken: its own error
+from ray._private import ray_constants
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -37,8 +39,8 @@ from relax.distributed import free_port
 from relax.errors import USER_ERRORS, ConfigError
 from relax.process import sigterm_left_to_the_driver
 from relax.rollout import buckets, num_engines
-from relax.train import make_trainer
 from relax.rollout.spec import EngineSpec
+from relax.train import make_trainer
 from relax.train.spec import TrainerSpec
 
 log = logging.getLogger(__name__)
@@ -50,8 +52,6 @@ class Host:
     def __init__(self, role: str, index: int, num_threads: int, authkey: bytes | None = None):
         """`authkey`: the driver's multiprocessing key, taken before anything here starts a
         process, so that the job shares one key as a local process tree does (ray_sockets.py)."""
-        import torch
-
         if authkey:
             multiprocessing.current_process().authkey = authkey
         self.role, self.index, self.obj, self.store = role, index, None, None
@@ -161,8 +161,6 @@ def keep_sigterm_in_the_driver() -> None:
     while Ray stopped (seconds) killed the driver before it wrote its status (`running`, as if
     it had died). Ray's switch is RAY_DISABLE_FAILURE_SIGNAL_HANDLER, read at import; set here
     for this process alone, the actors keep their handler (and its C++ stack on a crash)."""
-    from ray._private import ray_constants
-
     ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
 
 

@@ -5,9 +5,11 @@ and hands them to every engine, which reads them from the store."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 
 import ray
+import torch
 
 from relax.cluster.shared_weights import on_cpu
 
@@ -21,8 +23,6 @@ class Tensors(dict):
     docs/results.md). CUDA tensors pickle as they always did."""
 
     def __reduce__(self):
-        import torch
-
         if not on_cpu(self):
             return dict, (dict(self),)
         meta = [(name, t.dtype, tuple(t.shape)) for name, t in self.items()]
@@ -58,10 +58,6 @@ def _load_tensors(meta: list[tuple], raw: list) -> dict:
     (a copy into fresh memory costs a real model's sync its page faults: docs/results.md). They are read-only: an
     engine copies them into its own weights (the torch engine's `copy_`, SGLang's serializer
     into shared memory) and drops them."""
-    import warnings
-
-    import torch
-
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "The given NumPy array is not writable")
         return {name: torch.from_numpy(a).view(dtype).reshape(shape)

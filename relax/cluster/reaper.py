@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from multiprocessing import forkserver, resource_tracker
 
 from relax.process import proc_stat, start_time
 
@@ -80,8 +81,6 @@ class Reaper:
 def multiprocessing_helpers() -> list[int]:
     """The pids of this process's multiprocessing resource tracker and fork server, if started
     (the standard library keeps them in private attributes)."""
-    from multiprocessing import forkserver, resource_tracker
-
     pids = [getattr(resource_tracker._resource_tracker, "_pid", None),
             getattr(forkserver._forkserver, "_forkserver_pid", None)]
     return [pid for pid in pids if pid]

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass
 class SharedBucket:
@@ -25,8 +27,6 @@ class SharedBucket:
 def on_cpu(named) -> bool:
     """Weights of CPU tensors only: what goes through shared memory here, or as raw arrays
     through Ray (relax/cluster/ray_weights.py); CUDA tensors pickle through CUDA IPC."""
-    import torch
-
     return isinstance(named, dict) and bool(named) and all(
         isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in named.values())
 

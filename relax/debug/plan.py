@@ -17,8 +17,14 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from relax.config import check_numbers
 from relax.errors import ConfigError
+from relax.model import model_config
+from relax.replay import discover_rollout_ids
+from relax.rollout import check_engine, check_rollout
+from relax.rollout.prefetch import check_async
 from relax.targets import load_target
+from relax.train import check_batch_split, check_parallel_keys, check_train_keys, check_trainer
 
 
 @dataclass
@@ -201,9 +207,6 @@ def resolve(cfg, start_rollout_id: int = 0, hf_config: dict | None = None, run_d
     will load (a resumed run's); by default the one `cfg.model` names. `run_dir`: where relative
     output paths go (by default the launch directory)."""
     d, r = cfg.debug, cfg.rollout
-    from relax.config import check_numbers
-    from relax.rollout import check_rollout
-    from relax.train import check_parallel_keys, check_train_keys
 
     check_numbers(cfg)
     check_rollout(r)
@@ -223,8 +226,6 @@ def resolve(cfg, start_rollout_id: int = 0, hf_config: dict | None = None, run_d
         raise ConfigError("debug.train_only needs debug.load_rollout_data=<path template>: "
                           "a train-only run replays saved rollouts")
     if cfg.train["async"]:
-        from relax.rollout.prefetch import check_async
-
         check_async(r, builds_rollout=not train_only, builds_train=not d.rollout_only)
 
     dump_dir = Path(_abs_template(d.dump_details, run_dir)) if d.dump_details else None
@@ -238,8 +239,6 @@ def resolve(cfg, start_rollout_id: int = 0, hf_config: dict | None = None, run_d
 
     builds_train = not d.rollout_only
     if load:
-        from relax.replay import discover_rollout_ids
-
         replay_files = {i: p for i, p in discover_rollout_ids(load).items()
                         if start_rollout_id <= i < r.num_rollout}
         if not replay_files:
@@ -274,9 +273,6 @@ def resolve(cfg, start_rollout_id: int = 0, hf_config: dict | None = None, run_d
     check_writable("debug.dump_layers", f"{dump_layers}/" if dump_layers else None)
     check_writable("debug.profile_dir", f"{profile_dir}/" if profile_dir else None)
     if builds_train:
-        from relax.model import model_config
-        from relax.train import check_batch_split, check_trainer
-
         check_trainer(cfg.train, cfg.algo, cfg.parallel, r, cfg.model.dtype,
                       hf_config or model_config(cfg.model))
         if not load:  # a replay's sample counts are checked with its files (relax.startup.prepare)
@@ -286,8 +282,6 @@ def resolve(cfg, start_rollout_id: int = 0, hf_config: dict | None = None, run_d
                 check_dump_samples(d, r.rollout_batch_size * r.n_samples_per_prompt,
                                    "rollout.rollout_batch_size x rollout.n_samples_per_prompt")
     if not train_only:
-        from relax.rollout import check_engine
-
         check_engine(r, cfg.model, cfg.algo, cfg.debug)
     return Plan(builds_rollout=not train_only, builds_train=builds_train,
                 rollout_ids=rollout_ids, save_rollout_data=save_rollout,

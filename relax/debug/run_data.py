@@ -10,10 +10,13 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 from relax.debug.health import SAMPLES_FILE
 from relax.errors import ReplayError
 from relax.files import read_json, read_jsonl, safe_load
 from relax.logger import read_metrics
+from relax.model import load_tokenizer
 from relax.replay import read_rollout
 
 
@@ -57,8 +60,6 @@ def chat_template_parts(tokenizer) -> tuple[str, str] | None:
 def read_config(path: Path) -> dict:
     """The keys readers use from a composed config.yaml (a run's .hydra/ or a dump's), or a
     ReplayError naming the file (OmegaConf loads YAML safely: no tag runs code)."""
-    from omegaconf import OmegaConf
-
     try:
         cfg = OmegaConf.to_container(OmegaConf.load(path))
         train, parallel, algo = cfg.get("train", {}), cfg.get("parallel", {}), cfg.get("algo", {})
@@ -149,8 +150,6 @@ def load_run(path: Path) -> RunData:
         run.dump_dir = dump
     tokenizer_dir = dump / "tokenizer" if (dump / "tokenizer").is_dir() else built.get("model_path")
     if tokenizer_dir and Path(tokenizer_dir).is_dir():
-        from relax.model import load_tokenizer
-
         tokenizer = load_tokenizer(Path(tokenizer_dir))
         run.chat_template_parts = chat_template_parts(tokenizer)
         run.vocab_size = len(tokenizer)

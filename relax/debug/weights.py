@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from relax.model import load_safetensors_dir
+
 log = logging.getLogger(__name__)
 
 
@@ -64,8 +66,6 @@ class WeightCheck:
     def __init__(self, engines, model_path: Path, run_dir: Path, weights: dict | None = None):
         """`weights`: what the engines hold instead of `model_path`'s (a resumed LoRA adapter,
         merged into the base by the trainer)."""
-        from relax.model import load_safetensors_dir
-
         self.loaded = snapshots(engines)
         checkpoint = weights if weights is not None else load_safetensors_dir(model_path)
         self.dtype = next(iter(self.loaded[0].values())).dtype  # the engines' compute dtype

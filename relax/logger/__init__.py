@@ -16,6 +16,10 @@ import sys
 from functools import partial
 from pathlib import Path
 
+import matplotlib
+import matplotlib.pyplot as plt
+from torch.utils.tensorboard import SummaryWriter
+
 from relax.errors import ConfigError, ReplayError
 from relax.files import append_jsonl, is_disk_full, read_jsonl, save_figure
 
@@ -37,8 +41,6 @@ def check_backends(backends) -> None:
 
 class TensorBoard:
     def __init__(self, run_dir: Path, resume_from: int):
-        from torch.utils.tensorboard import SummaryWriter
-
         self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_from or None)
 
     def log(self, scalars: dict, step: int) -> None:
@@ -51,6 +53,7 @@ class TensorBoard:
 
 class Wandb:
     def __init__(self, run_dir: Path, config: dict | None, project: str, entity: str | None):
+        # optional: wandb (relax[wandb])
         import wandb
 
         self.run = wandb.init(project=project, entity=entity, name=run_dir.name, dir=str(run_dir),
@@ -138,10 +141,8 @@ def plot_run(run_dir: Path) -> Path | None:
     rollouts, _ = read_metrics(run_dir)
     if not rollouts:
         return None
-    import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     x = [r["rollout_id"] for r in rollouts]

@@ -7,10 +7,19 @@ import hashlib
 import json
 from pathlib import Path
 
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+from transformers.utils import logging as hf_logging
+
 from relax.errors import ConfigError
 from relax.model import families
+from relax.model import invariant as batch_invariant
 from relax.model.families import SUPPORTED_ARCHITECTURES  # noqa: F401  (re-exported)
+from relax.model.gguf import ensure_packaged_model
 from relax.model.hf_dir import save_hf_dir  # noqa: F401  (re-exported: the trainers' checkpoints)
+from relax.model.tiny import ensure_tiny_model, tiny_config
 
 # config.json keys that change what the weights mean; replay data records their hash.
 ARCH_KEYS = (
@@ -33,14 +42,11 @@ def resolve_model_path(model_cfg) -> Path:
     """The HF directory this run uses; validates it before anything expensive starts."""
     if model_cfg.path is None:
         if "package" in model_cfg:  # model=smollm2
-            from relax.model.gguf import ensure_packaged_model
-
             return check_model_dir(ensure_packaged_model(model_cfg))
         if model_cfg.name != "tiny":
             raise ConfigError(
                 f"model.path is not set for model={model_cfg.name}: pass model.path=/path/to/hf_dir "
                 f"(model.name={model_cfg.name!r}: only model.name=tiny is built without one)")
-        from relax.model.tiny import ensure_tiny_model
 
         return check_model_dir(ensure_tiny_model(model_cfg))
     path = Path(model_cfg.path).expanduser().resolve()
@@ -71,8 +77,6 @@ def read_hf_config(path: Path) -> dict:
 def check_model_dir(path: Path) -> Path:
     """Every *.safetensors file is whole (its header parses and covers the file exactly): a
     truncated copy or a garbage file is named here, not deep inside an engine or a rank."""
-    from safetensors import SafetensorError, safe_open
-
     read_hf_config(path)
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
@@ -90,8 +94,6 @@ def model_config(model_cfg) -> dict:
     """The config.json of the model `model_cfg` names, without loading it or building the
     tiny model: what the start-up checks read (heads, layers, vocabulary, experts)."""
     if model_cfg.path is None and model_cfg.name == "tiny":
-        from relax.model.tiny import tiny_config
-
         return tiny_config(model_cfg)
     return read_hf_config(resolve_model_path(model_cfg))
 
@@ -109,8 +111,6 @@ def load_tokenizer(path: Path):
     ignores the pre-tokenizer in tokenizer.json (so does SGLang not); loading the fast
     tokenizer directly keeps trainer, engines and replay data on the same token ids.
     """
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
     try:
         if (Path(path) / "tokenizer.json").is_file():
             tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path))
@@ -130,8 +130,6 @@ def decode_responses(tokenizer, sequences: list[list[int]]) -> list[str]:
     tokenizer where that is all transformers would do (a fast tokenizer whose decode is the
     base class's and cleans up no spaces): transformers first walks every id twice in Python
     (to_py_obj), most of the decode's time (docs/results.md)."""
-    from transformers import PreTrainedTokenizerFast
-
     plain = type(tokenizer)._decode is PreTrainedTokenizerFast._decode
     if plain and not tokenizer.clean_up_tokenization_spaces:
         return tokenizer.backend_tokenizer.decode_batch(sequences, skip_special_tokens=True)
@@ -146,8 +144,6 @@ def tokenizer_fingerprint(tokenizer) -> dict:
 
 def load_safetensors_dir(path: Path) -> dict:
     """Every tensor of an HF directory's *.safetensors files, by name."""
-    from safetensors.torch import load_file
-
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise ConfigError(f"{path}: no *.safetensors files to load")
@@ -159,8 +155,6 @@ def load_safetensors_dir(path: Path) -> dict:
 
 def torch_dtype(name: str, key: str = "model.dtype"):
     """The torch dtype `name` (the value of config key `key`) names."""
-    import torch
-
     try:
         return {"float32": torch.float32, "bfloat16": torch.bfloat16,
                 "float16": torch.float16}[name]
@@ -171,14 +165,9 @@ def torch_dtype(name: str, key: str = "model.dtype"):
 def load_causal_lm(path: Path, dtype: str, invariant: bool = False):
     """transformers' model; `invariant` (rollout.true_on_policy): with the batch-invariant
     attention and MoE experts one at a time (relax/model/invariant.py)."""
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
     hf_logging.disable_progress_bar()  # per-load bars are noise (and leak a lock per rank)
     implementations = {"attn_implementation": attention_implementation(path)}
     if invariant:
-        from relax.model import invariant as batch_invariant
-
         batch_invariant.register()
         implementations = {"attn_implementation": batch_invariant.INVARIANT, "experts_implementation": "eager"}
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype(dtype), **implementations)
@@ -187,9 +176,6 @@ def load_causal_lm(path: Path, dtype: str, invariant: bool = False):
 def meta_model(hf: dict, where: str = "config.json"):
     """transformers' model for config.json `hf` on the meta device (its module names and types,
     no weights): a config transformers cannot build is refused here, not in a rank or an engine."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     hf = dict(hf)
     try:
         with torch.device("meta"):
@@ -202,7 +188,5 @@ def meta_model(hf: dict, where: str = "config.json"):
 def attention_implementation(path: Path) -> str:
     """PyTorch's sdpa where transformers' model takes it, else its eager attention (Gemma 2's
     soft-capped attention logits): every engine and trainer on transformers' forward uses this."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     model_class = AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(str(path)))]
     return "sdpa" if model_class._supports_sdpa else "eager"

@@ -24,9 +24,18 @@ import zipfile
 from collections import Counter
 from pathlib import Path
 
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig
+from transformers.integrations.gguf import GGUF_CONFIG_ARCHS
+from transformers.integrations.gguf.dequant import GGML_BLOCK
+from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_TYPES
+from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
 from relax.errors import ConfigError
 from relax.files import sha256
 from relax.model import families
+from relax.model.gguf_header import Array, read_header
 from relax.model.hf_dir import save_hf_dir
 from relax.model.temp_dirs import remove_stale, temp_dir_beside
 from relax.targets import require_extra
@@ -41,8 +50,6 @@ def convert(gguf_path: Path, out_dir: Path) -> dict:
     """Write the HF directory of a GGUF file into `out_dir` (which must not exist); returns
     what relax_model.json records."""
     require_extra("reading a GGUF file (model=smollm2, relax convert-gguf)", *READS_GGUF)
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     gguf_path = Path(gguf_path)
     header = check_header(gguf_path)
@@ -90,9 +97,6 @@ def readable_architectures() -> dict[str, str]:
     """What transformers' GGUF loader reads, by spelling(): "blocks" for the architectures its
     block loader converts (transformers.integrations.gguf), "legacy" for the older loader's
     (modeling_gguf_pytorch_utils, which de-quantizes with the gguf package)."""
-    from transformers.integrations.gguf import GGUF_CONFIG_ARCHS
-    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
-
     legacy = {spelling(a): "legacy" for a in GGUF_SUPPORTED_ARCHITECTURES
               if a not in ("general", "tokenizer")}  # (two of that table's keys are not architectures)
     return legacy | {spelling(a): "blocks" for a in GGUF_CONFIG_ARCHS}
@@ -100,11 +104,10 @@ def readable_architectures() -> dict[str, str]:
 
 def readable_types(loader: str) -> set[int]:
     """The ggml tensor types that loader turns into fp32 weights."""
+    # optional: gguf (relax[real])
     from gguf.constants import GGMLQuantizationType as T
 
     if loader == "blocks":
-        from transformers.integrations.gguf.dequant import GGML_BLOCK
-
         return {T.F32, T.F16, T.BF16} | set(GGML_BLOCK)
     from gguf.quants import _type_traits  # what gguf.dequantize implements beyond F32 and F16
 
@@ -112,6 +115,7 @@ def readable_types(loader: str) -> set[int]:
 
 
 def type_name(kind: int) -> str:
+    # optional: gguf (relax[real])
     from gguf.constants import GGMLQuantizationType
 
     return GGMLQuantizationType(kind).name
@@ -128,9 +132,6 @@ def check_header(gguf_path: Path):
     types and vocabulary transformers converts: read in milliseconds (relax/model/gguf_header.py),
     before de-quantizing takes a minute. Returns the header."""
     require_extra("reading a GGUF file (model=smollm2, relax convert-gguf)", *READS_GGUF)
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_TYPES
-
-    from relax.model.gguf_header import Array, read_header
 
     if not gguf_path.is_file():
         raise ConfigError(f"{gguf_path}: no such GGUF file")
@@ -173,9 +174,6 @@ def check_header(gguf_path: Path):
 def header_config(gguf_path: Path):
     """The config transformers builds from the file's metadata (no tensor read), with the
     causal-LM class it would load named in `architectures` (a GGUF names none)."""
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
     try:
         config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     except (ValueError, KeyError, OSError, TypeError) as e:

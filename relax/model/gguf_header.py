@@ -72,6 +72,7 @@ def read_header(path: Path) -> Header:
     """The header's entries by key, the size the file must have and the tensors' types.
     struct.error: the header runs past the file's end; ValueError or KeyError: not a GGUF file,
     or a type this reader does not know."""
+    # optional: gguf (relax[real])
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from safetensors.torch import save_file
+
 
 def save_hf_dir(path: Path, config, weights: dict) -> None:
     """An HF model directory: `config` (a transformers config) and the weights, by HF name."""
-    from safetensors.torch import save_file
-
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(path)

@@ -13,6 +13,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 INVARIANT = "relax_invariant"  # the attention implementation's name in transformers' registries
 TILE = 8  # rows per tile of a batched matmul (attention's)
@@ -135,9 +137,6 @@ def invariant_attention(module, query, key, value, attention_mask, scaling=None,
 
 def register() -> None:
     """INVARIANT in transformers' attention and mask registries (a boolean mask, always built)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
     def always_a_mask(*args, **kwargs):  # (transformers would skip a plain causal one)
         return sdpa_mask(*args, **{**kwargs, "allow_is_causal_skip": False})
 

@@ -20,10 +20,15 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2MoeConfig
+
 from relax import faults
 from relax.errors import ConfigError
 from relax.files import sha256
 from relax.model.temp_dirs import remove_stale, temp_dir_beside
+from relax.task.arithmetic import make_problem
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +48,6 @@ CHAT_TEMPLATE = (
 
 
 def build_tokenizer():
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + CHARS)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<|unk|>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
@@ -67,8 +69,6 @@ def build_config(recipe, tokenizer):
         bos_token_id=None,
     )
     if recipe.num_experts:
-        from transformers import Qwen2MoeConfig
-
         return Qwen2MoeConfig(
             **common, architectures=["Qwen2MoeForCausalLM"], num_experts=recipe.num_experts,
             num_experts_per_tok=2,
@@ -76,17 +76,12 @@ def build_config(recipe, tokenizer):
             shared_expert_intermediate_size=recipe.shared_expert_intermediate_size,
             decoder_sparse_step=1, norm_topk_prob=True, output_router_logits=False,
         )
-    from transformers import Qwen2Config
 
     return Qwen2Config(**common, architectures=["Qwen2ForCausalLM"])  # (as save_pretrained writes it)
 
 
 def _batch(tokenizer, rng, n, min_operand=10, max_operand=99):
     """Chat-formatted `a+b=` prompts with their answers, as (tokens, loss mask) pairs."""
-    import torch
-
-    from relax.task.arithmetic import make_problem
-
     seqs, masks = [], []
     for _ in range(n):
         q, a = make_problem(rng, min_operand, max_operand)
@@ -107,8 +102,6 @@ def warm_up(model, tokenizer, recipe) -> float:
     Greedy accuracy is measured teacher-forced: greedy decoding reproduces the answer
     exactly iff the argmax is right at every answer position, so one forward suffices.
     """
-    import torch
-
     rng = random.Random(recipe.seed)
     eval_x, eval_m = _batch(tokenizer, random.Random(recipe.seed + 1), 256)
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.warmup_lr)
@@ -229,9 +222,6 @@ def install_shipped(target: Path) -> Path:
 
 def build(recipe, out: Path) -> Path:
     """The tiny model of `recipe` (model.tiny), warmed up, written into the new directory `out`."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     tokenizer = build_tokenizer()
     torch.manual_seed(recipe.seed)
     model = AutoModelForCausalLM.from_config(build_config(recipe, tokenizer))

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 import relax
 from relax.errors import ReplayError
 from relax.files import atomic_save, fill, safe_load
+from relax.model import model_fingerprint, tokenizer_fingerprint
 from relax.sample import Sample, Samples, group_size_of, require_routed_experts
 from relax.task import check_rewards
 
@@ -46,8 +47,6 @@ def discover_rollout_ids(template: str) -> dict[int, Path]:
 
 
 def build_manifest(cfg, model_path: Path, tokenizer) -> dict:
-    from relax.model import model_fingerprint, tokenizer_fingerprint
-
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
     return {
         "relax_version": relax.__version__,

@@ -6,14 +6,17 @@ How it works in detail: docs/rollouts.md, "Inside `relax/rollout/__init__.py`".
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
-from relax.targets import load_function, load_target
 from relax.errors import ConfigError
+from relax.model import torch_dtype
+from relax.targets import load_function, load_target
 
 
 @dataclass(frozen=True)
@@ -36,8 +39,6 @@ class Generation:
 
 
 def torch_cuda_available() -> bool:
-    import torch
-
     return torch.cuda.is_available()
 
 
@@ -100,7 +101,6 @@ def check_engine(rollout, model, algo, debug) -> None:
                           f"rollout.colocate=false")
     if r.num_engines is not None and r.num_engines < 1:
         raise ConfigError(f"rollout.num_engines={r.num_engines}: expected at least 1 (or null)")
-    from relax.model import torch_dtype
 
     torch_dtype(engine_dtype(r, model), "rollout.dtype" if r.dtype else "model.dtype")
     if hasattr(engine, "check_config"):
@@ -119,8 +119,6 @@ def num_engines(rollout) -> int:
 
 def uses_gpus(rollout) -> bool:
     """Whether the engine places itself on GPUs (it takes `base_gpu_id`) and there are GPUs."""
-    import inspect
-
     engine = load_target(rollout, "rollout")
     return torch_cuda_available() and "base_gpu_id" in inspect.signature(engine).parameters
 

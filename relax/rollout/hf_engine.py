@@ -13,6 +13,8 @@ import inspect
 from pathlib import Path
 
 import torch
+from transformers import DynamicCache
+from transformers.core_model_loading import revert_weight_conversion
 
 from relax.model import load_causal_lm
 from relax.model.invariant import invariant_ops
@@ -57,8 +59,6 @@ class TransformersEngine(TorchEngineBase):
         """By checkpoint name, as the trainer sends them: transformers loads some checkpoint tensors
         into other parameters (renamed, or an MoE's experts fused into one 3-D tensor) and its
         `revert_weight_conversion` names them back; a renamed tensor is the parameter itself."""
-        from transformers.core_model_loading import revert_weight_conversion
-
         params = self.weights()
         named = revert_weight_conversion(self.model, dict(params))
         for name, (param, index) in self.scattered.items():
@@ -68,8 +68,6 @@ class TransformersEngine(TorchEngineBase):
     def _scattered(self) -> dict[str, tuple[str, torch.Tensor]]:
         """Checkpoint tensors that are copies, not views, of a parameter (a split of fused experts):
         name -> (parameter, flat indices into it), found by reverting each element's own index."""
-        from transformers.core_model_loading import revert_weight_conversion
-
         params = self.weights()
         storages = {p.untyped_storage().data_ptr() for p in params.values()}
         named = revert_weight_conversion(self.model, dict(params))
@@ -106,8 +104,6 @@ class TransformersEngine(TorchEngineBase):
                           **{self.cache_arg: cache}, use_cache=True, logits_to_keep=1).logits[:, -1].float()
 
     def _prefill(self, ids, valid, positions, N, row_of):
-        from transformers import DynamicCache
-
         U, P = ids.shape
         padded = not bool(valid[:, :P].all())
         # true on-policy: every layer keeps every key (its window is the mask's), so a key's index

@@ -5,6 +5,8 @@ How it works in detail: docs/backends.md, "Inside `relax/rollout/sglang_engine.p
 
 from __future__ import annotations
 
+import atexit
+import base64
 import json
 import logging
 import os
@@ -13,17 +15,19 @@ import tempfile
 import threading
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
 from relax import faults
-from relax.targets import require_extra
 from relax.errors import ConfigError
-from relax.process import sigterm_left_to_the_driver
 from relax.model import families, model_config, read_hf_config, torch_dtype
 from relax.model.sglang_support import SERVED, sglang_to_hf
+from relax.process import sigterm_left_to_the_driver
 from relax.rollout import Generation, SamplingParams, buckets, num_engines, prompt_seeds
+from relax.rollout.fingerprint import fingerprint
 from relax.rollout.spec import EngineSpec
+from relax.targets import require_extra
 
 log = logging.getLogger(__name__)
 GPU = torch.cuda.is_available()
@@ -123,9 +127,11 @@ class SGLangEngine:
                               f"runs any transformers causal LM")
         require_extra("rollout=sglang", "sglang")  # at start-up, not when the engine is built
         if algo.routing_replay == "rollout":
+            # optional: sglang (its own environment: scripts/setup_sglang_cpu.sh)
             from sglang.srt.server_args import ServerArgs
 
             if not hasattr(ServerArgs, "enable_return_routed_experts"):
+                # optional: sglang (its own environment: scripts/setup_sglang_cpu.sh)
                 import sglang
 
                 raise ConfigError(f"algo.routing_replay=rollout trains on the engine's experts, which SGLang "
@@ -177,10 +183,6 @@ class SGLangEngine:
     def _routed_experts(self, meta_info: dict) -> list[int]:
         """SGLang's `routed_experts`: base64 of int32 [prompt + output - 1, every layer, top_k]
         (top-k in router order), as Sample.routed_experts (the MoE layers only, flattened)."""
-        import base64
-
-        import numpy as np
-
         ids = np.frombuffer(base64.b64decode(meta_info["routed_experts"]), dtype=np.int32)
         layers, top_k = self.hf_config["num_hidden_layers"], self.hf_config["num_experts_per_tok"]
         return ids.reshape(-1, layers, top_k)[:, self.moe_layers].flatten().tolist()
@@ -259,8 +261,7 @@ class SGLangEngine:
     def shutdown(self) -> None:
         """Stop the engine's processes, and only those: SGLang's own shutdown SIGKILLs every
         child of this process (trainer ranks, other engines, multiprocessing's resource tracker...)."""
-        import atexit
-
+        # optional: sglang (its own environment: scripts/setup_sglang_cpu.sh)
         from sglang.srt.entrypoints import engine as engine_module
 
         if self.engine is None:
@@ -289,6 +290,7 @@ def export_tensors(model, named_tensors) -> None:
     (<dir> is the request's argument). SGLang 0.5.23 has no call that reads buffers:
     `get_weights_by_name` sees parameters only, and `save_sharded_model` a state_dict, which
     leaves out non-persistent buffers such as the rotary cos/sin cache."""
+    # optional: sglang (its own environment: scripts/setup_sglang_cpu.sh)
     from sglang.srt.runtime_context import get_parallel
 
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
@@ -300,9 +302,8 @@ def fingerprint_tensors(model, named_tensors) -> None:
     """Runs inside SGLang's scheduler process like export_tensors: relax.rollout.fingerprint's
     sample of every parameter and buffer of the served model, under HF names (sglang_to_hf's
     views), to <dir>/tp<rank>.pt; a few KB where export_tensors copies the whole model."""
+    # optional: sglang (its own environment: scripts/setup_sglang_cpu.sh)
     from sglang.srt.runtime_context import get_parallel
-
-    from relax.rollout.fingerprint import fingerprint
 
     request = json.loads(_argument(named_tensors))
     tensors = {}
@@ -324,6 +325,7 @@ def cpu_plugin() -> None:
     arithmetic in torch, HF's."""
     if torch.cuda.is_available():
         return
+    # optional: sglang (its own environment: scripts/setup_sglang_cpu.sh)
     from sglang.srt.mem_cache.pool_host import common
     from sglang.srt.models import qwen2_moe
 

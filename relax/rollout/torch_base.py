@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
+from transformers import AutoConfig
 
 from relax import faults
 from relax.errors import ConfigError
@@ -43,7 +44,6 @@ class TorchEngineBase:
             log.info("rollout=torch runs on CPU; rollout_num_gpus=%d is used by GPU engines",
                      rollout.rollout_num_gpus)
         model_path = Path(spec.model_path)
-        from transformers import AutoConfig
 
         self.support = families.check(read_hf_config(model_path), f"{model_path}/config.json")
         self.config = AutoConfig.from_pretrained(str(model_path))

@@ -23,6 +23,7 @@ def same_value(answer: str | None, label: str) -> float:
     """1.0 when math-verify finds `answer` and `label` equal as mathematical values."""
     if answer is None:
         return 0.0
+    # optional: math-verify (relax[real])
     from math_verify import parse, verify
 
     # no timeouts: math-verify's use signal.alarm, which only works in the main thread

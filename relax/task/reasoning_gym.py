@@ -27,6 +27,7 @@ REFUSED = {"composite": "task.datasets and task.weights are Relax's way to mix d
 
 def library():
     try:
+        # optional: reasoning-gym (relax[rgym])
         import reasoning_gym
     except ImportError as e:
         raise ConfigError(f"task=reasoning_gym needs the reasoning-gym library, the [rgym] extra: {INSTALL} "
@@ -130,6 +131,7 @@ def extract(response: str, tag: str | None) -> str | None:
     library's extract_answer), or the whole response, stripped, without a tag."""
     if tag is None:
         return response.strip()
+    # optional: reasoning-gym (relax[rgym])
     from reasoning_gym.utils import extract_answer
 
     return extract_answer(response, tag_name=tag)

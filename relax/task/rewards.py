@@ -10,9 +10,11 @@ import inspect
 import numbers
 import traceback
 
-from relax.targets import load_function
+import httpx2
+
 from relax.errors import ConfigError, RolloutError
 from relax.sample import Sample
+from relax.targets import load_function
 
 BACKOFF_S = 0.5  # the first reward_url retry's wait; doubled for each further one
 
@@ -120,16 +122,12 @@ class Rewards:
         return list(rewards)
 
     async def _remote(self, samples: list[Sample]) -> list:
-        import httpx2
-
         async with httpx2.AsyncClient(timeout=self.timeout_s) as client:
             parts = await asyncio.gather(*(self._post(client, samples[i:i + self.batch_size])
                                            for i in range(0, len(samples), self.batch_size)))
         return [r for part in parts for r in part]
 
     async def _post(self, client, batch: list[Sample]) -> list:
-        import httpx2
-
         payload = {"samples": [{"index": s.index, "prompt": s.prompt, "response": s.response,
                                 "label": s.label, "metadata": s.metadata, "tokens": s.tokens,
                                 "response_length": s.response_length} for s in batch]}

@@ -24,6 +24,8 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 import relax
 from relax.errors import ReplayError
 from relax.tools.system_info import environment, machine, source_revision, versions
@@ -81,8 +83,6 @@ def check_run_dir(path: Path) -> None:
 
 
 def _yaml(path: Path) -> dict:
-    from omegaconf import OmegaConf  # its loader is safe: no tag runs code
-
     try:
         data = OmegaConf.to_container(OmegaConf.load(path))
     except Exception:
@@ -201,8 +201,6 @@ def replay_command(run_dir: Path, top: str, rollout_id: int) -> str:
     overrides = []
     path = run_dir / ".hydra" / "overrides.yaml"
     if path.is_file():
-        from omegaconf import OmegaConf
-
         with contextlib.suppress(Exception):
             overrides = [str(o) for o in OmegaConf.to_container(OmegaConf.load(path))]
     kept = [o for o in overrides if re.split(r"[./=]", o.lstrip("+~"))[0] not in NOT_REPLAYED

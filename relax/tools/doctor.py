@@ -14,13 +14,16 @@ import sys
 from dataclasses import asdict, fields
 from pathlib import Path
 
+from rich.console import Console
+
 from relax.debug.checks import FAIL, PASS, SKIP, WARN, Check, Thresholds, as_text, diagnose
-from relax.tools.plots import figure_dir, out_dir, pyplot
 from relax.debug.run_data import RunData, load_run
 from relax.errors import ConfigError, ReplayError
 from relax.files import atomic_write_text, save_figure
 from relax.logger import METRICS_FILE
 from relax.process import describe, read_status
+from relax.tools.mismatch import explain
+from relax.tools.plots import figure_dir, out_dir, pyplot
 
 DESCRIPTION = """`relax doctor <run dir | dump dir>`: the guide's precision checklist, run for you.
 
@@ -106,7 +109,6 @@ def mismatch_top_factor(run: RunData, checks: list[Check]) -> str | None:
     """Where check 5 fails on a run with dumped train data: `relax mismatch`'s top factor, one line."""
     if not run.dump_dir or not any(c.id == 5 and c.verdict == FAIL for c in checks):
         return None
-    from relax.tools.mismatch import explain
 
     try:
         report = explain(run.path)
@@ -158,8 +160,6 @@ def main(argv: list[str]) -> int:
                           "note": note, "checks": [asdict(c) for c in checks],
                           **({"mismatch": top} if top else {})}, default=str))
     else:
-        from rich.console import Console
-
         console = Console(soft_wrap=True)
         console.print(f"run: {state}", style="red" if state.startswith("died") else None, highlight=False)
         color = {PASS: "green", WARN: "yellow", FAIL: "red", SKIP: "dim"}

@@ -9,6 +9,9 @@ import argparse
 import tempfile
 from pathlib import Path
 
+import matplotlib
+import matplotlib.pyplot as plt
+
 from relax.debug.layers import Departure
 from relax.files import save_figure
 from relax.tools.jobs import EQUIVALENT, Job
@@ -16,10 +19,7 @@ from relax.tools.jobs import EQUIVALENT, Job
 
 def pyplot():
     """matplotlib's pyplot, drawing to files only (no display here or in CI)."""
-    import matplotlib
-
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     return plt
 

@@ -49,6 +49,7 @@ def _meminfo() -> dict[str, str]:
 def _gpu() -> dict | str:
     gpu: dict = {}
     try:
+        # torch here, inside the try: a broken torch install is reported, not fatal to the report
         import torch
 
         gpu["torch_cuda"] = torch.version.cuda or "none (CPU build)"

@@ -9,8 +9,11 @@ import math
 
 from omegaconf import DictConfig, OmegaConf
 
-from relax.targets import load_target
+from relax.algo import check_algo
 from relax.errors import ConfigError
+from relax.model import torch_dtype
+from relax.targets import load_target
+from relax.train import lora, routing
 
 
 def make_trainer(train, algo, parallel, spec, rank: int = 0, world_size: int = 1):
@@ -77,9 +80,6 @@ def check_trainer(train, algo, parallel, rollout, dtype: str, hf_config: dict) -
     (model.dtype) and the algo settings hold (every trainer trains with relax.algo), and its own
     checks pass for this model (`hf_config`: its config.json, see relax.model.model_config)."""
     trainer = load_target(train, "train")
-    from relax.algo import check_algo
-    from relax.model import torch_dtype
-    from relax.train import lora, routing
 
     torch_dtype(dtype)
     check_algo(algo, rollout)
@@ -96,8 +96,6 @@ def checkpoint_layout(train, parallel) -> dict:
     """What a checkpoint's trainer state is tied to: the trainer class, its LoRA adapters (or none)
     and whatever that class adds (train=megatron, whose optimizer state is saved per rank: the
     parallel sizes)."""
-    from relax.train import lora
-
     trainer = load_target(train, "train")
     extra = trainer.checkpoint_layout(train, parallel) if hasattr(trainer, "checkpoint_layout") else {}
     return {"train._target_": train._target_, "train.lora": lora.layout(train.lora), **extra}

@@ -11,10 +11,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from relax import faults
 from relax.errors import ConfigError
-from relax.model import families
+from relax.model import families, meta_model
 from relax.targets import require_extra
 from relax.train.parallel import ADAPTER, full_tensor
 
@@ -38,6 +39,7 @@ def target_modules(lora, hf_config: dict) -> list[str] | str:
 
 def add_adapters(model: torch.nn.Module, lora):
     """peft's model around `model`, whose projections it wraps in place."""
+    # optional: peft (relax[lora])
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(r=lora.rank, lora_alpha=alpha(lora), lora_dropout=lora.dropout,
@@ -92,9 +94,8 @@ def check_targets(lora, hf_config: dict) -> None:
     model built on the meta device (its real module names and types, no weights) with peft's
     adapters added. The family's default names what it has of them, so only an explicit name must
     match."""
+    # optional: peft (relax[lora])
     from peft.tuners.lora import Linear, LoraLayer
-
-    from relax.model import meta_model
 
     model = meta_model(hf_config)
     modules, key = dict(model.named_modules()), "train.lora.target_modules"
@@ -128,6 +129,7 @@ class Adapters:
     """peft's LoRA on an HF causal LM, which it changes in place (before any layout shards it)."""
 
     def __init__(self, model: torch.nn.Module, lora):
+        # optional: peft (relax[lora])
         from peft.tuners.lora import LoraLayer
 
         self.model, self.peft = model, add_adapters(model, lora)
@@ -177,8 +179,8 @@ class Adapters:
 
     def load(self, path: str) -> None:
         """The adapters `save` wrote, into every rank's (sharded) parameters."""
+        # optional: peft (relax[lora])
         from peft.utils import load_peft_weights
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         saved = load_peft_weights(str(Path(path) / ADAPTER_DIR), device="cpu")
         # peft saves each name without its adapter's (lora_A.default.weight -> lora_A.weight)

@@ -8,13 +8,18 @@ parallelism are Megatron's job (train=megatron); `check_torch_layout` refuses th
 from __future__ import annotations
 
 import math
+import resource
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.nn.parallel import DistributedDataParallel
 
 from relax import faults
 from relax.errors import ConfigError
@@ -76,7 +81,6 @@ def init_layout(p, rank: int, world_size: int) -> Layout:
         raise ConfigError(f"parallel={p.name} implies world_size {p.world_size}, got {world_size}")
     if world_size == 1:
         return Layout()
-    from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (p.dp, p.tp), mesh_dim_names=("dp", "tp"))
     return Layout(rank=rank, world_size=world_size,
@@ -90,8 +94,6 @@ def tp_plan(layer: torch.nn.Module, plan: dict) -> dict:
     sharded like the projection, and the adapter factor that meets the sharded dimension sharded the
     same way (colwise: B, whose rows are outputs; rowwise: A, whose columns are inputs); the other,
     rank-wide factor is replicated. Unadapted projections keep their plan."""
-    from torch.distributed.tensor.parallel import ColwiseParallel
-
     modules, out = dict(layer.named_modules()), {}
     for path, style in plan.items():
         if path not in modules or not hasattr(modules[path], "base_layer"):
@@ -105,9 +107,6 @@ def tp_plan(layer: torch.nn.Module, plan: dict) -> dict:
 def apply_layout(model: torch.nn.Module, layout: Layout, trainable: bool) -> torch.nn.Module:
     """Shard `model` in place as the layout says; returns the module to call forward on."""
     if layout.tp_size > 1:
-        from torch.distributed.tensor.parallel import (
-            ColwiseParallel, RowwiseParallel, parallelize_module)
-
         plan = {
             "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
             "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
@@ -120,14 +119,10 @@ def apply_layout(model: torch.nn.Module, layout: Layout, trainable: bool) -> tor
             model.model.layers[1].self_attn.o_proj.register_forward_hook(
                 lambda m, args, out: F.linear(args[0].to_local(), m.weight.to_local()))
     if layout.fsdp:
-        from torch.distributed.fsdp import fully_shard
-
         for layer in decoder_layers(model):
             fully_shard(layer, mesh=layout.mesh["dp"])
         fully_shard(model, mesh=layout.mesh["dp"])
     elif layout.dp_size > 1 and trainable:
-        from torch.nn.parallel import DistributedDataParallel
-
         return DistributedDataParallel(model, process_group=layout.dp_group)
     return model
 
@@ -157,8 +152,6 @@ def peak_memory_mb() -> float:
     if torch.cuda.is_available():
         peak = torch.cuda.max_memory_allocated() / 2**20
     else:
-        import resource
-
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     if dist.is_initialized():
         t = torch.tensor(peak, dtype=torch.float64)

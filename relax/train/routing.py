@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from relax.errors import ConfigError
+from relax.model import families
 
 METRICS = ("train/routing_agreement", "train/routing_agreement_min_layer", "train/routing_replayed",
            "train/routing_replay_agreement")
@@ -18,8 +19,6 @@ METRICS = ("train/routing_agreement", "train/routing_agreement_min_layer", "trai
 
 def check_config(algo, hf_config: dict, num_steps_per_rollout: int) -> None:
     """Start-up refusals for algo.routing_replay."""
-    from relax.model import families
-
     mode = algo.routing_replay
     if mode:
         families.check(hf_config).refuse_unless_fast(f"algo.routing_replay={mode}", "routing replay (its "

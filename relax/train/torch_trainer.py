@@ -14,25 +14,27 @@ import time
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                     set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
+from transformers.core_model_loading import revert_weight_conversion
 
+from relax import faults
 from relax.algo import masked_sum, sequence_loss_scales
 from relax.errors import ConfigError
-from relax import faults
+from relax.files import atomic_save, safe_load
 from relax.model import load_causal_lm, save_hf_dir
 from relax.model.invariant import invariant_ops
 from relax.model.modules import decoder_layers, hf_modules, recording
-from relax.files import atomic_save, safe_load
 from relax.sample import Sample, log_prob_temperature, require_routed_experts
 from relax.train import batch_invariance, common, layer_dump, lora, packing, routing
 from relax.train.common import MicroBatch
-from relax.train.spec import TrainerSpec
+from relax.train.parallel import (apply_layout, check_torch_layout, clip_grad_norm, dp_all_reduce,
+                                  full_tensor, init_layout, peak_memory_mb)
 from relax.train.profile import phase, profiled
+from relax.train.spec import TrainerSpec
 from relax.train.weight_sync import DistributedWeightSync
-from relax.train.parallel import (
-    apply_layout, check_torch_layout, clip_grad_norm, dp_all_reduce, full_tensor,
-    init_layout, peak_memory_mb)
 
 log = logging.getLogger(__name__)
 
@@ -282,13 +284,9 @@ class TorchTrainer(DistributedWeightSync):
 
     def _hf_named(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Tensors by parameter name -> by checkpoint name (an MoE's fused experts split back)."""
-        from transformers.core_model_loading import revert_weight_conversion
-
         return revert_weight_conversion(self.model, tensors)
 
     def save_checkpoint(self, path: str) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
         weights = self.named_weights()
         optim = get_optimizer_state_dict(self.model, self.optimizer, options=StateDictOptions(
             full_state_dict=True, cpu_offload=True))
@@ -303,8 +301,6 @@ class TorchTrainer(DistributedWeightSync):
     def load_checkpoint(self, path: str) -> None:
         """Restore optimizer and RNG state and the skipped-step count (the weights were loaded
         from <path>/hf; with LoRA, the base from the reference and the adapters from <path>/adapter)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
         if self.lora:
             self.lora.load(path)
         state = safe_load(Path(path) / "trainer_state.pt")

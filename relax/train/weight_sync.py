@@ -32,6 +32,7 @@ class DistributedWeightSync:
     def init_weight_sync_group(self, address: str, port: int, world_size: int, group_name: str) -> None:
         if not self._is_rank0():
             return
+        # optional: sglang (its own environment: scripts/setup_sglang_cpu.sh)
         from sglang.srt.utils import init_custom_process_group
 
         groups = self.__dict__.setdefault("_weight_sync_groups", {})

@@ -15,7 +15,10 @@ import importlib
 import pkgutil
 from dataclasses import dataclass, field
 
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
 from relax.errors import ConfigError
+from relax.model import sglang_support
 
 # RoPE variants that only change the inverse frequencies (HF's attention factor is 1):
 # every backend takes HF's `inv_freq` for them (Megatron's own Llama-3 scaling hard-codes
@@ -142,8 +145,6 @@ class Support:
 
 def causal_lm_class(model_type: str) -> str | None:
     """The causal LM transformers builds for `model_type` (None: it has none)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
     return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
 
 
@@ -227,8 +228,6 @@ def megatron_family(hf: dict, where: str) -> Family:
 def sglang_blocker(hf: dict) -> str | None:
     """Why rollout=sglang cannot serve this config.json (None: it can): a family keeps its hand-written
     forward's limits; other architectures, relax.model.sglang_support's table."""
-    from relax.model import sglang_support
-
     support = check(hf)
     if support.architecture in FAMILIES:
         return support.why_generic
@@ -242,8 +241,6 @@ MATRIX_COLUMNS = ("torch engine", "SGLang", "torch trainer", "Megatron", "train.
 def runs_on(hf: dict) -> dict[str, str]:
     """What runs a config.json, per engine and backend, as the start-up checks decide it (the
     support matrix in docs/models.md is these rows)."""
-    from relax.model import sglang_support
-
     support = check(hf)
     family, moe = support.family, bool(num_experts(hf))
     sglang = sglang_support.matrix_cell(sglang_blocker(hf))

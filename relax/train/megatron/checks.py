@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from relax.errors import ConfigError
 from relax.model import families
+from relax.train.megatron.cpu_compat import check_version
 from relax.train.parallel import check_divides
-
 
 
 def check_config(train, algo, parallel, rollout, hf_config: dict) -> None:
@@ -26,7 +26,6 @@ def check_config(train, algo, parallel, rollout, hf_config: dict) -> None:
                           "position ids outside THD packing, which needs Transformer Engine; "
                           "train=megatron runs each sample as its own row (train.shared_prompt=false, "
                           "its default)")
-    from relax.train.megatron.cpu_compat import check_version
 
     check_version()
     check_layout(parallel, hf_config)

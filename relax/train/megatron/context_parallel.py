@@ -50,6 +50,7 @@ def cp_local(mb: MicroBatch, layout: Layout) -> tuple[MicroBatch, torch.Tensor]:
     positions = torch.arange(mb.tokens.shape[1]).expand_as(mb.tokens)
     if layout.cp_size == 1:
         return mb, positions
+    # optional: megatron-core (relax[megatron])
     from megatron.core.utils import get_batch_on_this_cp_rank
 
     fields = ("tokens", "targets", "mask", "rollout_log_probs", "loss_weights", "old_log_probs",
@@ -83,6 +84,7 @@ class ContextParallelAttention(torch.nn.Module):
     def __init__(self, config, layer_number, attn_mask_type, attention_type,
                  attention_dropout=None, softmax_scale=None, cp_comm_type=None, pg_collection=None):
         super().__init__()
+        # optional: megatron-core (relax[megatron])
         from megatron.core import parallel_state
 
         self.config = config

@@ -138,6 +138,7 @@ def apply() -> None:
     torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
     torch.cuda.nvtx.range_push = lambda *a, **k: None
     torch.cuda.nvtx.range_pop = lambda *a, **k: None
+    # optional: megatron-core (relax[megatron])
     from megatron.core.tensor_parallel import random as megatron_random
     from megatron.core.transformer.moe import moe_utils
 

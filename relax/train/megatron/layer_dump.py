@@ -43,6 +43,7 @@ def save_on_rank0(path: str, rollout_id: int, source: str, recorded: dict[str, t
     """Rank 0 saves every module's output, whole in forward order, the last stage's `log_probs`
     (per sample, from common.per_sample) and rank 0's `grads` and `params`, all fp32; a
     collective over every rank."""
+    # optional: megatron-core (relax[megatron])
     from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
     whole = {}

@@ -84,6 +84,7 @@ class Layout:
 
 def init_layout(p, seed: int, rank: int, world_size: int) -> Layout:
     """Set up Megatron's parallel state for `parallel=p` on this rank."""
+    # optional: megatron-core (relax[megatron])
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from relax.model import families, torch_dtype
+from relax.train.megatron.context_parallel import ContextParallelAttention
+from relax.train.megatron.cpu_compat import SequenceParallelRMSNorm
 from relax.train.megatron.layout import Layout
 
 GPU = torch.cuda.is_available()
@@ -69,6 +71,7 @@ def window_size(config_json: dict, family) -> tuple[int, int] | None:
 
 
 def transformer_config(hf, layout: Layout, train_cfg, dtype_name: str):
+    # optional: megatron-core (relax[megatron])
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnBackend
 
@@ -106,24 +109,23 @@ def transformer_config(hf, layout: Layout, train_cfg, dtype_name: str):
 def layer_spec(config, hf, vp_stage: int | None):
     experts = num_experts(hf) or None
     if GPU:
+        # optional: megatron-core (relax[megatron])
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec(num_experts=experts,
                                                           qk_layernorm=config.qk_layernorm)
+    # optional: megatron-core (relax[megatron])
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = get_gpt_layer_local_spec(num_experts=experts, normalization=config.normalization,
                                     qk_layernorm=config.qk_layernorm)
     if config.context_parallel_size > 1:
-        from relax.train.megatron.context_parallel import ContextParallelAttention
-
         spec.submodules.self_attention.submodules.core_attention = ContextParallelAttention
     if not config.sequence_parallel:
         return spec
-    from megatron.core.transformer.transformer_block import (
-        TransformerBlockSubmodules, get_num_layers_to_build)
-
-    from relax.train.megatron.cpu_compat import SequenceParallelRMSNorm
+    # optional: megatron-core (relax[megatron])
+    from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
+                                                             get_num_layers_to_build)
 
     spec.submodules.input_layernorm = SequenceParallelRMSNorm
     spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
@@ -139,6 +141,7 @@ def build_chunks(config, hf, layout: Layout) -> list:
     """This rank's model chunks, one per virtual pipeline stage (weights not loaded yet).
     RoPE frequencies are transformers' own (Llama-3 scaling included: Megatron's hard-codes
     an original context of 8192 instead of reading the config's)."""
+    # optional: megatron-core (relax[megatron])
     from megatron.core.models.gpt import GPTModel
 
     inv_freq = families.hf_rotary(hf).inv_freq
@@ -158,6 +161,7 @@ def build_chunks(config, hf, layout: Layout) -> list:
 
 def wrap_for_training(chunks: list, config, train_cfg, dtype_name: str):
     """(Megatron DDP chunks, Megatron optimizer) for the actor."""
+    # optional: megatron-core (relax[megatron])
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer

@@ -92,6 +92,7 @@ class Routing:
         if target is None:
             replay.clear_router_replay_action()
             return
+        # optional: megatron-core (relax[megatron])
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         known = target[:, 0] >= 0  # (padding and last tokens: the router's own choice)

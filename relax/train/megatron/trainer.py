@@ -20,22 +20,23 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from transformers import AutoConfig
 
 from relax.algo import masked_sum, sequence_loss_scales
 from relax.model import families, save_hf_dir
 from relax.sample import Sample, log_prob_temperature, require_routed_experts
 from relax.train import batch_invariance, common
 from relax.train.common import MicroBatch
-from relax.train.profile import phase, profiled
-from relax.train.spec import TrainerSpec
-from relax.train.megatron import checks, layer_dump
+from relax.train.megatron import checks, cpu_compat, layer_dump
 from relax.train.megatron.context_parallel import cp_full, cp_local
 from relax.train.megatron.layout import init_layout
+from relax.train.megatron.model import (GPU, build_chunks, deterministic_mode, transformer_config,
+                                        wrap_for_training)
 from relax.train.megatron.routing import Routing as MoERouting
-from relax.train.megatron.model import (
-    GPU, build_chunks, deterministic_mode, transformer_config, wrap_for_training)
 from relax.train.megatron.weights import Weights, load_optimizer_state, save_optimizer_state
 from relax.train.parallel import dp_all_reduce, peak_memory_mb
+from relax.train.profile import phase, profiled
+from relax.train.spec import TrainerSpec
 from relax.train.weight_sync import DistributedWeightSync
 
 
@@ -53,13 +54,9 @@ class MegatronTrainer(DistributedWeightSync):
     rank_imports = ("relax.train.megatron.rank_imports",)  # see relax/train/__init__.py
 
     def __init__(self, train, algo, parallel, spec: TrainerSpec, rank: int = 0, world_size: int = 1):
-        from transformers import AutoConfig
-
         warnings.filterwarnings("ignore", module=r"megatron\.")  # "Apex/TE not installed" & co
         warnings.filterwarnings("ignore", message=".*(deprecated|non-leaf Tensor).*")
         if not GPU:
-            from relax.train.megatron import cpu_compat
-
             cpu_compat.apply()
         self.train_cfg, self.algo, self.parallel, self.spec = train, algo, parallel, spec
         self.pad_id, self.save_train_data = spec.pad_token_id, spec.save_train_data
@@ -72,6 +69,7 @@ class MegatronTrainer(DistributedWeightSync):
         self.config = transformer_config(self.hf_config, self.layout, train, spec.dtype)
         self.config.moe_enable_routing_replay = bool(algo.routing_replay)
         if algo.routing_replay:  # (its routers register in a process-wide list: only this trainer's)
+            # optional: megatron-core (relax[megatron])
             from megatron.core.transformer.moe.router_replay import RouterReplay
 
             RouterReplay.clear_global_router_replay_instances()
@@ -210,6 +208,7 @@ class MegatronTrainer(DistributedWeightSync):
         """Megatron's optimizer.step(), split so that a non-finite loss (known on the last
         stage) or grad norm skips the update on every rank: with fp32 params Megatron has
         no inf check, and a NaN norm fails its `clip_coeff < 1` test and steps anyway."""
+        # optional: megatron-core (relax[megatron])
         from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
         found_inf = self.optimizer.prepare_grads()
@@ -255,6 +254,7 @@ class MegatronTrainer(DistributedWeightSync):
         """`force_all_reduce`: every DP rank's grad buffer ends up whole (not reduce-scattered
         for the distributed optimizer). `forward` ("ref", "old", "train"): the pass, for MoE
         routing (None: not measured, not replayed)."""
+        # optional: megatron-core (relax[megatron])
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator, model):
@@ -314,6 +314,7 @@ class MegatronTrainer(DistributedWeightSync):
         self.first_step = False
 
     def shutdown(self) -> None:
+        # optional: megatron-core (relax[megatron])
         from megatron.core import parallel_state
 
         parallel_state.destroy_model_parallel()
