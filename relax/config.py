@@ -37,7 +37,7 @@ WeightUpdateMode = choices("WeightUpdateMode", "tensor", "disk", "distributed")
 OnNonfinite = choices("OnNonfinite", "error", "skip")
 AttentionBackend = choices("AttentionBackend", "auto", "flash", "fused", "unfused", "local")
 AdvantageEstimator = choices("AdvantageEstimator", "grpo", "reinforce", "reinforce_plus_plus")
-PolicyLoss = choices("PolicyLoss", "ppo", "gspo")
+PolicyLoss = choices("PolicyLoss", "ppo", "gspo", "decoupled_ppo")
 KLType = choices("KLType", "k1", "k2", "k3", "low_var_kl")
 ISLevel = choices("ISLevel", "token", "sequence")
 RoutingReplay = choices("RoutingReplay", "rollout", "train")
@@ -183,7 +183,8 @@ class AlgoConfig:
     eps_clip: float = 0.2  # PPO lower clip: ratio >= 1 - eps_clip
     eps_clip_high: Optional[float] = None  # PPO upper clip: ratio <= 1 + eps_clip_high (null: eps_clip)
     eps_clip_c: Optional[float] = 3.0  # dual clip: for A < 0 the loss is at most -A * eps_clip_c (null: off)
-    policy_loss: PolicyLoss = PolicyLoss.ppo  # ppo (token ratio) or gspo (sequence ratio: geometric mean of its tokens')
+    policy_loss: PolicyLoss = PolicyLoss.ppo  # ppo (token ratio), gspo (sequence ratio: its tokens' geometric mean), decoupled_ppo
+    behav_imp_weight_cap: Optional[float] = 5.0  # decoupled_ppo: tokens with pi_old / pi_rollout above it are dropped (null: none)
     loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | ...-sum-norm
     use_kl_loss: bool = False  # add kl_loss_coef * KL(actor || ref) to the loss
     kl_loss_coef: float = 0.0  # KL loss weight

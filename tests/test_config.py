@@ -67,7 +67,9 @@ ADDED = {"logger._target_": "relax.logger.MetricsLogger",
          # issue 50 (true on-policy): off
          "rollout.true_on_policy": False,
          # issue 50 (the always-on weight-sync check): on
-         "debug.check_weight_sync": True}
+         "debug.check_weight_sync": True,
+         # issue 51 (decoupled PPO): its cap, read only with algo.policy_loss=decoupled_ppo
+         "algo.behav_imp_weight_cap": 5.0}
 RAY = {"cluster._target_": "relax.cluster.ray_cluster.RayCluster", "cluster.address": None,
        "cluster.num_cpus_per_rank": 1.0, "cluster.num_gpus_per_rank": 0.0, "cluster.num_cpus_per_engine": 1.0,
        "cluster.num_gpus_per_engine": 0.0, "cluster.resources_per_rank": {},
@@ -228,7 +230,8 @@ def test_no_option_file_repeats_a_schema_default(composed, option, path):
 
 @pytest.mark.parametrize("key,bad,values,option", [
     ("algo.advantage_estimator", "rloo", "grpo, reinforce, reinforce_plus_plus", None),
-    ("algo.policy_loss", "grpo", "ppo, gspo", None), ("algo.kl_loss_type", "k4", "k1, k2, k3, low_var_kl", None),
+    ("algo.policy_loss", "grpo", "ppo, gspo, decoupled_ppo", None),
+    ("algo.kl_loss_type", "k4", "k1, k2, k3, low_var_kl", None),
     ("algo.tis", "tokens", "token, sequence", None), ("algo.mis", "seq", "token, sequence", None),
     ("algo.routing_replay", "R3", "rollout, train", None),
     ("rollout.weight_update_mode", "nccl", "tensor, disk, distributed", None),
@@ -251,7 +254,7 @@ def test_a_value_outside_an_enum_is_a_clear_error_on_the_command_line(tmp_path):
     proc = relax_cli("algo.policy_loss=grpo", cwd=tmp_path)
     assert proc.returncode == 2
     assert ("relax: error: algo.policy_loss: Error merging override algo.policy_loss=grpo; Invalid value "
-            "'grpo', expected one of [ppo, gspo]") in proc.stderr
+            "'grpo', expected one of [ppo, gspo, decoupled_ppo]") in proc.stderr
     assert not (tmp_path / "outputs").exists()
 
 

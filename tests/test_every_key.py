@@ -139,6 +139,7 @@ VALID: dict[str, tuple[str, str]] = {
     "algo.kl_loss_coef": ("zero huge", "a weight: 0 adds no KL term"),
     "algo.entropy_coef": ("zero negative huge", "a weight: 0 off, a negative one penalises entropy"),
     "algo.tis_cap": ("huge", "no importance weight is capped"),
+    "algo.behav_imp_weight_cap": ("huge", "decoupled_ppo drops no token"),
     "algo.mis_low": ("zero", "no lower bound: every ratio down to 0 is kept"),
     "algo.mis_high": ("huge", "no upper bound"),
     "task.reward_batch_size": ("huge", "one request a rollout"),

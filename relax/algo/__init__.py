@@ -12,14 +12,15 @@ import logging
 import torch
 
 from relax.algo.advantages import compute_advantages, group_advantages, reinforce_plus_plus
-from relax.algo.kl import kl_estimate, mismatch_kl, mismatch_ratio, rollout_is_weights
+from relax.algo.kl import behaviour_weights, kl_estimate, mismatch_kl, mismatch_ratio, rollout_is_weights
 from relax.algo.losses import (LOSS_AGG_MODES, gspo_loss, policy_loss,
                                sequence_loss_scales)
 from relax.errors import ConfigError
 
 __all__ = ["compute_advantages", "group_advantages", "reinforce_plus_plus", "kl_estimate", "mismatch_kl",
            "mismatch_ratio",
-           "rollout_is_weights", "gspo_loss", "policy_loss", "sequence_loss_scales", "masked_sum",
+           "rollout_is_weights", "behaviour_weights", "gspo_loss", "policy_loss", "sequence_loss_scales",
+           "masked_sum",
            "token_log_probs", "check_algo"]
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,12 @@ def check_algo(algo, rollout) -> None:
         raise ConfigError(f"algo.mis_low={algo.mis_low}: expected a ratio in [0, 1)")
     if not algo.mis_high > 1:
         raise ConfigError(f"algo.mis_high={algo.mis_high}: expected a ratio > 1")
+    cap = algo.behav_imp_weight_cap
+    if cap is not None and not cap > 1:  # (a NaN too)
+        raise ConfigError(f"algo.behav_imp_weight_cap={cap}: expected a ratio > 1 (decoupled_ppo drops the "
+                          f"tokens whose pi_old / pi_rollout exceeds it), or null to drop none")
+    if algo.policy_loss == "decoupled_ppo":
+        check_decoupled_ppo(algo)
     if algo.use_rollout_log_probs and algo.tis is not None:
         raise ConfigError(f"algo.use_rollout_log_probs=true with algo.tis={algo.tis}: the PPO ratio is then "
                           f"pi_new / pi_rollout, already the importance ratio that TIS would apply a second "
@@ -66,3 +73,19 @@ def check_algo(algo, rollout) -> None:
         log.warning("algo.advantage_estimator=grpo with rollout.n_samples_per_prompt=1: GRPO without a "
                     "group has no baseline (each advantage is its raw reward, verl's mean 0 / std 1 "
                     "convention); sample several responses per prompt or use reinforce_plus_plus")
+
+
+def check_decoupled_ppo(algo) -> None:
+    """decoupled_ppo weights each token by pi_old / pi_rollout itself, so TIS or MIS would apply
+    that ratio a second time; and it needs two distinct policies in that ratio."""
+    for key in ("tis", "mis"):
+        if algo[key] is not None:
+            raise ConfigError(f"algo.policy_loss=decoupled_ppo with algo.{key}={algo[key]}: decoupled PPO "
+                              f"already weights each token by pi_old / pi_rollout (dropping those above "
+                              f"algo.behav_imp_weight_cap), the ratio algo.{key} would apply a second time. "
+                              f"Drop algo.{key}, or use algo.policy_loss=ppo with it")
+    if algo.use_rollout_log_probs:
+        raise ConfigError("algo.policy_loss=decoupled_ppo with algo.use_rollout_log_probs=true: the proximal "
+                          "policy would be the engine's (the behaviour policy itself), every weight 1. "
+                          "Set use_rollout_log_probs=false: the trainer's recomputed log-probs are the "
+                          "proximal policy")

@@ -1,4 +1,5 @@
-"""KL estimators and the rollout/train mismatch correction (`algo.tis`, `algo.mis`).
+"""KL estimators and the rollout/train mismatch correction (`algo.tis`, `algo.mis`, and
+decoupled PPO's behaviour weight, `algo.policy_loss=decoupled_ppo`).
 
 Every function here is bounded: for finite inputs no value is Inf or NaN. The
 log-ratio is clamped to ±20 before `exp` (verl's bound); k3 is additionally clamped to
@@ -34,8 +35,11 @@ def rollout_is_weights(old_log_probs, rollout_log_probs, mask, algo, seq_sum=Non
     distribution differs from the trainer's (verl's rollout correction, decoupled mode):
     truncated IS (`algo.tis`: weights capped at `algo.tis_cap`) and masked IS (`algo.mis`:
     weight 0 where the ratio is outside [`algo.mis_low`, `algo.mis_high`]), per token or
-    per sequence (the product of its token ratios). Returns the weights (no gradient), and
-    per-token flags: truncated, dropped. None when both are off."""
+    per sequence (the product of its token ratios); or decoupled PPO's (`behaviour_weights`).
+    Returns the weights (no gradient), and per-token flags: truncated, dropped. None when
+    none is on."""
+    if algo.get("policy_loss") == "decoupled_ppo":  # (check_algo refuses it with tis or mis)
+        return behaviour_weights(old_log_probs, rollout_log_probs, mask, algo.behav_imp_weight_cap)
     if algo.tis is None and algo.mis is None:
         return None
     with torch.no_grad():
@@ -52,6 +56,18 @@ def rollout_is_weights(old_log_probs, rollout_log_probs, mask, algo, seq_sum=Non
             dropped = ((w < algo.mis_low) | (w > algo.mis_high)).float() * mask
             weights = weights * (1 - dropped)
     return weights, truncated, dropped
+
+
+def behaviour_weights(prox_log_probs, behav_log_probs, mask, cap: float | None):
+    """Decoupled PPO (AReaL): the PPO ratio is taken against a proximal policy (here the
+    trainer's pre-update log-probs), and each token's loss is weighted by pi_prox / pi_behav,
+    the behaviour policy being the engine that sampled it. A token whose weight exceeds `cap`
+    is dropped (weight 0: a filter, where TIS would truncate); null drops none. Returns the
+    weights (no gradient) and per-token flags: truncated (never), dropped."""
+    with torch.no_grad():
+        w = mismatch_ratio(prox_log_probs, behav_log_probs, mask, "token")
+        dropped = (w > cap).float() * mask if cap is not None else torch.zeros_like(mask)
+        return w * (1 - dropped), torch.zeros_like(mask), dropped
 
 
 def mismatch_ratio(old_log_probs, rollout_log_probs, mask, level: str = "token", seq_sum=None):

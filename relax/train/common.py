@@ -203,7 +203,9 @@ def objective(log_probs: torch.Tensor, entropy: torch.Tensor, mb: MicroBatch, al
     whole sequence (an all-reduce when a sequence is split over context-parallel ranks).
     Without a separate old-log-prob pass (`forward_passes`), the pre-update log-probs are
     this forward's (bit-identical to a no-grad pass: same weights, same kernels). The PPO
-    ratio's old policy is the engine's with algo.use_rollout_log_probs, else the trainer's."""
+    ratio's old policy is the engine's with algo.use_rollout_log_probs, else the trainer's
+    (algo.policy_loss=decoupled_ppo: the proximal policy; `mb.is_weights` holds its behaviour
+    weights, from attach_is_weights)."""
     if mb.old_log_probs is None:
         mb.old_log_probs, mb.entropy = log_probs.detach(), entropy.detach()
         attach_is_weights([mb], algo, seq_sum)
