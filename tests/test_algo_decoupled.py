@@ -1,5 +1,5 @@
 """Decoupled PPO (`algo.policy_loss=decoupled_ppo`): against values computed by hand, its
-refusals, and a step of the torch trainer."""
+refusals, and steps of both trainers."""
 
 import math
 
@@ -11,7 +11,7 @@ from relax.errors import ConfigError
 from relax.sample import Sample
 from relax.train.common import STEP_KEYS, MicroBatch, attach_is_weights, objective
 
-from .conftest import local_trainer, make_cfg
+from .conftest import build_trainer, make_cfg
 
 # five response tokens: probabilities under the engine that sampled them (behaviour), the
 # trainer before the step (proximal) and the weights being trained (current)
@@ -88,26 +88,30 @@ def samples():
             for i in range(8)]
 
 
-def test_decoupled_ppo_trains_a_step_as_ppo_with_uncapped_tis_and_mis_at_its_cap(tiny_path):
-    """The torch trainer: decoupled_ppo's step is bit for bit ppo + algo.tis=token (no truncation) +
-    algo.mis=token with mis_high at the cap, the same weights applied the same way; and it is a
-    step (the weights move, some tokens dropped, the mean weight not 1)."""
-    def step(*overrides):
-        cfg = make_cfg("train.num_steps_per_rollout=2", *overrides)
-        trainer = local_trainer(cfg, str(tiny_path), ref_model_path=str(tiny_path), pad_token_id=0)
-        before = [p.detach().clone() for p in trainer.model.parameters()]
-        out = trainer.train(0, samples())["steps"]
-        moved = any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters(), strict=True))
-        return out, moved
+@pytest.mark.parametrize("backend", ["torch", "megatron"])
+def test_decoupled_ppo_trains_a_step_as_ppo_with_uncapped_tis_and_mis_at_its_cap(tiny_path, backend):
+    """Each trainer: decoupled_ppo's steps are bit for bit ppo + algo.tis=token (no truncation) +
+    algo.mis=token with mis_high at the cap, the same weights applied the same way; and they are
+    steps (the weights move, some tokens dropped, the mean weight not 1)."""
+    def steps(*overrides):
+        cfg = make_cfg(f"train={backend}", "train.num_steps_per_rollout=2", *overrides)
+        trainer = build_trainer(cfg, tiny_path)
+        try:
+            before = {name: w.clone() for name, w in trainer.named_weights().items()}
+            out = trainer.train(0, samples())["steps"]
+            after = trainer.named_weights()
+        finally:
+            trainer.shutdown()
+        moved = any(not torch.equal(before[name], after[name]) for name in before)
+        return [{k: v for k, v in s.items() if not k.startswith("perf/")} for s in out], moved
 
-    decoupled, moved = step("algo.policy_loss=decoupled_ppo", "algo.behav_imp_weight_cap=20")
+    decoupled, moved = steps("algo.policy_loss=decoupled_ppo", "algo.behav_imp_weight_cap=20")
     assert moved and len(decoupled) == 2
     first = decoupled[0]
     assert all(math.isfinite(v) for v in first.values())
     assert first["train/tis_weight_mean"] != 1.0 and first["train/tis_clipfrac"] == 0.0
     assert 0.0 < first["train/mis_dropfrac"] < 1.0  # engine log-probs far from the model's: some above 20
     assert first["train/pg_clipfrac"] == 0.0 < decoupled[1]["train/pg_clipfrac"]  # step 1: pi left pi_prox
-    spelled, _ = step("algo.tis=token", "algo.tis_cap=1e30", "algo.mis=token", "algo.mis_low=0",
-                      "algo.mis_high=20")
-    same = [{k: v for k, v in s.items() if not k.startswith("perf/")} for s in decoupled]
-    assert same == [{k: v for k, v in s.items() if not k.startswith("perf/")} for s in spelled]
+    spelled, _ = steps("algo.tis=token", "algo.tis_cap=1e30", "algo.mis=token", "algo.mis_low=0",
+                       "algo.mis_high=20")
+    assert decoupled == spelled
