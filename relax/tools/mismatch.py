@@ -11,11 +11,21 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
+from omegaconf import OmegaConf
+
+from relax.debug.run_data import train_rows
 from relax.errors import ConfigError, ReplayError
+from relax.files import read_json, save_figure
+from relax.logger import read_metrics
+from relax.model import load_tokenizer
 from relax.rollout.spec import EngineSpec
+from relax.sample import log_prob_temperature
+from relax.tools.mismatch_factors import (ROUTING, TOKENIZATION, Factor, recorded_experts, retokenized,
+                                          routing_factor, tokenization_factor)
 from relax.tools.mismatch_scoring import Scorer
 from relax.tools.plots import figure_dir, out_dir, pyplot
 
@@ -36,24 +46,18 @@ up to 100%); largest first, with the config key that changes it:
                    as the trainer scores it (found by search when the config does not reproduce them)
   weights          the weights the engine's log-probs match (the initial model or a checkpoint)
                    vs the trainer's at this step: a sync that did not land, train.async staleness
+  MoE routing      the engine's recorded experts (the dump's rollout data) replayed in the
+                   trainer's forward vs its own routers (algo.routing_replay)
+  tokenization     each engine call's context as text re-encoded (an engine fed text) vs the
+                   trained ids; counts the model turns whose ids are not their text re-encoded
 
-Not covered: MoE routing (see relax doctor's check 9 and algo.routing_replay), tokenization
-(the trained tokens are the engine's own), SGLang's kernels (its engine is stood in for by the
-torch engine). Writes mismatch_<rollout>.png (per token) next to the run or into --out DIR.
+Not covered: SGLang's kernels (the torch engine stands in for SGLang's). Writes
+mismatch_<rollout>.png (per token) next to the run or into --out DIR.
 """
 
+NOT_COVERED = ["SGLang's kernels (the torch engine stands in for them)"]
+
 GRID = [round(0.05 * k, 2) for k in range(2, 61)]  # temperatures searched: 0.1 .. 3.0
-
-
-@dataclass
-class Factor:
-    name: str
-    key: str              # the config key (or what) changes it
-    engine: str           # the factor's value on the engine's side
-    trainer: str          # ... and on the trainer's
-    share: float | None   # the part of the gap this factor alone closes; None: not measured
-    note: str = ""
-    residual: list[float] = field(default_factory=list, repr=False)  # |switched - trainer| per token
 
 
 @dataclass
@@ -75,8 +79,6 @@ class Report:
 # -- the run's data ------------------------------------------------------------------------
 
 def pick_rollout(run_dir: Path, dump: Path, wanted: int | None) -> int:
-    from relax.logger import read_metrics
-
     have = sorted({int(p.stem.split("_")[0]) for p in (dump / "train_data").glob("*_*.pt")})
     if not have:
         raise ReplayError(f"{dump}: no train data (run with debug=dump, or debug.save_train_data)")
@@ -91,8 +93,6 @@ def pick_rollout(run_dir: Path, dump: Path, wanted: int | None) -> int:
 
 
 def read_rows(dump: Path, rollout_id: int) -> list[dict]:
-    from relax.debug.run_data import train_rows
-
     rows = [r for f in sorted((dump / "train_data").glob(f"{rollout_id}_*.pt")) for r in train_rows(f)]
     rows = sorted({r["index"]: r for r in rows}.values(), key=lambda r: r["index"])  # dp ranks, tp copies
     for r in rows:
@@ -117,13 +117,6 @@ def weight_versions(run_dir: Path, model_path: Path, rollout_id: int) -> tuple[d
 # -- attribution ---------------------------------------------------------------------------
 
 def explain(run_dir: Path, rollout: int | None = None) -> Report:
-    import torch
-    from omegaconf import OmegaConf
-
-    from relax.files import read_json
-    from relax.model import load_tokenizer
-    from relax.sample import log_prob_temperature
-
     run_dir = Path(run_dir)
     built = read_json(run_dir / "built.json") if (run_dir / "built.json").is_file() else {}
     own = (run_dir / "train_data").is_dir()
@@ -144,7 +137,7 @@ def explain(run_dir: Path, rollout: int | None = None) -> Report:
 
     spec = EngineSpec.of(cfg.rollout, cfg.model, cfg.seed, model_path, [tokenizer.eos_token_id],
                          tokenizer.pad_token_id)
-    scorer = Scorer(cfg.rollout, spec, rows, tokenizer)
+    scorer = Scorer(cfg.rollout, spec, rows, tokenizer)  # the trained ids (and every engine built)
     r = cfg.rollout
     t_cfg = log_prob_temperature(float(r.temperature))
     train_dtype, eng_dtype = str(cfg.model.dtype), str(r.dtype or cfg.model.dtype)
@@ -157,13 +150,20 @@ def explain(run_dir: Path, rollout: int | None = None) -> Report:
     if trainer_version:
         candidates = candidates[:candidates.index(trainer_version) + 1]
     candidates = candidates[-3:]
+    # the engine's tokens: the trained ids, or (an engine fed text) each call's context re-encoded
+    view, seen = retokenized(tokenizer, rows), scorer
+    if view.changed:
+        probe, text = scorer.engine(versions[candidates[-1]]), Scorer(r, spec, view.rows, tokenizer)
+        x = {"x": (t_cfg, 1.0)}
+        if rep(text.decode(probe, x)["x"]) < 0.5 * rep(scorer.decode(probe, x)["x"]):
+            seen = text
     scored = {}
     for label in candidates:
         engine = scorer.engine(versions[label])
         variants = {("t", t): (t, 1.0) for t in sorted({*GRID, t_cfg, 1.0})}
         if float(r.top_p) < 1:
             variants["top_p"] = (t_cfg, float(r.top_p))
-        scored[label] = (engine, scorer.decode(engine, variants))
+        scored[label] = (engine, seen.decode(engine, variants))
     engine_version = min(scored, key=lambda v: rep(scored[v][1][("t", t_cfg)]))
     engine, batch = scored[engine_version]
     # the logits processing its log-probs match: the config's, else the best of the search
@@ -172,6 +172,7 @@ def explain(run_dir: Path, rollout: int | None = None) -> Report:
     if rep(batch[best]) < 0.5 * rep(batch[logits_key]):
         logits_key = best
     e_temp, e_top_p = (t_cfg, float(r.top_p)) if logits_key == "top_p" else (logits_key[1], 1.0)
+    engine_side = {"x": (e_temp, e_top_p)}
     replica = batch[logits_key]
     d0 = gap(replica)
     share = lambda x: max(0.0, min(1.0, 1 - gap(x) / d0)) if d0 > 0 else 0.0  # noqa: E731
@@ -181,20 +182,22 @@ def explain(run_dir: Path, rollout: int | None = None) -> Report:
 
     # engine dtype
     if eng_dtype != train_dtype:
-        switched = scorer.decode(scorer.engine(versions[engine_version], train_dtype), {"x": (e_temp, e_top_p)})["x"]
+        switched = seen.decode(scorer.engine(versions[engine_version], train_dtype), engine_side)["x"]
         factors.append(Factor("engine dtype", "rollout.dtype", eng_dtype, train_dtype, share(switched),
                               residual=residual(switched)))
     else:
         factors.append(Factor("engine dtype", "rollout.dtype", eng_dtype, train_dtype, 0.0,
                               "engine and trainer compute in one dtype"))
     # KV-cache decode vs a full forward
-    switched = scorer.decode(engine, {"x": (e_temp, e_top_p)}, recompute=True)["x"]
+    switched = seen.decode(engine, engine_side, recompute=True)["x"]
     factors.append(Factor("KV-cache decode vs full forward", "rollout.true_on_policy", "KV-cache decode",
                           "full forward", share(switched), "the engine's own forward, the batch prefilled again "
                           "at each position", residual(switched)))
-    # batch composition: each sample alone, on both sides
-    alone = scorer.decode(engine, {"x": (e_temp, e_top_p)}, alone=True)["x"]
-    trainer_alone = scorer.full_forward(trainer_path, train_dtype, t_cfg)
+    # batch composition: each sample alone, on both sides (the trainer routing as it trained)
+    experts, why = recorded_experts(model_path, dump, rollout_id, rows)
+    replayed = cfg.algo.routing_replay == "rollout" and experts is not None
+    alone = seen.decode(engine, engine_side, alone=True)["x"]
+    trainer_alone, agree = scorer.full_forward(trainer_path, train_dtype, t_cfg, experts if replayed else None)
     trainer_error = float((trainer_alone.double() - trained).abs().mean())
     batch_share = max(0.0, min(1.0, 1 - float((alone.double() - trainer_alone.double()).abs().mean()) / d0)) \
         if d0 > 0 else 0.0
@@ -217,22 +220,39 @@ def explain(run_dir: Path, rollout: int | None = None) -> Report:
         factors.append(Factor("weights' version", "the weight sync / train.async", engine_version, trainer_version,
                               0.0, "the engine's log-probs match the trainer's weights"))
     else:
-        engine_t = scorer.engine(versions[trainer_version])
-        switched = scorer.decode(engine_t, {"x": (e_temp, e_top_p)})["x"]
+        switched = seen.decode(scorer.engine(versions[trainer_version]), engine_side)["x"]
         factors.append(Factor("weights' version", "the weight sync / train.async", engine_version, trainer_version,
                               share(switched), "a sync that did not land, or train.async's staleness",
                               residual(switched)))
+    # MoE routing: the engine's recorded experts replayed in the trainer's forward
+    factors.append(routing_factor(scorer, experts, why, replayed, trainer_path, train_dtype, t_cfg, replica,
+                                  trainer_alone, agree))
+    # tokenization: the engine fed each call's context as text re-encoded, vs the trained ids
+    if seen is scorer:
+        factors.append(tokenization_factor(view, False, 0.0, []))
+    else:
+        switched = scorer.decode(engine, engine_side)["x"]
+        factors.append(tokenization_factor(view, True, share(switched), residual(switched)))
     factors.sort(key=lambda f: -1 if f.share is None else f.share, reverse=True)
-    top = factors[0]
-    cure = None
-    if top.share and top.name in ("KV-cache decode vs full forward", "batch composition", "engine dtype"):
-        cure = ("rollout.true_on_policy=true makes the mismatch exactly 0 where it comes from kernels "
-                "(docs/true-on-policy.md)" + (f"; it needs one dtype: leave rollout.dtype null (model.dtype="
-                                              f"{train_dtype})" if eng_dtype != train_dtype else ""))
     return Report(str(run_dir), rollout_id, len(trained), mismatch, rep(replica), trainer_error,
                   f"{type(engine).__module__}.{type(engine).__qualname__} ({eng_dtype}, {engine_version})",
-                  factors, scorer.stand_in, ["MoE routing", "tokenization (the trained tokens are the engine's)", "SGLang's kernels"],
-                  cure)
+                  factors, scorer.stand_in, NOT_COVERED, cure_of(factors[0], eng_dtype, train_dtype))
+
+
+def cure_of(top: Factor, eng_dtype: str, train_dtype: str) -> str | None:
+    """What removes the top factor, where one setting does."""
+    if not top.share:
+        return None
+    if top.name in ("KV-cache decode vs full forward", "batch composition", "engine dtype"):
+        return ("rollout.true_on_policy=true makes the mismatch exactly 0 where it comes from kernels "
+                "(docs/true-on-policy.md)" + (f"; it needs one dtype: leave rollout.dtype null (model.dtype="
+                                              f"{train_dtype})" if eng_dtype != train_dtype else ""))
+    if top.name == ROUTING:
+        return "algo.routing_replay=rollout (R3): the trainer routes every token to the engine's recorded experts"
+    if top.name == TOKENIZATION:
+        return ("feed the engine token ids, not text: build each call's prompt from the ids before it "
+                "(rollout.generate_fn, docs/rollouts.md)")
+    return None
 
 
 # -- output --------------------------------------------------------------------------------
@@ -275,8 +295,6 @@ def plot(report: Report, out: Path) -> None:
     bars.barh(names, [100 * (f.share or 0) for f in report.factors][::-1])
     bars.set(xlabel="share of the mismatch (%)", xlim=(0, 100))
     fig.tight_layout()
-    from relax.files import save_figure
-
     save_figure(fig, out, dpi=100)
     plt.close(fig)
 
