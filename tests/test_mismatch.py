@@ -121,3 +121,15 @@ def test_routing_the_run_did_not_record_is_not_measured_and_says_why(tmp_path):
     save_rollout(dump / "rollout_data" / "0.pt", 0, [sample], {})
     assert recorded_experts(moe, dump, 0, rows) == ([[0, 1, 2, 3]], "")
     assert recorded_experts(moe, dump, 0, [{**rows[0], "tokens": [1, 2, 4]}])[1].endswith("(other tokens)")
+
+
+def test_the_routing_cure_removes_the_routing_fault(tmp_path, tiny_path):
+    """The same rerouting engine under the cure the report names (algo.routing_replay=rollout):
+    the trainer runs the engine's experts, the mismatch is the kernels' (float32) and the
+    routing factor, measured, is 0."""
+    run = run_with(tmp_path, [*ONE, *MOE, ENGINE + "RerouteEngine", "algo.routing_replay=rollout"])
+    proc = relax_cli("mismatch", str(run), "--json", "--out", str(tmp_path / "plots"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    routing = next(f for f in report["factors"] if f["name"] == "MoE routing")
+    assert report["mismatch"] < 1e-5 and (routing["share"], routing["trainer"]) == (0.0, "replayed (R3)"), report
