@@ -42,7 +42,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from relax.cluster.reaper import descendants
+from relax.reaper import descendants
 
 
 def rss_mb(pid: int) -> float:
@@ -63,7 +63,7 @@ def kind(pid: int, driver: int) -> str:
         return "gone"
     if cmd.startswith("ray::Host") or "relax-rank" in cmd or "multiprocessing.spawn" in cmd:
         return "ranks/actors"
-    if "relax.cluster.reaper" in cmd:
+    if "relax.reaper" in cmd:
         return "relax reaper"
     # "other": e.g. the multiprocessing resource tracker of local ranks
     return "ray itself" if cmd.startswith("ray::") or "/ray/" in cmd else "other"

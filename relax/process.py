@@ -17,10 +17,6 @@ from contextlib import ExitStack, contextmanager
 from multiprocessing import resource_tracker
 from pathlib import Path
 
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
-from omegaconf import OmegaConf
-
 from relax.errors import ConfigError, DiskFull, Interrupted
 
 log = logging.getLogger("relax")
@@ -281,6 +277,11 @@ class Job:
     is one Hydra created for this job."""
 
     def __init__(self, cfg):
+        # Hydra here, not at the top: the reaper's process imports this module and starts light
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+        from omegaconf import OmegaConf
+
         hydra = HydraConfig.get()
         self.run_dir, self.accepted = Path(hydra.runtime.output_dir), False
         self.sweep, self.launcher = hydra.mode == RunMode.MULTIRUN, hydra.launcher._target_

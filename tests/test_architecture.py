@@ -14,7 +14,7 @@ LAYERS = [
     {"errors", "__init__"},
     {"sample", "config", "targets", "files", "faults", "distributed"},
     {"algo", "task", "logger", "process"},
-    {"model"},
+    {"model", "reaper"},
     {"replay", "checkpoint"},
     {"rollout", "train"},
     {"debug", "eval"},
@@ -205,3 +205,62 @@ def test_the_whole_config_check_sees_a_planted_taker(tmp_path):
     (package / "engine.py").write_text("class E:\n    def __init__(self, cfg, path):\n        pass\n"
                                        "def build(rollout, spec):\n    pass\n")
     assert whole_config_takers(package) == {"relax/engine.py": {"__init__"}}
+
+
+# -- function-local imports -------------------------------------------------------------------
+
+# An import inside a function is there for one of two reasons, which its comment names: the
+# package is an optional dependency (an extra, or SGLang's own environment), or the module must
+# load light (`relax --help`; the reaper, a process of its own; `relax bugreport` on a broken install).
+OPTIONAL_PACKAGES = {"ray", "megatron", "sglang", "peft", "gguf", "wandb", "math_verify", "reasoning_gym"}
+TORCH_FREE = {"relax/cli.py", "relax/process.py", "relax/tools/bugreport.py", "relax/tools/system_info.py"}
+
+
+def local_imports(path: Path) -> list[tuple[int, str, bool]]:
+    """(line, module, commented) for each import inside a function; commented: a comment on its
+    line, or on the line above the block of imports it is in."""
+    lines = path.read_text().splitlines()
+    found = []
+    for fn in ast.walk(ast.parse("\n".join(lines))):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(fn):
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and (node.lineno, node.col_offset) not in {
+                    (n, c) for n, _, _, c in found}:
+                above = node.lineno - 2
+                while above >= 0 and lines[above].strip().startswith(("import ", "from ")):
+                    above -= 1
+                commented = "#" in lines[node.lineno - 1] or lines[above].strip().startswith("#")
+                module = node.names[0].name if isinstance(node, ast.Import) else "." * node.level + (node.module or "")
+                found.append((node.lineno, module, commented, node.col_offset))
+    return [(n, m, c) for n, m, c, _ in found]
+
+
+def misplaced_local_imports(package: Path = PACKAGE) -> list[str]:
+    bad = []
+    for path in sorted(p for p in package.rglob("*.py") if "__pycache__" not in p.parts):
+        name = path.relative_to(package.parent).as_posix()
+        for line, module, commented in local_imports(path):
+            optional = module.split(".")[0] in OPTIONAL_PACKAGES
+            if not commented or not (optional or name in TORCH_FREE):
+                bad.append(f"{name}:{line} imports {module} inside a function"
+                           f"{'' if commented else ' without a comment saying why'}")
+    return bad
+
+
+def test_function_local_imports_are_optional_dependencies_that_say_so():
+    bad = misplaced_local_imports()
+    assert not bad, "move these to the module's top, or say which optional dependency needs them:\n" + "\n".join(bad)
+
+
+def test_the_local_import_check_sees_planted_ones(tmp_path):
+    package = tmp_path / "relax"
+    package.mkdir()
+    (package / "engine.py").write_text(
+        "def a():\n    import torch\n"  # a required package: belongs at the top
+        "def b():\n    import ray\n"  # optional, but says nothing
+        "def c():\n    # optional: ray (relax[ray])\n    import ray\n    from ray.util import x\n"  # fine
+        "def d():\n    from megatron.core import y  # optional: megatron-core\n")  # fine
+    assert misplaced_local_imports(package) == [
+        "relax/engine.py:2 imports torch inside a function without a comment saying why",
+        "relax/engine.py:4 imports ray inside a function without a comment saying why"]

@@ -36,7 +36,7 @@ def placement(run_dir) -> dict:
 
 
 def alive(pid: int) -> bool:
-    from relax.cluster.reaper import start_time
+    from relax.reaper import start_time
 
     return start_time(pid) is not None
 
@@ -361,7 +361,7 @@ def test_an_unreachable_address_fails_fast_naming_it(tmp_path, monkeypatch, auto
     assert time.monotonic() - start < 30
 
 
-class FakeReaper:  # stands in for relax.cluster.reaper.Reaper (no process started)
+class FakeReaper:  # stands in for relax.reaper.Reaper (no process started)
     def __init__(self):
         self.released = False
 

@@ -53,7 +53,7 @@ def run_driver(tmp_path, *args) -> tuple[subprocess.Popen, set[tuple[int, int]]]
     """`relax cluster=ray ...` in its own session, once its actors are up, and the set of its
     processes (Ray's, the actors', the reaper) as (pid, start time), which a thread keeps
     adding to until the driver ends (Ray starts some agents late)."""
-    from relax.cluster.reaper import descendants
+    from relax.reaper import descendants
 
     driver = subprocess.Popen([sys.executable, "-m", "relax", "cluster=ray", *args], cwd=tmp_path,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -83,7 +83,7 @@ GROUP_STOPS = {"Ctrl-C": signal.SIGINT, "SIGTERM to the group": signal.SIGTERM}
 def test_a_private_instance_leaves_no_process_behind(tmp_path, tiny_path, end):
     """Whichever way the job ends; a stop that signals every process of the job (a terminal's
     Ctrl-C; `timeout`, `kill -- -PGID`: SIGTERM) is the driver's, and a clean one."""
-    from relax.cluster.reaper import start_time
+    from relax.reaper import start_time
     from relax.process import read_status
 
     num_rollout = 2 if end == "completes" else 100_000

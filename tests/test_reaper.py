@@ -1,4 +1,4 @@
-"""The reaper (relax/cluster/reaper.py) without Ray: which processes it records, how it stops
+"""The reaper (relax/reaper.py) without Ray: which processes it records, how it stops
 them, and that it ends when the driver releases it or dies. Real processes, a few seconds."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from relax.cluster.reaper import descendants, now_ticks, start_time, stop
+from relax.reaper import descendants, now_ticks, start_time, stop
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the reaper reads /proc")
 
@@ -86,7 +86,7 @@ def test_stop_kills_what_ignores_sigterm_and_spares_a_reused_pid():
 DRIVER = """
 import os, subprocess, sys, time
 from multiprocessing import resource_tracker
-from relax.cluster.reaper import Reaper
+from relax.reaper import Reaper
 before = subprocess.Popen(['sleep', '60'])
 time.sleep(0.1)
 reaper = Reaper()

@@ -247,7 +247,7 @@ def test_an_exited_unreaped_driver_is_dead_to_every_reader(tmp_path):
     """A zombie (exited, its parent has not waited on it) is no live run: status.json readers
     and the reaper agree, through the one /proc reader."""
     from relax.checkpoint import check_run_dir
-    from relax.cluster.reaper import descendants
+    from relax.reaper import descendants
     from relax.process import HOST, describe, is_alive, live_elsewhere, proc_stat, start_time
 
     pid = os.fork()

@@ -34,7 +34,7 @@ from relax.cluster.ranks import (RankError, RankGroup, freeze_heap, open_store, 
 from relax.cluster.ray_hosts import RayHosts
 from relax.cluster.ray_sockets import reach_by_socket, serve
 from relax.cluster.ray_weights import Tensors
-from relax.cluster.reaper import Reaper
+from relax.reaper import Reaper
 from relax.distributed import free_port
 from relax.errors import USER_ERRORS, ConfigError
 from relax.process import sigterm_left_to_the_driver

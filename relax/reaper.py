@@ -1,6 +1,6 @@
 """Stops a job's private Ray instance even when the driver cannot (kill -9, a crash).
 
-How it works in detail: docs/cluster.md, "Inside `relax/cluster/reaper.py`".
+How it works in detail: docs/cluster.md, "Inside `relax/reaper.py`".
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class Reaper:
         self.proc = None
         if sys.platform == "linux":
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "relax.cluster.reaper", str(os.getpid()), str(now_ticks())],
+                [sys.executable, "-m", "relax.reaper", str(os.getpid()), str(now_ticks())],
                 stdin=subprocess.PIPE, text=True, start_new_session=True)
 
     def release(self, wait_s: float = 15.0) -> None:
