@@ -139,6 +139,9 @@ class TrainConfig:
     # a group's prompt runs once per forward (train=torch: relax/train/packing.py); null: where the
     # model's attention takes the packed mask exactly (the hand-written families), else each row alone
     shared_prompt: Optional[bool] = None
+    # rollouts generated ahead of training, each on a policy at most this many versions behind
+    # the trainer's: 0 synchronous, 1 what train.async=true does (null: 1 with it, else 0)
+    max_staleness: Optional[int] = None
     lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters instead of full fine-tuning
 
 
@@ -146,7 +149,7 @@ class TrainConfig:
 # is added before @dataclass runs, kept out of the generated __init__/__repr__/__eq__ (whose code
 # would name it). Read it as cfg.train["async"].
 TrainConfig.__annotations__["async"] = "bool"
-setattr(TrainConfig, "async", field(  # generate rollout k+1 while training on k (one-step off-policy)
+setattr(TrainConfig, "async", field(  # generate rollout k+1 while training on k: train.max_staleness=1
     default=False, init=False, repr=False, compare=False))
 TrainConfig = dataclass(TrainConfig)
 

@@ -29,9 +29,9 @@ from relax.logger.progress import Progress
 from relax.logger.summary import log_summary
 from relax.model import read_hf_config
 from relax.process import Job, LogGuard, Stop, close_on_exit
-from relax.replay import keep_groups, load_rollout, save_rollout
+from relax.replay import keep_groups, load_rollout, save_ahead, save_rollout
 from relax.rollout import engine_dtype
-from relax.rollout.prefetch import Rollouts
+from relax.rollout.prefetch import Rollouts, max_staleness
 from relax.rollout.spec import EngineSpec
 from relax.sample import Sample
 from relax.startup import Run, prepare
@@ -114,8 +114,8 @@ def build(run: Run, cluster, parts: ExitStack):
 
 
 def make_rollout(run: Run, engine, rollout_id: int, policy_version: int) -> tuple[list[Sample], dict]:
-    """Evaluate if due, then generate and score (or replay) one rollout (with train.async, in a
-    background thread: evaluation then sees the weights that generate). `policy_version`: how
+    """Evaluate if due, then generate and score (or replay) one rollout (with train.max_staleness,
+    in a background thread: evaluation then sees the weights that generate). `policy_version`: how
     many rollouts the engine's weights have been trained on. Returns the samples and the
     rollout's metrics beyond rollout_stats (generation rounds, eval/*, perf/eval_time)."""
     cfg = run.cfg
@@ -137,7 +137,7 @@ def make_rollout(run: Run, engine, rollout_id: int, policy_version: int) -> tupl
 def rollout(run: Run, rollouts: Rollouts, rollout_id: int) -> tuple[list[Sample], dict]:
     """One rollout's samples (made now, prefetched or replayed); save them if asked; log
     `Finish rollout`. rollout/staleness: how many rollouts the trainer is ahead of the policy
-    that generated them (train.async: 1, the first one 0)."""
+    that generated them (at most train.max_staleness)."""
     (samples, stats), seconds, policy_version = rollouts.get(rollout_id)
     seconds -= stats.get("perf/eval_time", 0.0)
     record = {"rollout_id": rollout_id, **rollout_stats(samples, seconds, run.tokenizer,
@@ -231,14 +231,16 @@ def first_step(run: Run, rollout_id: int, samples, record: dict, out: dict) -> N
     strict.judge_first_step(found, cfg.debug.strict_checks, run.dir)
 
 
-def checkpoint_on_schedule(run: Run, trainer, rollout_id: int, stopping: bool) -> None:
+def checkpoint_on_schedule(run: Run, trainer, rollouts: Rollouts, rollout_id: int, stopping: bool) -> None:
     """Every checkpoint.save_interval rollouts, at the last one and when the run is stopping,
-    after the rollout's metrics are written (a checkpoint carries the run's history up to it)."""
+    after the rollout's metrics are written (a checkpoint carries the run's history up to it),
+    with the rollouts made ahead on older weights than its own (train.max_staleness)."""
     cfg = run.cfg
     interval = cfg.checkpoint.save_interval
     if interval and ((rollout_id + 1) % interval == 0 or rollout_id == run.plan.rollout_ids[-1] or stopping):
         save_checkpoint(trainer, run.tokenizer, run.dir, rollout_id, run.model_path, cfg.checkpoint.keep_last,
-                        checkpoint_layout(cfg.train, cfg.parallel), (cfg, run.overrides))
+                        checkpoint_layout(cfg.train, cfg.parallel), (cfg, run.overrides),
+                        lambda folder: save_ahead(folder, rollouts.ahead(), run.manifest))
 
 
 def rl_loop(cfg, run_dir: Path, stop: Stop | None = None, accept=lambda: None) -> None:
@@ -258,7 +260,7 @@ def rl_loop(cfg, run_dir: Path, stop: Stop | None = None, accept=lambda: None) -
         stop.install()  # ... and Relax's signal handlers
         stop.check("before the first rollout")  # (a signal while building)
         rollouts = close_on_exit(parts, Rollouts(partial(make_rollout, run, engine), run.plan.rollout_ids,
-                                                 cfg.train["async"]), "close")
+                                                 max_staleness(cfg.train), run.ahead), "close")
         progress = close_on_exit(parts, Progress(len(run.plan.rollout_ids)), "close")
         for rollout_id in run.plan.rollout_ids:
             samples, record = rollout(run, rollouts, rollout_id)
@@ -268,10 +270,10 @@ def rl_loop(cfg, run_dir: Path, stop: Stop | None = None, accept=lambda: None) -
                     dump_layers(run, trainer, engine, rollout_id, samples)
                 out = train(run, trainer, engine, rollout_id, samples)
                 if engine:
-                    rollouts.wait()  # train.async: the next rollout is generated on the weights it began with
+                    rollouts.wait()  # rollouts made ahead end on the weights they began with
                     seconds = sync_weights(run, trainer, engine, weight_check, rollout_id)
                     record["perf/weight_sync_time"] = seconds
-                    rollouts.synced(rollout_id)  # ... and the one after starts on these
+                    rollouts.synced(rollout_id)  # ... and those pinned to the new weights start
                 record.update(out["rollout"], **{"perf/train_time": time.perf_counter() - t0})
                 first_step(run, rollout_id, samples, record, out)
                 for step, step_metrics in enumerate(out["steps"]):
@@ -281,7 +283,7 @@ def rl_loop(cfg, run_dir: Path, stop: Stop | None = None, accept=lambda: None) -
             faults.point("metrics_written")
             stopping = stop.requested  # one look: a signal after it stops after the next rollout
             if trainer:
-                checkpoint_on_schedule(run, trainer, rollout_id, stopping)
+                checkpoint_on_schedule(run, trainer, rollouts, rollout_id, stopping)
             progress.update(rollout_id, record["rollout/raw_reward"])
             if stopping:
                 stop.check(f"after rollout {rollout_id}")

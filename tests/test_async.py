@@ -1,6 +1,8 @@
-"""train.async=true: rollout k+1 is generated (the engine in a process of its own) while the
-driver trains on rollout k, one policy step behind; resume trains every rollout once; dumps
-replay exactly; the settings where nothing can overlap are refused before anything starts."""
+"""train.max_staleness=k (train.async=true: k=1): rollouts are generated (the engine in a process
+of its own) while the driver trains, rollout j on policy version j - k; 0 is the synchronous
+loop; a resumed run (the checkpoint keeps the rollouts made ahead) and a replay of its saved
+data end with its weights, bit for bit; the settings where nothing can overlap are refused
+before anything starts."""
 
 import asyncio
 import json
@@ -10,9 +12,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from relax.errors import ConfigError, RolloutError
 from relax.files import safe_load
+from relax.logger import read_metrics
 from relax.rollout.generate import single_turn
 from relax.train.torch_trainer import TorchTrainer
 
@@ -94,21 +99,69 @@ def test_a_generate_fn_error_in_the_engine_process_stops_the_run_as_itself(tmp_p
     assert not (tmp_path / "checkpoints").exists()
 
 
-def test_resumed_async_run_trains_every_rollout_once(tmp_path):
-    common = [*ASYNC, "rollout.num_rollout=6", "checkpoint.save_interval=3", "checkpoint.keep_last=null"]
-    full_rollouts, full_steps = run_loop(tmp_path / "full", *common)
+def last_weights(run_dir: Path, rollout_id: int) -> dict:
+    return load_file(str(run_dir / "checkpoints" / f"rollout_{rollout_id:06d}" / "hf" / "model.safetensors"))
+
+
+def same_run(a: Path, b: Path, last: int) -> None:
+    """Two runs' metrics (all but their timings) and last checkpoint's weights, bit for bit."""
+    def untimed(records):
+        return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in records]
+    (rollouts_a, steps_a), (rollouts_b, steps_b) = read_metrics(a), read_metrics(b)
+    assert untimed(rollouts_a) == untimed(rollouts_b) and untimed(steps_a) == untimed(steps_b)
+    wa, wb = last_weights(a, last), last_weights(b, last)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.parametrize("k,staleness", [(1, [0, 1, 1, 1, 1, 1]), (2, [0, 1, 2, 2, 2, 2])])
+def test_a_resumed_run_is_the_uninterrupted_run(tmp_path, k, staleness):
+    """The checkpoint after rollout 2 keeps rollouts 3.. made on older weights than its own: the
+    resumed run trains them, not new ones, and ends with the uninterrupted run's weights."""
+    common = [*ASYNC, f"train.max_staleness={k}", "rollout.num_rollout=6", "checkpoint.save_interval=3",
+              "checkpoint.keep_last=null"]
+    full_rollouts, _ = run_loop(tmp_path / "full", *common)
     checkpoint = tmp_path / "full" / "checkpoints" / "rollout_000002"
+    assert sorted(p.name for p in (checkpoint / "rollouts_ahead").iterdir()) == [f"{3 + i}.pt" for i in range(k)]
     rollouts, steps = run_loop(tmp_path / "resumed", *common, f"resume={checkpoint}")
     assert [r["rollout_id"] for r in rollouts] == [s["rollout_id"] for s in steps] == list(range(6))
     samples = [json.loads(line)["rollout_id"] for line in (tmp_path / "resumed" / "samples.jsonl").open()]
     assert samples == list(range(6))
-    # the history up to the checkpoint is the first run's; rollout 3 came from the checkpoint's weights
-    assert rollouts[:3] == full_rollouts[:3] and steps[:3] == full_steps[:3]
-    assert [r["rollout/staleness"] for r in rollouts] == [0, 1, 1, 0, 1, 1]
+    assert [r["rollout/staleness"] for r in full_rollouts] == staleness
+    same_run(tmp_path / "full", tmp_path / "resumed", 5)
     # Adam counted one step per rollout, in both runs: none trained twice, none skipped
     for run in ("full", "resumed"):
         state = safe_load(tmp_path / run / "checkpoints" / "rollout_000005" / "trainer_state.pt")
         assert {float(s["step"]) for s in state["optimizer"]["state"].values()} == {6.0}
+
+
+def test_an_async_run_replays_to_the_bit(tmp_path):
+    """debug=train_only on a k=2 run's saved rollouts trains the same samples in the same order:
+    the same losses and the same final weights, bit for bit."""
+    common = ["rollout.rollout_batch_size=16", "rollout.num_rollout=4", "checkpoint.save_interval=4"]
+    run_loop(tmp_path / "run", *common, "train.max_staleness=2",
+             f"debug.save_rollout_data={tmp_path}/data/{{rollout_id}}.pt")
+    saved = [safe_load(tmp_path / "data" / f"{i}.pt")["samples"][0]["metadata"]["policy_version"]
+             for i in range(4)]
+    assert saved == [0, 0, 0, 1]
+    run_loop(tmp_path / "replay", *common, "debug=train_only",
+             f"debug.load_rollout_data={tmp_path}/data/{{rollout_id}}.pt")
+    (_, steps), (_, replayed) = read_metrics(tmp_path / "run"), read_metrics(tmp_path / "replay")
+    assert [(s["train/loss"], s["train/grad_norm"]) for s in steps] == \
+        [(s["train/loss"], s["train/grad_norm"]) for s in replayed]
+    a, b = last_weights(tmp_path / "run", 3), last_weights(tmp_path / "replay", 3)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("spelling,same_as", [("train.max_staleness=0", []),
+                                              ("train.async=true", ["train.max_staleness=1"])],
+                         ids=["0-is-synchronous", "async-is-1"])
+def test_max_staleness_0_is_the_synchronous_loop_and_async_spells_1(tmp_path, spelling, same_as):
+    common = ["rollout.rollout_batch_size=16", "rollout.num_rollout=3", "checkpoint.save_interval=3"]
+    run_loop(tmp_path / "a", *common, spelling)
+    run_loop(tmp_path / "b", *common, *same_as)
+    same_run(tmp_path / "a", tmp_path / "b", 2)
+    staleness = [r["rollout/staleness"] for r in read_metrics(tmp_path / "a")[0]]
+    assert staleness == ([0, 0, 0] if spelling.endswith("=0") else [0, 1, 1])
 
 
 def test_async_dumps_replay_exactly_and_the_doctor_passes(tmp_path):
@@ -127,19 +180,23 @@ def test_async_dumps_replay_exactly_and_the_doctor_passes(tmp_path):
         assert (a["train/loss"], a["train/grad_norm"]) == (b["train/loss"], b["train/grad_norm"])
     checks = diagnose(load_run(tmp_path / "run"))
     assert not [c for c in checks if c.verdict == FAIL]
-    assert "2 stale rollouts of train.async left out" in checks[4].summary
+    assert "2 stale rollouts of train.max_staleness left out" in checks[4].summary
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["debug=rollout_only"], "debug.rollout_only builds no trainer"),
-    (["debug.load_rollout_data=/nowhere/{rollout_id}.pt"], "replays saved rollouts and generates none"),
-    (["rollout.colocate=true"], "a colocated engine gives up its memory while the trainer runs"),
-], ids=["rollout_only", "train_only", "colocate"])
+    (["train.async=true", "debug=rollout_only"], r"^train.async=true overlaps .* debug.rollout_only builds no trainer"),
+    (["train.max_staleness=2", "debug=rollout_only"], r"^train.max_staleness=2 overlaps .* builds no trainer"),
+    (["train.async=true", "debug.load_rollout_data=/nowhere/{rollout_id}.pt"],
+     "replays saved rollouts and generates none"),
+    (["train.async=true", "rollout.colocate=true"], "a colocated engine gives up its memory while the trainer runs"),
+    (["train.max_staleness=-1"], r"^train.max_staleness=-1: expected a whole number >= 0"),
+    (["train.async=true", "train.max_staleness=0"], "train.async means train.max_staleness=1; set one of them"),
+], ids=["rollout_only", "rollout_only-k", "train_only", "colocate", "negative", "async-and-0"])
 def test_async_is_refused_where_nothing_can_overlap(overrides, message):
     from relax.debug.plan import resolve
 
     with pytest.raises(ConfigError, match=message):
-        resolve(make_cfg("train.async=true", *overrides))
+        resolve(make_cfg(*overrides))
 
 
 def test_async_refusal_stops_the_cli_before_anything_starts(tmp_path):
@@ -170,40 +227,73 @@ def test_weights_reach_the_engine_process_through_shared_memory(tmp_path, monkey
     assert report["passed"] and [c["rollout_id"] for c in report["checks"]] == [None, None, 0, 1, 2]
 
 
-def test_the_rollout_after_next_starts_at_the_weight_sync_on_its_weights():
-    """Rollouts: get(k) starts k+1 (unless started); synced(k) starts k+2 at once, on the weights
-    trained through k (policy version k + 1), before the loop takes up k+1."""
-    import threading
-
-    from relax.rollout.prefetch import Rollouts
-
-    started, gate = [], threading.Event()
+def recording_make(gate):
+    """A `make` for Rollouts that records (rollout_id, policy_version) and waits for `gate`."""
+    started = []
 
     def make(rollout_id, policy_version):
         started.append((rollout_id, policy_version))
         gate.wait(5)
-        return [], {}
-    rollouts = Rollouts(make, [3, 4, 5, 6], prefetch=True)
+        return [rollout_id], {}
+    return make, started
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_rollout_j_is_made_on_version_j_minus_k_as_soon_as_the_engine_holds_it(k):
+    """A run resumed at rollout 3: rollouts 3..3+k are pinned to the checkpoint's version 3 and
+    start at once; synced(j) (the engine now holds version j + 1) starts j + 1 + k. wait() lets
+    the generations in flight end; ahead() is what a checkpoint then keeps."""
+    import threading
+
+    from relax.rollout.prefetch import Rollouts
+
+    gate = threading.Event()
+    make, started = recording_make(gate)
+    ids = list(range(3, 9))
+    rollouts = Rollouts(make, ids, max_staleness=k)
+    assert rollouts.pending.keys() == set(range(3, 4 + k))
     gate.set()
-    assert rollouts.get(3)[2] == 3 and rollouts.pending.keys() == {4}  # a resumed run's first: made now
-    rollouts.wait()
-    gate.clear()
-    rollouts.synced(3)
-    assert rollouts.pending.keys() == {4, 5}
-    gate.set()
-    assert rollouts.get(4)[2] == 3 and rollouts.pending.keys() == {5}  # 5 is not started twice
-    rollouts.wait()
-    rollouts.synced(4)
-    assert rollouts.get(5)[2] == 4
-    rollouts.synced(5)  # nothing after 6
-    assert rollouts.get(6)[2] == 5 and not rollouts.pending
+    for j in ids:
+        assert rollouts.get(j)[0][0] == [j]
+        rollouts.wait()
+        rollouts.synced(j)
+        assert set(rollouts.ahead()) == set(range(j + 1, min(j + 1 + k, 9)))  # made on older weights
     rollouts.close()
-    assert started == [(3, 3), (4, 3), (5, 4), (6, 5)]
+    assert started == [(j, max(3, j - k)) for j in ids]
+
+
+def test_a_checkpoints_rollouts_made_ahead_are_not_made_again():
+    import threading
+
+    from relax.rollout.prefetch import Rollouts
+
+    gate = threading.Event()
+    gate.set()
+    make, started = recording_make(gate)
+    kept = {4: (([4], {}), 0.5, 2), 5: (([5], {}), 0.5, 3)}  # from a k=2 run's checkpoint after rollout 3
+    rollouts = Rollouts(make, [4, 5, 6, 7], max_staleness=2, made=kept)
+    assert rollouts.get(4) == kept[4] and rollouts.get(5) == kept[5]
+    assert rollouts.get(6)[2] == 4
+    rollouts.close()
+    assert started[0] == (6, 4)
+    # resumed with k=1 (resume_allow_changes): both are 2 versions behind, so made again
+    assert Rollouts(make, [4, 5], max_staleness=1, made=kept).made == {}
+    assert Rollouts(make, [4, 5], max_staleness=3, made=kept).made == kept
+
+
+def test_without_staleness_each_rollout_is_made_when_asked():
+    from relax.rollout.prefetch import Rollouts
+
+    rollouts = Rollouts(lambda j, v: ([j], {}), [0, 1], max_staleness=0)
+    assert rollouts.pool is None and not rollouts.pending
+    assert rollouts.get(0)[2] == 0
+    rollouts.synced(0)
+    assert rollouts.get(1)[2] == 1 and rollouts.ahead() == {}
 
 
 def test_wait_and_close_let_the_generation_in_flight_finish():
     """wait() (before a weight sync) and close() (before the engine shuts down) return only once
-    the prefetched generation has ended, so it never sees weights change or its engine go."""
+    the generation made ahead has ended, so it never sees weights change or its engine go."""
     import threading
 
     from relax.rollout.prefetch import Rollouts
@@ -211,19 +301,19 @@ def test_wait_and_close_let_the_generation_in_flight_finish():
     done, gate, running = [], threading.Event(), threading.Event()
 
     def make(rollout_id, policy_version):
-        if rollout_id:  # the prefetched ones wait for the gate
+        if rollout_id:  # the ones made ahead wait for the gate
             running.set()
             gate.wait(5)
         done.append(rollout_id)
         return [], {}
-    rollouts = Rollouts(make, [0, 1, 2], prefetch=True)
-    rollouts.get(0)  # made now; starts 1
+    rollouts = Rollouts(make, [0, 1, 2], max_staleness=1)  # starts 0 and 1
+    rollouts.get(0)
     threading.Timer(0.2, gate.set).start()
     rollouts.wait()
     assert done == [0, 1]
     gate.clear()
     running.clear()
-    rollouts.get(1)  # starts 2
+    rollouts.synced(0)  # starts 2
     assert running.wait(5)  # in flight (close() cancels a generation not yet begun)
     threading.Timer(0.2, gate.set).start()
     rollouts.close()

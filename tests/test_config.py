@@ -69,7 +69,9 @@ ADDED = {"logger._target_": "relax.logger.MetricsLogger",
          # issue 50 (the always-on weight-sync check): on
          "debug.check_weight_sync": True,
          # issue 51 (decoupled PPO): its cap, read only with algo.policy_loss=decoupled_ppo
-         "algo.behav_imp_weight_cap": 5.0}
+         "algo.behav_imp_weight_cap": 5.0,
+         # issue 51 (bounded staleness): null, read as train.async's 1 or 0
+         "train.max_staleness": None}
 RAY = {"cluster._target_": "relax.cluster.ray_cluster.RayCluster", "cluster.address": None,
        "cluster.num_cpus_per_rank": 1.0, "cluster.num_gpus_per_rank": 0.0, "cluster.num_cpus_per_engine": 1.0,
        "cluster.num_gpus_per_engine": 0.0, "cluster.resources_per_rank": {},

@@ -885,12 +885,12 @@ def test_the_train_rollout_mismatch_warns_on_a_doubling_drift_only():
     assert check.verdict == "WARN" and check.summary == "steady upward drift: 2.00e-03 -> 5.00e-03"
 
 
-def test_stale_rollouts_of_train_async_are_left_out_of_the_mismatch():
+def test_stale_rollouts_are_left_out_of_the_mismatch():
     """A rollout sampled by an older policy (rollout/staleness > 0) differs by that policy's updates."""
     rollouts = [rollout(0, 0.3, 1.7), rollout(1, 0.3, 1.7, **{"rollout/staleness": 1})]
     steps = [step(0, 2.5), step(1, 2.5, **{"train/train_rollout_logprob_abs_diff": 0.5})]
     check = by_id(real_run(rollouts, steps, lr=1e-5))[5]
-    assert check.verdict == "PASS" and "(1 stale rollouts of train.async left out)" in check.summary
+    assert check.verdict == "PASS" and "(1 stale rollouts of train.max_staleness left out)" in check.summary
     assert check.evidence["max"] == 2e-6 and check.evidence["stale_rollouts_left_out"] == 1
 
 

@@ -127,6 +127,8 @@ VALID: dict[str, tuple[str, str]] = {
     "train.micro_batch_size": ("huge", "one micro-batch a step"),
     "train.clip_grad": ("zero huge", "0: no clipping; a large one is never reached"),
     "train.ref_log_probs_interval": ("huge", "the reference runs at the first step only"),
+    "train.max_staleness": ("zero huge", "0: synchronous; a large one makes every rollout ahead on the "
+                                         "first policy (the run's rollouts fit in memory)"),
     "train.lora.rank": ("zero", "LoRA off (the default)"),
     "train.lora.alpha": ("huge", "a scale of the adapters' update"),
     "train.lora.dropout": ("zero", "no dropout (the default)"),
@@ -216,7 +218,7 @@ def start_up(tmp_path_factory, tiny_path):
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(root)
         mp.setattr("relax.model.tiny.build", mock.Mock(side_effect=Built))  # a tiny recipe: warm-up
-        mp.setattr("relax.model.gguf.ensure_packaged_model", mock.Mock(side_effect=Built))  # model=smollm2
+        mp.setattr("relax.model.ensure_packaged_model", mock.Mock(side_effect=Built))  # model=smollm2
         mp.setattr("relax.rollout.sglang_engine.require_extra", lambda *a: None)  # rollout=sglang's checks
         tokenizer = load_tokenizer(tiny_path)
         mp.setattr("relax.startup.load_tokenizer", lambda path: tokenizer)

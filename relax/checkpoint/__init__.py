@@ -9,6 +9,7 @@ import errno
 import json
 import logging
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -100,8 +101,10 @@ def check_finite_weights(folder: Path) -> None:
 
 
 def save_checkpoint(trainer, tokenizer, run_dir: Path, rollout_id: int, ref_model_path: Path,
-                    keep_last: int | None, layout: dict, experiment: tuple) -> Path:
-    """`experiment`: the run's (config, overrides), which a resume composes again."""
+                    keep_last: int | None, layout: dict, experiment: tuple,
+                    write_more: Callable[[Path], None] = lambda folder: None) -> Path:
+    """`experiment`: the run's (config, overrides), which a resume composes again; `write_more`
+    adds the loop's own files to the folder before it is complete."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     for leftover in [*root.glob(".*.tmp"), *root.glob(".*.old")]:  # from a crash mid-save
@@ -119,6 +122,7 @@ def save_checkpoint(trainer, tokenizer, run_dir: Path, rollout_id: int, ref_mode
         if (tmp / "hf").is_dir():  # (a LoRA adapter alone: the reference model has the tokenizer)
             tokenizer.save_pretrained(tmp / "hf")
         save_experiment(tmp, *experiment)
+        write_more(tmp)
         (tmp / "history").mkdir()
         for name in HISTORY:
             if (Path(run_dir) / name).is_file():

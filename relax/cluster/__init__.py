@@ -14,6 +14,7 @@ from relax.cluster.engines import EngineGroup, InDriver, make_engine, make_engin
 from relax.cluster.ranks import LocalRanks, on_this_host
 from relax.errors import ConfigError
 from relax.rollout import num_engines, uses_gpus
+from relax.rollout.prefetch import max_staleness
 from relax.rollout.spec import EngineSpec
 from relax.targets import load_target
 from relax.train import make_trainer, runs_in_driver
@@ -38,9 +39,9 @@ def open_cluster(cluster, rollout, train, algo, parallel, run_dir):
 class LocalCluster:
     @staticmethod
     def check_config(cluster, rollout, train) -> None:
-        if train["async"] and uses_gpus(rollout):
-            raise ConfigError("train.async=true on cluster=local with GPUs: the engines start at cuda:0, "
-                              "where trainer rank 0 runs, so generation and training would share a device; "
+        if max_staleness(train) and uses_gpus(rollout):
+            raise ConfigError("train.max_staleness > 0 (or train.async=true) on cluster=local with GPUs: the "
+                              "engines start at cuda:0, where trainer rank 0 runs, so generation and training would share a device; "
                               "use cluster=ray, whose placement group gives engines GPUs of their own")
 
     def __init__(self, cluster, rollout, train, algo, parallel, log_dir):
@@ -60,7 +61,7 @@ class LocalCluster:
         r, engines = self.rollout, []
         tp = r.rollout_num_gpus_per_engine
         devices = [f"cuda:{i * tp}" if uses_gpus(r) else "cpu" for i in range(num_engines(r))]
-        if self.train["async"]:  # generation overlaps training: each engine in a process of its own
+        if max_staleness(self.train):  # generation overlaps training: each engine in a process of its own
             plain = OmegaConf.to_container(r, resolve=True)  # picklable, no resolvers needed
             return EngineGroup(EngineProcesses(make_engine_host, (plain, spec), devices,
                                                [i * tp for i in range(len(devices))], self.log_dir,

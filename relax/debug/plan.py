@@ -22,7 +22,7 @@ from relax.errors import ConfigError
 from relax.model import model_config
 from relax.replay import discover_rollout_ids
 from relax.rollout import check_engine, check_rollout
-from relax.rollout.prefetch import check_async
+from relax.rollout.prefetch import check_staleness
 from relax.targets import load_target
 from relax.train import check_batch_split, check_parallel_keys, check_train_keys, check_trainer
 
@@ -225,8 +225,7 @@ def resolve(cfg, start_rollout_id: int = 0, hf_config: dict | None = None, run_d
     if train_only and load is None:
         raise ConfigError("debug.train_only needs debug.load_rollout_data=<path template>: "
                           "a train-only run replays saved rollouts")
-    if cfg.train["async"]:
-        check_async(r, builds_rollout=not train_only, builds_train=not d.rollout_only)
+    check_staleness(cfg.train, r, builds_rollout=not train_only, builds_train=not d.rollout_only)
 
     dump_dir = Path(_abs_template(d.dump_details, run_dir)) if d.dump_details else None
     save_rollout = _abs_template(d.save_rollout_data, run_dir) or (

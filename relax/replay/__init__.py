@@ -83,9 +83,33 @@ def manifest_mismatches(saved: dict, current: dict) -> list[str]:
     return diffs
 
 
-def save_rollout(path: Path, rollout_id: int, samples: list[Sample], manifest: dict) -> None:
+def save_rollout(path: Path, rollout_id: int, samples: list[Sample], manifest: dict, **extra) -> None:
     atomic_save({"format_version": FORMAT_VERSION, "rollout_id": rollout_id,
-                 "manifest": manifest, "samples": [s.to_dict() for s in samples]}, path)
+                 "manifest": manifest, "samples": [s.to_dict() for s in samples], **extra}, path)
+
+
+AHEAD_DIR = "rollouts_ahead"  # in a checkpoint: rollouts made ahead of training (train.max_staleness)
+
+
+def save_ahead(folder: Path, ahead: dict, manifest: dict) -> None:
+    """A checkpoint's rollouts made on older weights than its own and not trained yet, as
+    `Rollouts.ahead()` gives them: rollout_id -> ((samples, metrics), seconds, policy version)."""
+    for rollout_id, ((samples, metrics), seconds, version) in ahead.items():
+        save_rollout(Path(folder) / AHEAD_DIR / f"{rollout_id}.pt", rollout_id, samples, manifest,
+                     metrics=metrics, seconds=seconds, policy_version=version)
+
+
+def load_ahead(checkpoint: Path) -> dict:
+    """What save_ahead wrote into `checkpoint` (nothing: {}), in `Rollouts.ahead()`'s form."""
+    ahead = {}
+    for path in sorted((Path(checkpoint) / AHEAD_DIR).glob("*.pt")):
+        data, samples = read_rollout(path)
+        try:
+            ahead[data["rollout_id"]] = ((Samples(samples), dict(data["metrics"])), float(data["seconds"]),
+                                         int(data["policy_version"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ReplayError(f"{path}: malformed rollout made ahead: {type(e).__name__}: {e}") from None
+    return ahead
 
 
 def read_rollout(path: Path) -> tuple[dict, list[Sample]]:
