@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 from relax.debug.plan import resolve
 from relax.errors import ConfigError
+from relax.logger import read_metrics
 from relax.model import load_safetensors_dir, resolve_model_path
 
 from . import test_layers
@@ -194,6 +195,23 @@ def test_megatron_resume_equals_uninterrupted_run(tmp_path, tiny_path):
 
     with pytest.raises(ConfigError, match=r"parallel.dp=2 \(this run: 1\)"):
         run_loop(tmp_path / "other_layout", *[o for o in common if o != "parallel=dp2"], f"resume={checkpoint}")
+
+
+def test_an_async_megatron_run_replays_to_the_bit(tmp_path, tiny_path):
+    """train.max_staleness=2 with train=megatron: debug=train_only on the run's saved rollouts
+    ends with the run's weights, bit for bit (rollouts 0..2 made on the first policy)."""
+    common = [*TRAIN[:2], "rollout.num_rollout=3", "rollout.rollout_batch_size=8", "checkpoint.save_interval=3"]
+    run_loop(tmp_path / "run", *common, "train.max_staleness=2",
+             f"debug.save_rollout_data={tmp_path}/data/{{rollout_id}}.pt")
+    _, replayed = run_loop(tmp_path / "replay", *common, "debug=train_only",
+                           f"debug.load_rollout_data={tmp_path}/data/{{rollout_id}}.pt")
+    rollouts, steps = read_metrics(tmp_path / "run")
+    assert [r["rollout/staleness"] for r in rollouts] == [0, 1, 2]
+    assert [(s["train/loss"], s["train/grad_norm"]) for s in steps] == \
+        [(s["train/loss"], s["train/grad_norm"]) for s in replayed]
+    last = "checkpoints/rollout_000002/hf/model.safetensors"
+    a, b = load_file(str(tmp_path / "run" / last)), load_file(str(tmp_path / "replay" / last))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_megatron_refuses_impossible_layouts_before_any_rank_starts(tmp_path, tiny_path):
