@@ -32,8 +32,8 @@ def clean_run(tmp_path_factory, tiny_path):
 
 
 def test_clean_run_passes_every_check(clean_run):
-    # 8: not recorded; 9: a dense model
-    assert verdicts(clean_run) == {**dict.fromkeys(range(1, 8), "PASS"), 8: "SKIP", 9: "SKIP"}
+    # 8: not recorded; 9: a dense model; 10: nothing stale
+    assert verdicts(clean_run) == {**dict.fromkeys(range(1, 8), "PASS"), 8: "SKIP", 9: "SKIP", 10: "SKIP"}
     run = load_run(clean_run)  # what the model-relative levels read (config.yaml: the run's own dump)
     assert (run.vocab_size, run.lr, run.samples_per_rollout, run.top_p) == (32, 3e-4, 8 * 8, 1.0)
     check3 = next(c for c in diagnose(run) if c.id == 3)
@@ -99,7 +99,7 @@ def test_doctor_cli_report_plots_and_exit_code(clean_run):
     proc = relax_cli("doctor", str(clean_run), "--json", cwd=clean_run)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
-    assert [c["verdict"] for c in report["checks"]] == ["PASS"] * 7 + ["SKIP", "SKIP"]
+    assert [c["verdict"] for c in report["checks"]] == ["PASS"] * 7 + ["SKIP", "SKIP", "SKIP"]
     markdown = (clean_run / "doctor.md").read_text()
     assert "| 3 | first-rollout log_probs vs ref_log_probs | **PASS** |" in markdown
     assert (clean_run / "doctor_curves.png").stat().st_size > 1000
@@ -125,7 +125,7 @@ def test_doctor_takes_its_threshold_flags_and_says_the_runs_status_and_report(cl
     report = json.loads(capsys.readouterr().out)
     assert (report["run"], report["run_status"], report["report"]) == (str(run), "failed: boom",
                                                                        str(run / "doctor.md"))
-    assert [c["verdict"] for c in report["checks"]] == ["PASS"] * 3 + ["FAIL"] + ["PASS"] * 3 + ["SKIP"] * 2
+    assert [c["verdict"] for c in report["checks"]] == ["PASS"] * 3 + ["FAIL"] + ["PASS"] * 3 + ["SKIP"] * 3
     check4 = Check(**report["checks"][3])
     assert check4.causes and check4.next_steps
     assert doctor.main([str(run), "--grad-norm-max", "0.001"]) == 1
@@ -524,7 +524,7 @@ def test_response_health_by_hand():
 
 def test_a_healthy_run_by_hand_passes_every_threshold():
     verdicts = {c.id: c.verdict for c in diagnose(healthy_run())}
-    assert verdicts == {**dict.fromkeys(range(1, 8), "PASS"), 6: "SKIP", 8: "SKIP", 9: "SKIP"}
+    assert verdicts == {**dict.fromkeys(range(1, 8), "PASS"), 6: "SKIP", 8: "SKIP", 9: "SKIP", 10: "SKIP"}
 
 
 @pytest.mark.parametrize(("check", "where", "metric"), NAN_CASES,
@@ -544,7 +544,7 @@ def test_nan_fails_every_threshold_check(check, where, metric):
 # -- a real model's numbers, by hand (SmolLM2-135M-Instruct, model=smollm2) --------------------------
 
 # 6: no weight check recorded, 8: no batch-invariance check
-ALL_PASS = {**dict.fromkeys((1, 2, 3, 4, 5, 7), "PASS"), 6: "SKIP", 8: "SKIP", 9: "SKIP"}
+ALL_PASS = {**dict.fromkeys((1, 2, 3, 4, 5, 7), "PASS"), 6: "SKIP", 8: "SKIP", 9: "SKIP", 10: "SKIP"}
 
 
 def rollout(i: int, reward: float, entropy: float | None, **extra) -> dict:
@@ -892,6 +892,27 @@ def test_stale_rollouts_are_left_out_of_the_mismatch():
     check = by_id(real_run(rollouts, steps, lr=1e-5))[5]
     assert check.verdict == "PASS" and "(1 stale rollouts of train.max_staleness left out)" in check.summary
     assert check.evidence["max"] == 2e-6 and check.evidence["stale_rollouts_left_out"] == 1
+
+
+@pytest.mark.parametrize("correction,verdict", [("", "WARN"), ("algo.policy_loss=decoupled_ppo", "PASS")])
+def test_a_mismatch_that_grows_with_staleness_is_named_unless_corrected(correction, verdict):
+    """train.max_staleness=2: fresh 2e-6, staleness 1 mean 0.05, staleness 2 mean 0.15 (> 0.1)."""
+    stale = [0, 1, 2, 2]
+    rollouts = [rollout(i, 0.3, 1.7, **{"rollout/staleness": k}) for i, k in enumerate(stale)]
+    diffs = [2e-6, 0.05, 0.1, 0.2]
+    steps = [step(i, 2.5, **{"train/train_rollout_logprob_abs_diff": d}) for i, d in enumerate(diffs)]
+    check = by_id(real_run(rollouts, steps, lr=1e-5, off_policy_correction=correction))[10]
+    assert check.verdict == verdict
+    assert check.evidence["mismatch_by_staleness"] == pytest.approx({0: 2e-6, 1: 0.05, 2: 0.15}, abs=1e-12)
+    assert "staleness 2: 1.50e-01" in check.summary
+    if verdict == "WARN":
+        assert "no algo key corrects for it" in check.summary
+        assert any("algo.policy_loss=decoupled_ppo" in n for n in check.next_steps)
+    else:
+        assert check.summary.endswith("corrected by algo.policy_loss=decoupled_ppo")
+    below = [step(i, 2.5, **{"train/train_rollout_logprob_abs_diff": d}) for i, d in enumerate([0, .02, .05, .06])]
+    assert by_id(real_run(rollouts, below, lr=1e-5))[10].verdict == "PASS"  # under 0.1: not flagged
+    assert by_id(real_run(rollouts[:1], steps[:1], lr=1e-5))[10].verdict == "SKIP"  # nothing stale
 
 
 def test_the_dumps_varentropy_is_the_unbiased_sample_variance():

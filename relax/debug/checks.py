@@ -11,6 +11,7 @@ from relax.debug.collapse import garbage_signals, find_collapse, find_fast_colla
 from relax.debug.layers import compare_runs
 from relax.debug.routing import check_routing
 from relax.debug.run_data import RunData, samples_of
+from relax.debug.staleness import check_staleness
 from relax.debug.verdicts import PASS, WARN, FAIL, SKIP, SEVERITY, Thresholds, Check, Tolerances, over, below, worst
 from relax.debug.weights import describe
 
@@ -348,7 +349,8 @@ def check_batch_invariance(run: RunData, th: Thresholds) -> Check:
 
 
 CHECKS = [check_first_responses, check_later_responses, check_logprobs_vs_ref, check_first_step,
-          check_train_rollout_diff, check_engine_weights, check_finite, check_batch_invariance, check_routing]
+          check_train_rollout_diff, check_engine_weights, check_finite, check_batch_invariance, check_routing,
+          check_staleness]
 
 
 def diagnose(run: RunData, th: Thresholds | None = None) -> list[Check]:

@@ -39,6 +39,7 @@ class RunData:
     samples_per_rollout: int | None = None  # rollout_batch_size x n_samples_per_prompt (see samples_of)
     vocab_size: int | None = None  # the model's output vocabulary (config.json, else the tokenizer)
     dump_dir: Path | None = None  # where the run's train data was dumped (relax inspect reads it)
+    off_policy_correction: str = ""  # the algo keys that correct for an older behaviour policy, if any
 
 
 def samples_of(run: RunData, rollout_id: int) -> int | None:
@@ -72,6 +73,9 @@ def read_config(path: Path) -> dict:
                 "train.num_steps_per_rollout": train.get("num_steps_per_rollout"),
                 "algo.use_rollout_log_probs": algo.get("use_rollout_log_probs", False),
                 "train.lr": train.get("lr"), "rollout.top_p": rollout.get("top_p", 1.0),
+                "off_policy_correction": ", ".join(
+                    [f"algo.{k}={algo[k]}" for k in ("tis", "mis") if algo.get(k)]
+                    + ["algo.policy_loss=decoupled_ppo"] * (algo.get("policy_loss") == "decoupled_ppo")),
                 "samples_per_rollout": per_rollout[0] * per_rollout[1]
                 if all(isinstance(n, int) for n in per_rollout) else None}
     except Exception as e:  # YAML errors, a list or scalar where a mapping belongs
@@ -124,6 +128,7 @@ def load_run(path: Path) -> RunData:
         run.use_rollout_log_probs = cfg["algo.use_rollout_log_probs"]
         run.lr, run.samples_per_rollout = cfg["train.lr"], cfg["samples_per_rollout"]
         run.top_p = 1.0 if cfg["rollout.top_p"] is None else cfg["rollout.top_p"]
+        run.off_policy_correction = cfg["off_policy_correction"]
     first_lr = steps[0].get("train/lr") if steps else None
     if run.lr is None and isinstance(first_lr, (int, float)) and not isinstance(first_lr, bool):
         run.lr = first_lr  # an in-process run (no .hydra/): the rate its first step logged
