@@ -1,4 +1,4 @@
-"""Optional packages some tests need (the ray, wandb, verl, real, lora and rgym extras; tensorboard).
+"""Optional packages some tests need (the ray, wandb, verl, real, lora, rgym and agent extras; tensorboard).
 
 Where one is not installed its tests are skipped, except in CI (`CI` set: .ci/run sets it),
 whose command installs every one of them: there a missing package is a failure that names
@@ -18,6 +18,7 @@ TENSORBOARD = "tensorboard (a dependency of relax: pip install -c constraints.tx
 REAL = "the [real] extra (pip install -c constraints.txt -e '.[real]')"
 LORA = "the [lora] extra (pip install -c constraints.txt -e '.[lora]')"
 RGYM = "the [rgym] extra (pip install -c constraints.txt -e '.[rgym]')"
+AGENT = "the [agent] extra (pip install -c constraints.txt -e '.[agent]')"
 VERL = ("verl 0.9.1 (pip install -c constraints.txt -e '.[verl]', then "
         "pip install --no-deps verl==0.9.1)")
 

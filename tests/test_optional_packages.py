@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-EXTRAS = ["reasoning_gym", "peft", "math_verify", "wandb", "verl", "ray", "gguf"]
+EXTRAS = ["reasoning_gym", "peft", "math_verify", "wandb", "verl", "ray", "gguf", "openai"]
 
 # A pytest plugin that makes every extra fail to import, as in an environment without it.
 BLOCKER = "import sys\n" + "".join(f"sys.modules[{name!r}] = None\n" for name in EXTRAS)

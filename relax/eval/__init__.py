@@ -13,6 +13,7 @@ from pathlib import Path
 from relax.config import ArithmeticTaskGroup
 from relax.errors import ConfigError
 from relax.rollout import SamplingParams
+from relax.rollout.agent import AgentSpec
 from relax.rollout.generate import generate_samples
 from relax.task import load_jsonl
 from relax.task.arithmetic import make_problem
@@ -87,7 +88,8 @@ class Evaluator:
         for name, prompts in self.prompts.items():
             seed = self.seed * 1_000_003 + rollout_id + SEED_OFFSET
             samples = generate_samples(engine, self.task, self.tokenizer, prompts, e.n_samples_per_prompt, sp,
-                                       seed, r.generate_fn, f"in eval/{name} at rollout {rollout_id}")
+                                       seed, r.generate_fn, f"in eval/{name} at rollout {rollout_id}",
+                                       agent=AgentSpec.of(r))
             out[f"eval/{name}/reward"] = sum(s.reward for s in samples) / len(samples)
             out[f"eval/{name}/response_len"] = sum(s.response_length for s in samples) / len(samples)
         log.info("Eval at rollout %d: %s", rollout_id, ", ".join(f"{k}={v:.3f}" for k, v in out.items()))

@@ -6,6 +6,7 @@ How it works in detail: docs/rollouts.md, "Inside `relax/rollout/__init__.py`".
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import math
 from dataclasses import dataclass
@@ -44,6 +45,8 @@ def torch_cuda_available() -> bool:
 
 GENERATE_FN = "fn(client, prompt, sampling_params) -> Sample (async def or def)"
 FILTER_FN = "keep(group: list[Sample]) -> bool"
+AGENT_FN = "async def agent(client: openai.AsyncOpenAI, row: dict) -> float | dict"
+DEFAULT_GENERATE_FN = "relax.rollout.generate.single_turn"
 MAX_ROLLOUTS = 10**7  # a run's rollout ids, listed at start-up (1e7 rollouts of 1 s each: 4 months)
 
 
@@ -78,6 +81,24 @@ def check_functions(rollout_cfg) -> None:
     if r.max_generation_rounds < 1:
         raise ConfigError(f"rollout.max_generation_rounds={r.max_generation_rounds}: expected a positive "
                           f"integer")
+    check_agent(r)
+
+
+def check_agent(r) -> None:
+    """Start-up refusals for rollout.agent (relax/rollout/agent.py) and rollout.agent_timeout."""
+    if not (math.isfinite(r.agent_timeout) and r.agent_timeout > 0):
+        raise ConfigError(f"rollout.agent_timeout={r.agent_timeout}: expected a positive number of seconds")
+    if not r.agent:
+        return
+    if r.generate_fn != DEFAULT_GENERATE_FN:
+        raise ConfigError(f"rollout.agent={r.agent} and rollout.generate_fn={r.generate_fn}: the agent makes "
+                          f"the samples in place of a generate_fn; set one of them")
+    missing = [m for m in ("openai", "aiohttp") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ConfigError(f"rollout.agent={r.agent} needs {' and '.join(missing)}: the [agent] extra "
+                          f"(pip install -c constraints.txt -e '.[agent]')")
+    if not inspect.iscoroutinefunction(load_function(r.agent, "rollout.agent", AGENT_FN)):
+        raise ConfigError(f"rollout.agent={r.agent} is not an async def function: expected {AGENT_FN}")
 
 
 def engine_dtype(rollout, model) -> str:

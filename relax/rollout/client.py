@@ -6,6 +6,7 @@ How it works in detail: docs/rollouts.md, "Inside `relax/rollout/client.py`".
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import queue
 import threading
@@ -58,15 +59,18 @@ class Batcher:
         self.outbox: queue.Queue = queue.Queue()  # (batch, answered future) to the engine thread; None: done
         self.loop = self.arrived = None
 
-    def run(self, fn, records: list, sampling_params: SamplingParams, tokenizer, on_error) -> list:
+    def run(self, fn, records: list, sampling_params: SamplingParams, tokenizer, on_error,
+            context=contextlib.nullcontext) -> list:
         """`fn(client, record, sampling_params)` for every record (its `index` seeds its engine
         calls), concurrently; the results in record order. The first failure stops the rest:
-        an engine's error as it is, fn's as `on_error(record, error)`."""
+        an engine's error as it is, fn's as `on_error(record, error)`. `context()`, an async
+        context manager, is entered on the event loop around the jobs (an agent's endpoint)."""
         outcome: dict = {}
 
         def loop_thread():
             try:
-                outcome["value"] = asyncio.run(self._main(fn, records, sampling_params, tokenizer, on_error))
+                outcome["value"] = asyncio.run(self._main(fn, records, sampling_params, tokenizer, on_error,
+                                                          context))
             except BaseException as e:  # noqa: BLE001 - re-raised in the calling thread
                 outcome["error"] = e
             finally:
@@ -105,7 +109,7 @@ class Batcher:
         return answers
 
     # -- on the event loop --------------------------------------------------------------------
-    async def _main(self, fn, records, sampling_params, tokenizer, on_error) -> list:
+    async def _main(self, fn, records, sampling_params, tokenizer, on_error, context) -> list:
         self.loop, self.arrived = asyncio.get_running_loop(), asyncio.Event()
         self.live = len(records)
         blocking = not inspect.iscoroutinefunction(fn)
@@ -123,15 +127,16 @@ class Batcher:
                 self.live -= 1
                 self.arrived.set()
 
-        try:
-            async with asyncio.TaskGroup() as group:
-                group.create_task(self._dispatch())
-                tasks = [group.create_task(job(r)) for r in records]
-        finally:  # after a failure: wake the worker threads still waiting on the engine
-            for request in self.pending + self.inflight:
-                request.future.cancel()
-            if pool:
-                pool.shutdown(wait=False, cancel_futures=True)
+        async with context():
+            try:
+                async with asyncio.TaskGroup() as group:
+                    group.create_task(self._dispatch())
+                    tasks = [group.create_task(job(r)) for r in records]
+            finally:  # after a failure (or an agent cut off): wake whoever still waits on the engine
+                for request in self.pending + self.inflight:
+                    request.future.cancel()
+                if pool:
+                    pool.shutdown(wait=False, cancel_futures=True)
         return [t.result() for t in tasks]
 
     async def request(self, index: int, call: int, tokens: list[int], sp: SamplingParams) -> Generation:

@@ -14,7 +14,8 @@ import math
 from relax.targets import load_function
 from relax.errors import RolloutError
 from relax.model import decode_responses
-from relax.rollout import FILTER_FN, GENERATE_FN, SamplingParams, sample_seeds
+from relax.rollout import AGENT_FN, FILTER_FN, GENERATE_FN, SamplingParams, sample_seeds
+from relax.rollout.agent import AgentSpec, Endpoint, agent_metrics
 from relax.rollout.client import Batcher
 from relax.sample import Sample, Samples, routed_experts_fit
 from relax.task import Prompt, check_rewards
@@ -80,27 +81,34 @@ def _finite_sum(values) -> bool:
 
 
 def generate_samples(engine, task, tokenizer, prompts: list, n: int, sampling_params: SamplingParams,
-                     seed: int, generate_fn: str, where: str, first_index: int = 0) -> list[Sample]:
+                     seed: int, generate_fn: str, where: str, first_index: int = 0,
+                     agent: AgentSpec | None = None) -> list[Sample]:
     """`n` scored samples per prompt; sample k (numbered from `first_index`) draws with
-    sample_seeds(seed, [first_index + k], [call]). `where` (e.g. "at rollout 3") goes into errors."""
-    fn = load_function(generate_fn, "rollout.generate_fn", GENERATE_FN)
-    source = f"rollout.generate_fn={generate_fn} {where}"
+    sample_seeds(seed, [first_index + k], [call]). `where` (e.g. "at rollout 3") goes into errors.
+    With `agent` (rollout.agent), the agent makes each sample and its reward (relax/rollout/agent.py)."""
+    fn = load_function(agent.path if agent else generate_fn, "rollout.agent" if agent else "rollout.generate_fn",
+                       AGENT_FN if agent else GENERATE_FN)
+    source = f"rollout.agent={agent.path} {where}" if agent else f"rollout.generate_fn={generate_fn} {where}"
     records = [Prompt(p.text, p.tokens, p.label, p.metadata, first_index + i * n + j, first_index // n + i,
-                      p.chat_template) for i, p in enumerate(prompts) for j in range(n)]
-    if fn is single_turn:  # the default needs no coroutine per sample: one batched call, one decode
+                      p.chat_template, p.question) for i, p in enumerate(prompts) for j in range(n)]
+    on_error = lambda record, e: raised(source, _as_sample(record), e)  # noqa: E731
+    if agent:
+        endpoint = Endpoint(fn, agent, getattr(task, "max_prompt_tokens", None))
+        samples = endpoint.run(engine, records, sampling_params, tokenizer, seed, on_error)
+    elif fn is single_turn:  # the default needs no coroutine per sample: one batched call, one decode
         gens = engine.generate([r.tokens for r in records], sampling_params,
                                sample_seeds(seed, [r.index for r in records]))
         responses = decode_responses(tokenizer, [g.tokens for g in gens])
         samples = [single_turn_sample(r, g, text)
                    for r, g, text in zip(records, gens, responses, strict=True)]
     else:
-        samples = Batcher(engine, seed).run(fn, records, sampling_params, tokenizer,
-                                            on_error=lambda record, e: raised(source, _as_sample(record), e))
+        samples = Batcher(engine, seed).run(fn, records, sampling_params, tokenizer, on_error)
     for sample, record in zip(samples, records, strict=True):
         check_sample(sample, record, source)
         sample.index, sample.group_index = record.index, record.group_index
-    task.score(samples, n)
-    check_rewards(samples, f"{task.rewards.source} {where}")
+    if not agent:  # an agent's samples carry its rewards
+        task.score(samples, n)
+    check_rewards(samples, source if agent else f"{task.rewards.source} {where}")
     return samples
 
 
@@ -118,7 +126,7 @@ def generate_rollout(engine, task, tokenizer, rollout_cfg, rollout_id: int,
     keep = r.dynamic_sampling_filter and load_function(
         r.dynamic_sampling_filter, "rollout.dynamic_sampling_filter", FILTER_FN)
     per_round = (r.over_sampling_batch_size or r.rollout_batch_size) if keep else r.rollout_batch_size
-    groups, filtered, rounds = [], 0, 0
+    groups, filtered, rounds, made = [], 0, 0, []
     while len(groups) < r.rollout_batch_size:
         if rounds == r.max_generation_rounds:
             raise RolloutError(
@@ -130,7 +138,8 @@ def generate_rollout(engine, task, tokenizer, rollout_cfg, rollout_id: int,
         prompts = task.prompts(rollout_id, per_round, tokenizer, rounds)
         samples = generate_samples(engine, task, tokenizer, prompts, n, SamplingParams.of(r),
                                    seed * 1_000_003 + rollout_id, r.generate_fn, f"at rollout {rollout_id}",
-                                   first_index=rounds * per_round * n)
+                                   first_index=rounds * per_round * n, agent=AgentSpec.of(r))
+        made += samples
         for i in range(0, len(samples), n):
             group = samples[i:i + n]
             if not keep or _keeps(keep, group, r.dynamic_sampling_filter):
@@ -142,7 +151,10 @@ def generate_rollout(engine, task, tokenizer, rollout_cfg, rollout_id: int,
     for i, s in enumerate(samples):
         s.metadata.update(rollout_id=rollout_id, **({"generation_index": s.index} if keep else {}))
         s.index, s.group_index = i, i // n
-    return samples, {"rollout/filtered_groups": filtered, "rollout/generation_rounds": rounds}
+    stats = {"rollout/filtered_groups": filtered, "rollout/generation_rounds": rounds}
+    if r.agent:  # over every sample the agent made, the filtered ones included
+        stats.update(agent_metrics(made, f"rollout {rollout_id}"))
+    return samples, stats
 
 
 def _keeps(keep, group: list[Sample], path: str) -> bool:

@@ -33,6 +33,7 @@ class Prompt:
     index: int = 0        # the sample this record is for (its position in the rollout)
     group_index: int = 0  # its GRPO group (the prompt's position)
     chat_template: bool = True  # the text went through the chat template (task.apply_chat_template)
+    question: str = ""  # the question as the dataset has it (before the chat template)
 
 
 def jsonl_record(row, where: str) -> tuple[str, str, dict]:
@@ -184,7 +185,7 @@ class Task:
                                                              strict=True):
             self.check_tokens(tokens, f"{where}, question {question[:80]!r}")
             out.append(Prompt(text, tokens, label, dict(metadata[0]) if metadata else {},
-                              chat_template=self.apply_chat_template))
+                              chat_template=self.apply_chat_template, question=question))
         return out
 
     def prompts(self, rollout_id: int, batch_size: int, tokenizer, round: int = 0) -> list[Prompt]:
