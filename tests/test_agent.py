@@ -122,7 +122,7 @@ def test_a_tool_call_the_template_renders_otherwise_is_drift_and_the_tokens_stay
     assert agent_metrics([sample], "test") == {"rollout/agent_errors": 0, "rollout/retokenization_drift": 0.5}
 
 
-def test_a_malformed_tool_call_masks_the_sample_and_counts(qwen_tok):
+def test_a_malformed_tool_call_masks_the_sample_and_counts(qwen_tok, caplog):
     samples, calls = agent_samples(qwen_tok, [BAD_CALL, "46"], n=2)
     assert len(calls) == 2  # one turn each: the endpoint answered 400, the agent raised
     for s in samples:
@@ -130,6 +130,9 @@ def test_a_malformed_tool_call_masks_the_sample_and_counts(qwen_tok):
         assert s.tokens == calls[0][0] + calls[0][1].tokens
         assert "turn 1: malformed tool call: a <tool_call> block is not JSON" in s.metadata["agent_error"]
     assert agent_metrics(samples, "test") == {"rollout/agent_errors": 2, "rollout/retokenization_drift": 0.0}
+    logged = [r.getMessage() for r in caplog.records if r.name == "relax.rollout.agent"]
+    assert len(logged) == 1 and logged[0].startswith("test: 2 of 2 agent samples failed (masked); the first, "
+                                                     "sample 0: turn 1: malformed tool call")
 
 
 def test_bad_agent_settings_are_refused_at_start_up():

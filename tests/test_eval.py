@@ -126,8 +126,9 @@ def test_evaluate_samples_each_prompt_n_times_at_eval_temperature_with_its_own_s
                    "rollout.num_rollout=10")
     calls = []
 
-    def fake_generate(engine, task, tok, prompts, n, sp, seed, generate_fn, where):
+    def fake_generate(engine, task, tok, prompts, n, sp, seed, generate_fn, where, agent=None):
         calls.append((len(prompts), n, sp, seed))
+        assert agent is None  # rollout.agent unset: the generate_fn
         return [Sample(index=k, group_index=k // n, prompt="", tokens=[1] * (5 + k), response_length=k,
                        reward=float(k == 0)) for k in range(len(prompts) * n)]
 

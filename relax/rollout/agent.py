@@ -230,7 +230,7 @@ class Endpoint:
     def __init__(self, agent_fn, spec: AgentSpec, max_context: int | None):
         self.agent_fn, self.spec, self.max_context = agent_fn, spec, max_context
         self.conversations: dict[int, Conversation] = {}
-        self.url = None
+        self.url = self.http = None
 
     def run(self, engine, records: list, sp: SamplingParams, tokenizer, seed: int, on_error) -> list[Sample]:
         return Batcher(engine, seed).run(self.job, records, sp, tokenizer, on_error, context=self.serving)
@@ -238,6 +238,7 @@ class Endpoint:
     @contextlib.asynccontextmanager
     async def serving(self):
         from aiohttp import web  # optional dependency: the [agent] extra
+        import openai  # optional dependency: the [agent] extra
 
         app = web.Application()
         app.router.add_post("/s/{index}/v1/chat/completions", self.chat)
@@ -246,9 +247,13 @@ class Endpoint:
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", 0).start()
         self.url = "http://127.0.0.1:{}".format(runner.addresses[0][1])
+        # one HTTP client for every sample's OpenAI client (making one per client costs more than
+        # a completion on a small model); the agent as a whole is cut at rollout.agent_timeout
+        self.http = openai.DefaultAsyncHttpxClient(timeout=None)
         try:
             yield
         finally:
+            await self.http.aclose()
             await runner.cleanup()
 
     async def job(self, client, record, sp: SamplingParams) -> Sample:
@@ -258,7 +263,7 @@ class Endpoint:
         row = {"prompt": record.question or record.text, "label": record.label,
                "metadata": dict(record.metadata), "index": record.index}
         api = openai.AsyncOpenAI(base_url=f"{self.url}/s/{record.index}/v1", api_key="relax", max_retries=0,
-                                 timeout=None)  # (the agent as a whole is cut at rollout.agent_timeout)
+                                 timeout=None, http_client=self.http)
         outcome = None
         try:
             outcome = await asyncio.wait_for(self.agent_fn(api, row), self.spec.timeout)
@@ -267,8 +272,6 @@ class Endpoint:
         except Exception as e:  # noqa: BLE001 - a failed agent is a masked sample, not a failed run
             frame = traceback.extract_tb(e.__traceback__)[-1]
             conv.fail(f"raised {type(e).__name__}: {e} ({frame.filename}:{frame.lineno})")
-        finally:
-            await api.close()
         return conv.sample(outcome)
 
     async def chat(self, request):
