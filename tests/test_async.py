@@ -127,6 +127,9 @@ def test_a_resumed_run_is_the_uninterrupted_run(tmp_path, k, staleness):
     samples = [json.loads(line)["rollout_id"] for line in (tmp_path / "resumed" / "samples.jsonl").open()]
     assert samples == list(range(6))
     assert [r["rollout/staleness"] for r in full_rollouts] == staleness
+    # made ahead: how long the trainer waited for each, and the engine for its weights
+    assert all(r["perf/train_idle_time"] >= 0 and r["perf/generation_idle_time"] >= 0 for r in full_rollouts)
+    assert max(r["perf/rollouts_ready_ahead"] for r in full_rollouts) <= k
     same_run(tmp_path / "full", tmp_path / "resumed", 5)
     # Adam counted one step per rollout, in both runs: none trained twice, none skipped
     for run in ("full", "resumed"):

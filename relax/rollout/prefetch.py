@@ -63,6 +63,7 @@ class Rollouts:
         self.made = {j: m for j, m in (made or {}).items() if j - m[2] <= self.k}  # (k changed on resume)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="relax-prefetch") if self.k else None
         self.pending: dict[int, Future] = {}  # rollout_id -> its making, in order
+        self.generated_at: float | None = None  # when the background thread last finished a rollout
         self._start_due()
 
     def pinned(self, rollout_id: int) -> int:
@@ -71,8 +72,11 @@ class Rollouts:
 
     def _timed(self, rollout_id: int, policy_version: int) -> Made:
         t0 = time.perf_counter()
-        made = self.make(rollout_id, policy_version)
-        return made, time.perf_counter() - t0, policy_version
+        samples, metrics = self.make(rollout_id, policy_version)
+        if self.pool:  # the engine's idle time before it: waiting for the weights this rollout is pinned to
+            metrics["perf/generation_idle_time"] = t0 - self.generated_at if self.generated_at else 0.0
+            self.generated_at = time.perf_counter()
+        return (samples, metrics), time.perf_counter() - t0, policy_version
 
     def _start_due(self) -> None:
         """Start each rollout pinned to the engine's version, unless made or started."""
@@ -82,11 +86,18 @@ class Rollouts:
 
     def get(self, rollout_id: int) -> Made:
         """What `make` returned, the seconds their making took (ahead: in the background) and the
-        policy version that made them."""
+        policy version that made them; made ahead, its metrics also say how long the trainer
+        waited for it and how many rollouts were ready beyond it."""
         if rollout_id in self.made:
             return self.made.pop(rollout_id)
         future = self.pending.pop(rollout_id, None)
-        return future.result() if future else self._timed(rollout_id, self.version)
+        if future is None:
+            return self._timed(rollout_id, self.version)
+        t0 = time.perf_counter()
+        made = future.result()
+        made[0][1]["perf/train_idle_time"] = time.perf_counter() - t0
+        made[0][1]["perf/rollouts_ready_ahead"] = len(self.made) + sum(f.done() for f in self.pending.values())
+        return made
 
     def wait(self) -> None:
         """Before a weight sync: the generations in flight end on the weights they began with."""
