@@ -66,7 +66,7 @@ def test_engine_args_on_cpu(tiny_path):
     assert args["disable_cuda_graph"] is True and args["sleep_on_idle"] is True
     assert args["max_total_tokens"] == 1024
     assert args["enable_return_routed_experts"] is False  # a dense model
-    assert args["custom_weight_loader"] == [se.EXPORT_TENSORS, se.FINGERPRINT, se.faults.SGLANG_DROP_BUFFER]
+    assert args["custom_weight_loader"] == [se.EXPORT_TENSORS, se.FINGERPRINT, se.RECORD_MODULES, se.faults.SGLANG_DROP_BUFFER]
     assert "base_gpu_id" not in args and "enable_memory_saver" not in args
 
 
@@ -96,7 +96,7 @@ def test_sglang_server_args_override_relaxs_and_keep_its_weight_loaders(tiny_pat
                    "+rollout.sglang_server_args.custom_weight_loader=[my.loader]")
     args = se.engine_args(cfg.rollout, engine_spec(cfg, tiny_path, [0]))
     assert args["attention_backend"] == "intel_amx" and args["sleep_on_idle"] is False
-    assert args["custom_weight_loader"] == [se.EXPORT_TENSORS, se.FINGERPRINT, se.faults.SGLANG_DROP_BUFFER, "my.loader"]
+    assert args["custom_weight_loader"] == [se.EXPORT_TENSORS, se.FINGERPRINT, se.RECORD_MODULES, se.faults.SGLANG_DROP_BUFFER, "my.loader"]
 
 
 def test_engine_args_refuse_tensor_parallelism_on_cpu(tiny_path):
@@ -284,7 +284,7 @@ class FakeEngine:
         def call(*args, **kwargs):
             self.calls.append((name, kwargs))
             if name == "update_weights_from_tensor" and kwargs.get("load_format") == se.EXPORT_TENSORS:
-                self.export(se._argument(kwargs["named_tensors"]))
+                self.export(se.loader_argument(kwargs["named_tensors"]))
             return True, "ok"
         return call
 
@@ -378,7 +378,7 @@ def test_named_tensors_reads_the_schedulers_export_back_under_hf_names(tmp_path,
 def test_the_loader_argument_round_trips():
     for text in ("/tmp/relax dir/é", ""):
         payload = [("relax.argument", torch.tensor(list(text.encode()), dtype=torch.uint8))]
-        assert se._argument(payload) == text
+        assert se.loader_argument(payload) == text
 
 
 def test_sigterm_goes_back_to_the_handler_it_had():

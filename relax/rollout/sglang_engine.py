@@ -26,7 +26,9 @@ from relax.model.sglang_support import SERVED, sglang_to_hf
 from relax.process import sigterm_left_to_the_driver
 from relax.rollout import Generation, SamplingParams, buckets, num_engines, prompt_seeds
 from relax.rollout.fingerprint import fingerprint
+from relax.rollout.sglang_layers import RECORD_MODULES, loader_argument, record
 from relax.rollout.spec import EngineSpec
+from relax.rollout.torch_base import TorchEngineBase
 from relax.targets import require_extra
 
 log = logging.getLogger(__name__)
@@ -51,15 +53,39 @@ def engine_args(rollout, spec: EngineSpec, base_gpu_id: int = 0) -> dict:
                   enable_return_routed_experts=records_experts(read_hf_config(model_path)))
     if GPU:  # CUDA graphs stay on; the memory saver lets a colocated engine free GPU memory
         common.update(enable_memory_saver=r.colocate)
+        if r.true_on_policy:  # batch-invariant kernels and a deterministic attention backend
+            common.update(enable_deterministic_inference=True)
     else:  # sleep_on_idle: an idle scheduler otherwise polls for requests at 100% of a core,
         # which on CPU is a core taken from the trainer (and from everything else on the machine)
         common.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True,
                       max_total_tokens=r.max_total_tokens, sleep_on_idle=True)
     common.update(dict(r.sglang_server_args))  # anything else, passed through as-is
     # Relax's functions that run inside the scheduler (see export_tensors), kept beside any of yours.
-    common["custom_weight_loader"] = [EXPORT_TENSORS, FINGERPRINT, faults.SGLANG_DROP_BUFFER,
+    common["custom_weight_loader"] = [EXPORT_TENSORS, FINGERPRINT, RECORD_MODULES, faults.SGLANG_DROP_BUFFER,
                                       *(common.get("custom_weight_loader") or [])]
     return {**common, "base_gpu_id": base_gpu_id} if GPU else common
+
+
+# Why SGLang's deterministic inference does not run on CPU (SGLang 0.5.23, read and tried)
+NO_DETERMINISM_ON_CPU = (
+    "SGLang runs its deterministic inference on GPUs only: its batch-invariant matmul, log-softmax "
+    "and mean kernels are Triton's (\"No supported accelerator (CUDA/XPU) available\" on CPU), and "
+    "its CPU attention backend, torch_native, is not one of its deterministic ones "
+    "(docs/true-on-policy.md)")
+
+
+def check_determinism(rollout, model, algo, debug) -> None:
+    """rollout.true_on_policy=true with rollout=sglang: SGLang's deterministic inference, on GPU
+    (the torch engine's refusals too); on CPU it and enable_deterministic_inference are refused."""
+    r = rollout
+    if not GPU and r.true_on_policy:
+        raise ConfigError(f"rollout.true_on_policy=true is refused with rollout=sglang on CPU: it needs "
+                          f"SGLang's deterministic inference, and {NO_DETERMINISM_ON_CPU}; use rollout=torch")
+    if not GPU and r.sglang_server_args.get("enable_deterministic_inference"):
+        raise ConfigError(f"rollout.sglang_server_args.enable_deterministic_inference=true is refused on "
+                          f"CPU: {NO_DETERMINISM_ON_CPU}")
+    if r.true_on_policy:  # top_p < 1 and an engine dtype of its own, as the torch engine refuses them
+        TorchEngineBase.check_config(rollout, model, algo, debug)
 
 
 def cpu_mem_fraction(rollout, spec: EngineSpec) -> float:
@@ -115,9 +141,7 @@ class SGLangEngine:
         if not GPU and num_engines(r) > 1:
             raise ConfigError(f"rollout=sglang on CPU runs one engine; got rollout.num_engines="
                               f"{r.num_engines} (rollout=torch runs several)")
-        if r.true_on_policy:
-            raise ConfigError("rollout.true_on_policy=true is refused with rollout=sglang: its CPU kernels are "
-                              "not batch-invariant (docs/true-on-policy.md); use rollout=torch")
+        check_determinism(r, model, algo, debug)
         hf = model_config(model)
         why = families.sglang_blocker(hf)
         if why:
@@ -148,7 +172,8 @@ class SGLangEngine:
         self._leave_sigterm_to_relax()
         moe = families.moe_layers(self.hf_config) if records_experts(self.hf_config) else None
         self.moe_layers = None if moe is None else [i for i, sparse in enumerate(moe) if sparse]
-        self.deterministic = bool(rollout.sglang_server_args.get("enable_deterministic_inference"))
+        self.deterministic = bool(rollout.sglang_server_args.get("enable_deterministic_inference",
+                                                                 GPU and rollout.true_on_policy))
         log.info("SGLang %s engine on %s", sglang.__version__,
                  f"GPUs {base_gpu_id}.." if GPU else "CPU")
 
@@ -186,6 +211,15 @@ class SGLangEngine:
         ids = np.frombuffer(base64.b64decode(meta_info["routed_experts"]), dtype=np.int32)
         layers, top_k = self.hf_config["num_hidden_layers"], self.hf_config["num_experts_per_tok"]
         return ids.reshape(-1, layers, top_k)[:, self.moe_layers].flatten().tolist()
+
+    def record_layers(self, sequences: list[list[int]]) -> dict[str, list[torch.Tensor]]:
+        """debug.dump_layers: each sequence prefilled alone in the engine, the outputs of the
+        layer dump's modules (relax/train/layer_dump.py) recorded in its scheduler, by HF name."""
+        names = ["model.embed_tokens", "model.norm"]
+        for i in range(self.hf_config["num_hidden_layers"]):
+            names += [f"model.layers.{i}.{part}" for part in ("self_attn", "mlp")] + [f"model.layers.{i}"]
+        return record(self.engine, lambda loader, argument: _run_in_scheduler(self.engine, loader, argument),
+                      sequences, names)
 
     def update_weights(self, named: dict[str, torch.Tensor]) -> None:
         """Push trainer weights by HF name: tensors in buckets, or via disk
@@ -295,7 +329,7 @@ def export_tensors(model, named_tensors) -> None:
 
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     save_file({k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()},
-              f"{_argument(named_tensors)}/tp{get_parallel().tp_rank}.safetensors")
+              f"{loader_argument(named_tensors)}/tp{get_parallel().tp_rank}.safetensors")
 
 
 def fingerprint_tensors(model, named_tensors) -> None:
@@ -305,7 +339,7 @@ def fingerprint_tensors(model, named_tensors) -> None:
     # optional: sglang (its own environment: scripts/setup_sglang_cpu.sh)
     from sglang.srt.runtime_context import get_parallel
 
-    request = json.loads(_argument(named_tensors))
+    request = json.loads(loader_argument(named_tensors))
     tensors = {}
     for name, tensor in (dict(model.named_parameters()) | dict(model.named_buffers())).items():
         tensors.update(sglang_to_hf(name, tensor.detach(), request["hf_config"]))
@@ -348,11 +382,6 @@ def _run_in_scheduler(engine, loader: str, argument: str = "") -> None:
     _check(engine.update_weights_from_tensor(named_tensors=payload, load_format=loader,
                                              flush_cache=False), loader)
     _check(engine.end_weight_update(), "end_weight_update")
-
-
-def _argument(named_tensors) -> str:
-    (_, encoded), = named_tensors
-    return bytes(encoded.tolist()).decode()
 
 
 def _check(result, what: str) -> None:
