@@ -13,6 +13,10 @@
 #   RELAX_GPU_WHEELS    a directory of wheels to install from instead of PyPI (offline machines)
 #   CUDA_HOME           the CUDA 13 toolkit Transformer Engine's PyTorch extension compiles
 #                       against when no prebuilt wheel matches torch (default /usr/local/cuda)
+# After them, the true-on-policy check: `relax rollout=sglang rollout.true_on_policy=true` (SGLang's
+# deterministic inference, the torch trainer's batch-invariant forward) on the tiny model in
+# bf16, whose train vs rollout mismatch must be exactly 0 at every step; its result goes into
+# the JSON as `sglang_true_on_policy` (docs/debugging.md, "Train vs rollout").
 # Exit code: 0 when every check passed, 1 when one failed, 2 when the machine or install is unfit.
 set -euo pipefail
 
@@ -30,7 +34,7 @@ while [[ $# -gt 0 ]]; do
   case "$1" in
     --dry-run) DRY_RUN=1 ;;
     --out) [[ $# -ge 2 ]] || die "--out needs a file"; OUT="$(realpath -m "$2")"; shift ;;
-    -h|--help) sed -n '2,17p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    -h|--help) sed -n '2,21p' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) die "unknown argument: $1" ;;
   esac
   shift
@@ -81,5 +85,28 @@ cd "$REPO"
 status=0
 "$VENV/bin/python" scripts/gpu_check.py --out "$OUT" --te-rc "$TE_RC" || status=$?
 wait
+
+# 5. True on-policy with SGLang: every step's train vs rollout mismatch exactly 0.
+TOP_RUN="$(dirname "$OUT")/gpu_check_true_on_policy"
+log "true on-policy: relax rollout=sglang rollout.true_on_policy=true (run dir $TOP_RUN)"
+"$VENV/bin/python" -m relax rollout=sglang rollout.true_on_policy=true model.dtype=bfloat16 \
+  rollout.num_rollout=3 checkpoint.save_interval=null hydra.run.dir="$TOP_RUN" >"$TOP_RUN.log" 2>&1 || true
+"$VENV/bin/python" - "$TOP_RUN" "$OUT" <<'PY' || status=1
+import json, sys
+from pathlib import Path
+run, out = Path(sys.argv[1]), Path(sys.argv[2])
+keys = ("train/train_rollout_logprob_abs_diff", "train/mismatch_kl")
+metrics = run / "metrics.jsonl"
+steps = [m for m in map(json.loads, metrics.read_text().splitlines()) if keys[0] in m] if metrics.is_file() else []
+passed = len(steps) == 3 and all(m[k] == 0.0 for m in steps for k in keys)
+result = {"status": "PASS" if passed else "FAIL", "run_dir": str(run), "steps": [{k: m[k] for k in keys} for m in steps]}
+if not steps:
+    result["error"] = f"no training step: see {run}.log"
+results = json.loads(out.read_text()) if out.is_file() else {}
+results.setdefault("checks", {})["sglang_true_on_policy"] = result
+out.write_text(json.dumps(results, indent=2))
+print(f"[gpu-check] {result['status']} sglang_true_on_policy", json.dumps(result["steps"] or result.get("error")))
+sys.exit(0 if passed else 1)
+PY
 log "done in $((SECONDS - START)) s: $OUT"
 exit "$status"
