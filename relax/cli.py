@@ -1,4 +1,4 @@
-"""`relax`: the Hydra app, the debugging guide's `--flags`, and the inspect/compare/doctor/bugreport/mismatch tools.
+"""`relax`: the Hydra app, the debugging guide's `--flags`, and the offline tools (SUBCOMMANDS).
 
 `relax [overrides]`, `python -m relax` and `python3 relax/entrypoints/train.py` all land in
 `main()`. The guide's flags (`--debug-rollout-only`, `--load-debug-rollout-data PATH`, ...)
@@ -65,6 +65,7 @@ SUBCOMMANDS = {
     "doctor": "relax.tools.doctor",
     "bugreport": "relax.tools.bugreport",
     "mismatch": "relax.tools.mismatch",
+    "replay-agent": "relax.tools.replay_agent",
     "convert-gguf": "relax.model.gguf",
 }
 

@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerFast
 
 from relax.errors import ConfigError
 from relax.files import safe_load
-from relax.rollout import Generation, SamplingParams, check_functions
+from relax.rollout import Generation, SamplingParams, check_functions, sample_seeds
 from relax.rollout.agent import AgentSpec, agent_metrics
 from relax.rollout.calculator import calculate
 from relax.rollout.calculator_agent import TOOLS
@@ -104,7 +104,17 @@ def test_two_turns_with_a_tool_call_are_exactly_the_tokens_used_and_generated(qw
     assert sample.loss_mask == [1] * len(first.tokens) + [0] * len(context) + [1] * len(second.tokens)
     assert sample.rollout_log_probs == first.log_probs + [0.0] * len(context) + second.log_probs
     assert sample.reward == 1.0 and sample.response == "46"
+    io = sample.metadata.pop("agent_io")  # what `relax replay-agent` feeds back (tests/test_agent_replay.py)
     assert sample.metadata == {"source": "test", "answers": ["46"], "agent_turns": 2, "agent_drifted_turns": 0}
+    reply = {"role": "assistant", "tool_calls": [{"id": "call_0_1_0", "type": "function", "function": {
+        "name": "calculator", "arguments": '{"expression": "12+34"}'}}]}
+    assert io == [
+        {"messages": [{"role": "user", "content": "12+34="}], "tools": TOOLS, "tokens": [len(first_in), len(
+            first_in) + len(first.tokens)], "seed": sample_seeds(7, [0])[0], "max_new_tokens": 64,
+         "tool_calls": [{"name": "calculator", "arguments": {"expression": "12+34"}}]},
+        {"messages": [reply, {"role": "tool", "tool_call_id": "call_0_1_0", "content": "12+34=46"}],
+         "tokens": [len(second_in), len(sample.tokens)], "seed": sample_seeds(7, [0], [1])[0],
+         "max_new_tokens": 64, "tool_calls": []}]
     assert agent_metrics([sample], "test") == {"rollout/agent_errors": 0, "rollout/retokenization_drift": 0.0}
 
 

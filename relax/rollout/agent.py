@@ -88,8 +88,9 @@ class Conversation:
         self.loss_mask: list[int] = []
         self.log_probs: list[float] = []
         self.prompt_length, self.prompt_text, self.text = 0, "", ""
-        self.messages = self.rendered = self.last = self.error = None
+        self.messages = self.rendered = self.last = self.error = self.tools = None
         self.turns = self.drifted = 0
+        self.io: list[dict] = []  # per completion, what `relax replay-agent` feeds back (record_turn)
 
     def fail(self, message: str) -> None:
         if self.error is None:  # the first error is the sample's
@@ -132,6 +133,7 @@ class Conversation:
             raise RequestError(f"turn {self.turns}: the conversation has {len(self.tokens)} tokens, more than "
                                f"the {self.max_context} the model's positions leave after rollout.max_new_tokens")
         gen = await self.client.generate(self.tokens, sp)
+        turn = self.record_turn(body, tools, gen, sp)
         self.extend(gen.tokens, gen.log_probs, 1)
         self.messages, self.rendered, self.last = messages, rendered, gen
         eos = self.tokenizer.eos_token_id
@@ -139,9 +141,26 @@ class Conversation:
         try:
             content, calls = parse_tool_calls(self.tokenizer.decode(ids, skip_special_tokens=False))
         except MalformedToolCall as e:
+            turn["malformed_tool_call"] = str(e)
             raise RequestError(f"turn {self.turns}: malformed tool call: {e}") from None
+        turn["tool_calls"] = calls
         self.text = content
         return self.answer(content, calls, gen)
+
+    def record_turn(self, body: dict, tools, gen, sp: SamplingParams) -> dict:
+        """The completion's record in metadata["agent_io"], plain JSON data: the request's messages
+        new since the previous request (the agent's copy of the model's reply first, then tool
+        results and observations), its tools when they changed, the span of the generated tokens
+        in the sample's tokens, the engine seed and max_new_tokens; tool_calls once parsed."""
+        new = body["messages"][len(self.messages):] if self.messages else body["messages"]
+        turn = {"messages": json.loads(json.dumps(new)),
+                "tokens": [len(self.tokens), len(self.tokens) + len(gen.tokens)],
+                "seed": int(self.client.seed(self.client.calls - 1)), "max_new_tokens": sp.max_new_tokens}
+        if tools != self.tools:
+            turn["tools"] = json.loads(json.dumps(tools))
+        self.tools = tools
+        self.io.append(turn)
+        return turn
 
     def extend(self, tokens: list[int], log_probs: list[float], mask: int) -> None:
         self.tokens += tokens
@@ -202,7 +221,8 @@ class Conversation:
         else:  # one masked token after the task's prompt: a sample the trainer takes and ignores
             tokens, plen = r.tokens + [self.tokenizer.eos_token_id], len(r.tokens)
             mask, log_probs = [0], [0.0]
-        metadata = {**r.metadata, **extra, "agent_turns": self.turns, "agent_drifted_turns": self.drifted}
+        metadata = {**r.metadata, **extra, "agent_turns": self.turns, "agent_drifted_turns": self.drifted,
+                    "agent_io": self.io}
         if self.error is not None:
             metadata["agent_error"] = self.error
             mask, reward = [0] * len(mask), 0.0

@@ -38,6 +38,10 @@ class EngineClient:
         self.calls += 1
         return await self.batcher.request(self.index, self.calls - 1, list(tokens), sampling_params)
 
+    def seed(self, call: int) -> int:
+        """The engine seed of this sample's call number `call` (counted from 0)."""
+        return sample_seeds(self.batcher.seed, [self.index], [call])[0]
+
 
 class BlockingEngineClient(EngineClient):
     """A plain (not async) generate_fn's client: it runs in a worker thread and `generate` blocks."""
