@@ -2,8 +2,8 @@
 SIGKILL at 11 moments (6 chosen code sites inside checkpoint writes and around the metrics,
 5 random times), each followed by a resume that must finish with the uninterrupted run's
 final weights, bit for bit, and each rollout's metrics exactly once. The same for an
-asynchronous run (train.max_staleness=2: its checkpoints keep the rollouts made ahead), at the
-6 sites and 2 random times.
+asynchronous run (train.max_staleness=2: its checkpoints keep the rollouts made ahead), at 5 of
+the sites and a random time.
 
 The runs are the real CLI, forked from a forkserver that imported Relax once (conftest's
 `fork_cli`), so each start costs a fork rather than a Python start-up.
@@ -69,10 +69,13 @@ def wait(proc: mp.Process, timeout: float = 300) -> int:
     return proc.exitcode
 
 
-@pytest.mark.parametrize("extra,random_kills", [([], RANDOM_KILLS), (["train.max_staleness=2"], 2)],
-                         ids=["sync", "max_staleness=2"])
+@pytest.mark.parametrize("extra,sites,random_kills", [
+    ([], SITES, RANDOM_KILLS),
+    # asynchronous: where a checkpoint's rollouts made ahead are half written, or not yet
+    (["train.max_staleness=2"], [s for s in SITES if s[0] != "checkpoint_delete"], 1),
+], ids=["sync", "max_staleness=2"])
 def test_kill_anywhere_then_resume_matches_the_uninterrupted_run(tmp_path, fork_cli, tiny_path, extra,
-                                                                 random_kills):
+                                                                 sites, random_kills):
     args = [*ARGS, *extra]
     base_dir = tmp_path / "baseline"
     base_dir.mkdir()
@@ -81,7 +84,7 @@ def test_kill_anywhere_then_resume_matches_the_uninterrupted_run(tmp_path, fork_
     baseline = base_dir / "outputs/runs/a"
 
     rng = random.Random(13)
-    scenarios = [("site", f"kill_at:{site}:{n}") for site, n in SITES] + [("random", "")] * random_kills
+    scenarios = [("site", f"kill_at:{site}:{n}") for site, n in sites] + [("random", "")] * random_kills
     killed = []
     for i, (kind, fault) in enumerate(scenarios):
         cwd = tmp_path / f"s{i}"
@@ -109,4 +112,4 @@ def test_kill_anywhere_then_resume_matches_the_uninterrupted_run(tmp_path, fork_
         proc = fork_cli(cwd, *args, f"hydra.run.dir={target}", resume)
         assert wait(proc) == 0, f"scenario {i} ({fault or 'random'}): {(cwd / 'out.log').read_text()[-3000:]}"
         check_finished_like(cwd / target, run_dir, baseline)
-    assert len(killed) == len(SITES) + random_kills
+    assert len(killed) == len(sites) + random_kills

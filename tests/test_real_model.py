@@ -96,9 +96,10 @@ def test_first_step_numerics_are_exact_and_the_engine_equals_the_checkpoint(dump
 def test_doctor_passes_a_healthy_real_model_run_and_inspect_reads_its_dump(dumped):
     run, _ = dumped
     checks = {c.id: c for c in diagnose(load_run(run))}
-    # 8 (batch invariance) was not recorded, 9 (MoE routing) has no experts to check
+    # 8 (batch invariance) was not recorded, 9 (MoE routing) has no experts to check, 10: nothing stale
     assert {i: c.verdict for i, c in checks.items()} == {**dict.fromkeys(range(1, 8), "PASS"), 8: "SKIP",
-                                                         9: "SKIP"}, {i: c.summary for i, c in checks.items()}
+                                                         9: "SKIP", 10: "SKIP"}, \
+        {i: c.summary for i, c in checks.items()}
     proc = relax_cli("inspect", str(run), cwd=run)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     # its rollout data and every sample's train data, joined
