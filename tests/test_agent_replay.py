@@ -77,6 +77,19 @@ def test_a_saved_agent_rollout_regenerates_token_for_token(agent_run, capsys):
     assert code == 1 and not json.loads(out)["identical"]  # other weights: other tokens
 
 
+def test_the_default_weights_are_those_of_the_samples_policy_version(agent_run, tmp_path, capsys):
+    """Rollout 1 was made on version 1 (the checkpoint after rollout 0). Had it been made ahead
+    (train.max_staleness=1: version 0), the default weights would be the initial model's."""
+    data = safe_load(agent_run / "rollouts" / "1.pt")
+    assert {s["metadata"]["policy_version"] for s in data["samples"]} == {1}
+    for version, expected in ((1, 0), (0, 1)):
+        for s in data["samples"]:
+            s["metadata"]["policy_version"] = version
+        atomic_save(data, tmp_path / f"v{version}.pt")
+        code, out = replay(capsys, agent_run, "--file", tmp_path / f"v{version}.pt", "--json")
+        assert code == expected, out
+
+
 def tampered(agent_run, tmp_path, change) -> tuple:
     data = safe_load(agent_run / "rollouts" / "0.pt")
     change(data["samples"])

@@ -39,16 +39,16 @@ def rollout_files(run_dir: Path, dump: Path, template: str | None) -> dict[int, 
     return found
 
 
-def weights_of(run_dir: Path, model_path: Path, rollout_id: int) -> Path:
-    """The weights rollout `rollout_id` was generated with: the model, or the checkpoint saved
-    after the rollout before it (a run without train.max_staleness)."""
-    if rollout_id == 0:
+def weights_of(run_dir: Path, model_path: Path, policy_version: int) -> Path:
+    """The weights a rollout made on `policy_version` (its samples' metadata; with
+    train.max_staleness older than its rollout_id) was generated with: the model, or the
+    checkpoint saved after that many rollouts."""
+    if policy_version == 0:
         return model_path
-    hf = run_dir / "checkpoints" / f"rollout_{rollout_id - 1:06d}" / "hf"
+    hf = run_dir / "checkpoints" / f"rollout_{policy_version - 1:06d}" / "hf"
     if not (hf / "config.json").is_file():
-        raise ReplayError(f"rollout {rollout_id} was generated with the weights after rollout "
-                          f"{rollout_id - 1}, and {hf} is not there (checkpoint.save_interval=1 saves "
-                          f"them); pass --weights DIR")
+        raise ReplayError(f"the rollout was generated with the weights after rollout {policy_version - 1}, "
+                          f"and {hf} is not there (checkpoint.save_interval=1 saves them); pass --weights DIR")
     return hf
 
 
@@ -119,7 +119,8 @@ def replay(run_dir: Path, rollout: int | None = None, sample: int | None = None,
     spec = EngineSpec.of(cfg.rollout, cfg.model, cfg.seed, model_path, [tokenizer.eos_token_id],
                          tokenizer.pad_token_id)
     scorer = Scorer(cfg.rollout, spec, [], tokenizer)
-    engine = scorer.engine(weights or weights_of(run_dir, model_path, rollout_id))
+    version = samples[0].metadata.get("policy_version", rollout_id)
+    engine = scorer.engine(weights or weights_of(run_dir, model_path, version))
     sp = SamplingParams.of(cfg.rollout)
     replays = [replay_sample(engine, tokenizer, s, sp) for s in samples]
     return rollout_id, samples, replays, tokenizer, scorer.stand_in
@@ -133,8 +134,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--sample", type=int, default=None, help="only this sample (its index in the rollout)")
     ap.add_argument("--file", type=Path, default=None, help="this rollout file instead of the run's")
     ap.add_argument("--weights", type=Path, default=None,
-                    help="the weights the rollout was generated with (default: the model for rollout 0, "
-                         "else the checkpoint after the rollout before)")
+                    help="the weights the rollout was generated with (default: those its samples' "
+                         "policy_version names: the model, or the checkpoint after that many rollouts)")
     ap.add_argument("--json", action="store_true", help="machine-readable output")
     args = ap.parse_args(argv)
     if not args.path.is_dir():
