@@ -256,8 +256,7 @@ def test_a_mistyped_tool_name_gets_the_closest_tool(tmp_path):
         "relax: error: no tool 'inspekt'; did you mean 'inspect'?"
     assert refusal(relax_cli("frobnicate", cwd=tmp_path)) == (
         "relax: error: no tool 'frobnicate'; the tools are inspect, compare, doctor, bugreport, mismatch, "
-        "convert-gguf, "
-        "and a run takes key=value overrides")
+        "replay-agent, convert-gguf, and a run takes key=value overrides")
     assert list(tmp_path.iterdir()) == []
     for args in ([], ["doctor"], ["convert-gguf"], ["seed=3"], ["--cfg", "job"], ["~eval"], ["+x=1"],
                  ["rollout.num_rollout"]):  # (the last one is Hydra's to refuse: a key without a value)
