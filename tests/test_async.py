@@ -265,7 +265,7 @@ def test_rollout_j_is_made_on_version_j_minus_k_as_soon_as_the_engine_holds_it(k
     assert started == [(j, max(3, j - k)) for j in ids]
 
 
-def test_a_checkpoints_rollouts_made_ahead_are_not_made_again():
+def test_a_checkpoints_rollouts_made_ahead_are_not_made_again(caplog):
     import threading
 
     from relax.rollout.prefetch import Rollouts
@@ -279,8 +279,10 @@ def test_a_checkpoints_rollouts_made_ahead_are_not_made_again():
     assert rollouts.get(6)[2] == 4
     rollouts.close()
     assert started[0] == (6, 4)
-    # resumed with k=1 (resume_allow_changes): both are 2 versions behind, so made again
+    # resumed with k=1 (resume_allow_changes): both are 2 versions behind, so made again, said
     assert Rollouts(make, [4, 5], max_staleness=1, made=kept).made == {}
+    assert "the checkpoint's rollouts [4, 5] were made further behind than train.max_staleness=1" \
+        in caplog.text
     assert Rollouts(make, [4, 5], max_staleness=3, made=kept).made == kept
 
 

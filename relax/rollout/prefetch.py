@@ -6,6 +6,7 @@ How it works in detail: docs/rollouts.md, "Inside `relax/rollout/prefetch.py`".
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
@@ -14,6 +15,7 @@ from typing import Callable
 from relax.errors import ConfigError
 from relax.sample import Sample
 
+log = logging.getLogger(__name__)
 Made = tuple[tuple[list[Sample], dict], float, int]  # (samples, metrics), seconds, policy version
 
 
@@ -60,7 +62,12 @@ class Rollouts:
                  max_staleness: int, made: dict[int, Made] | None = None):
         self.make, self.ids, self.k = make, rollout_ids, max_staleness
         self.version = rollout_ids[0] if rollout_ids else 0  # the engine's: rollouts trained into it
-        self.made = {j: m for j, m in (made or {}).items() if j - m[2] <= self.k}  # (k changed on resume)
+        made = made or {}
+        self.made = {j: m for j, m in made.items() if j - m[2] <= self.k}
+        if len(self.made) < len(made):  # a resume that lowered train.max_staleness (resume_allow_changes)
+            log.warning("resume: the checkpoint's rollouts %s were made further behind than "
+                        "train.max_staleness=%d allows; they are made again on the resumed weights",
+                        sorted(made.keys() - self.made.keys()), self.k)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="relax-prefetch") if self.k else None
         self.pending: dict[int, Future] = {}  # rollout_id -> its making, in order
         self.generated_at: float | None = None  # when the background thread last finished a rollout
