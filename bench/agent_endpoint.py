@@ -15,12 +15,13 @@ Then the endpoint alone with rollout.rollout_batch_size x 8 samples in flight: t
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
 from datetime import datetime
 from pathlib import Path
+
+from relax.logger import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 JOBS = {"tiny": [], "real": ["model=smollm2", "rollout.rollout_batch_size=4",
@@ -40,8 +41,8 @@ def seconds_per_token(relax: str, overrides: list[str], run_dir: Path) -> float:
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return statistics.median(1 / r["perf/tokens_per_s"] for r in records[1:] if "step" not in r)
+    rollouts, _ = read_metrics(run_dir)
+    return statistics.median(1 / r["perf/tokens_per_s"] for r in rollouts[1:])
 
 
 def main() -> None:

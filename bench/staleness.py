@@ -27,6 +27,8 @@ import matplotlib.pyplot as plt  # noqa: E402  (after choosing the file backend)
 
 from vs_trl import JOBS, REPO, Job, intervals, read_relax, run_logged, spread  # noqa: E402
 
+from relax.debug.run_data import read_config  # noqa: E402
+
 STALENESS_JOBS = {
     "default": JOBS["default"],
     "gen_heavy": JOBS["gen_heavy"],
@@ -40,20 +42,14 @@ STALENESS_JOBS = {
 def measure(run_dir: Path) -> dict:
     stamps, rollouts = read_relax(run_dir)
     step_s, _ = intervals(stamps)
-    loop_s, per_rollout = stamps[-1] - stamps[0], samples_per_rollout(run_dir)
+    loop_s = stamps[-1] - stamps[0]
+    per_rollout = read_config(run_dir / ".hydra" / "config.yaml")["samples_per_rollout"]
     # busy time within the loop's clock (first `Finish rollout` to last): the later rollouts'
     gen = sum(r["perf/rollout_time"] for r in rollouts[1:])
     train = sum(r["perf/train_time"] for r in rollouts[1:])
     return {"step_s": step_s, "samples_per_s": per_rollout / step_s, "gen_idle": 1 - gen / loop_s,
             "train_idle": 1 - train / loop_s, "rewards": [r["rollout/raw_reward"] for r in rollouts],
             "clock": [t - stamps[0] for t in stamps], "per_rollout": per_rollout}
-
-
-def samples_per_rollout(run_dir: Path) -> int:
-    text = (run_dir / ".hydra" / "config.yaml").read_text()
-    value = {k: int(line.split(":")[1]) for line in text.splitlines()
-             for k in ("rollout_batch_size", "n_samples_per_prompt") if line.strip().startswith(k + ":")}
-    return value["rollout_batch_size"] * value["n_samples_per_prompt"]
 
 
 def plot(runs: dict, out: Path) -> Path:
