@@ -23,7 +23,10 @@ def point(site: str) -> None:
     """The n-th time the process passes `site`: `kill_at:<site>:<n>` kills it with SIGKILL, as
     a power loss there would (the kill-anywhere test resumes from what is left);
     `pause_at:<site>:<n>` holds it there for 10 minutes, so a test's signals surely land there;
-    `fill_disk_at:<site>:<n>` fills the disk of the working directory there (`fill_disk`)."""
+    `fill_disk_at:<site>:<n>` fills the disk of the working directory there (`fill_disk`);
+    `meet_at:<site>:<n>:<count>` holds it there until `count` processes started in the same
+    working directory are there too, so a test can tell jobs that run at once from jobs that
+    happen to overlap (at most 2 minutes: then it goes on, and the test's overlap check fails)."""
     _visits[site] = _visits.get(site, 0) + 1
     if active(f"kill_at:{site}:{_visits[site]}"):
         os.kill(os.getpid(), signal.SIGKILL)
@@ -31,6 +34,17 @@ def point(site: str) -> None:
         time.sleep(600)
     if active(f"fill_disk_at:{site}:{_visits[site]}"):
         fill_disk(".")
+    for count in range(2, 9):
+        if active(f"meet_at:{site}:{_visits[site]}:{count}"):
+            meet(f".meet_{site}", count)
+
+
+def meet(folder: str, count: int) -> None:
+    os.makedirs(folder, exist_ok=True)
+    open(os.path.join(folder, str(os.getpid())), "w").close()
+    deadline = time.time() + 120
+    while len(os.listdir(folder)) < count and time.time() < deadline:
+        time.sleep(0.1)
 
 
 def fill_disk(folder: str) -> None:

@@ -165,8 +165,9 @@ def test_a_sweep_on_the_ray_launcher_runs_jobs_at_once_and_survives_a_failure(ra
     `relax compare` reads the sweep as it reads one from the basic launcher."""
     launcher = ["hydra/launcher=ray", "hydra.launcher.ray.init.address=local",  # a new one, not two_nodes
                 "+hydra.launcher.ray.init.num_cpus=2", "+hydra.launcher.ray.init.include_dashboard=false"]
+    together = "meet_at:metrics_written:1:2"  # each of the first two waits there for the other
     proc = relax_cli("-m", *launcher, "parallel=single,dp2,pp2",  # 2 CPUs: the first two side by side
-                     *replay(ray_replay), cwd=tmp_path, env={"RAY_AUTH_MODE": "disabled"})
+                     *replay(ray_replay), cwd=tmp_path, env={"RAY_AUTH_MODE": "disabled", "RELAX_FAULT": together})
     assert proc.returncode != 0  # the sweep reports the failed job
     assert (tmp_path / "outputs" / "multiruns").is_dir(), proc.stderr[-3000:]
     multirun = only_run_dir(tmp_path, "multiruns")
@@ -178,3 +179,4 @@ def test_a_sweep_on_the_ray_launcher_runs_jobs_at_once_and_survives_a_failure(ra
     assert jobs["dp2"]["verdict"] == "equivalent" and jobs["single"]["status"] == "completed"
     spans = sorted(log_span(multirun / name) for name in ("parallel=single", "parallel=dp2"))
     assert spans[1][0] < spans[0][1]  # the second job started before the first one ended
+    assert len(list((tmp_path / ".meet_metrics_written").iterdir())) == 2
