@@ -31,6 +31,7 @@ from relax.model import read_hf_config
 from relax.process import Job, LogGuard, Stop, close_on_exit
 from relax.replay import keep_groups, load_rollout, save_ahead, save_rollout
 from relax.rollout import engine_dtype
+from relax.rollout.partial import InFlight, generation_lag
 from relax.rollout.prefetch import Rollouts, max_staleness
 from relax.rollout.spec import EngineSpec
 from relax.sample import Sample
@@ -113,11 +114,13 @@ def build(run: Run, cluster, parts: ExitStack):
     return engine, trainer, weight_check
 
 
-def make_rollout(run: Run, engine, rollout_id: int, policy_version: int) -> tuple[list[Sample], dict]:
+def make_rollout(run: Run, engine, in_flight: InFlight, rollout_id: int,
+                 policy_version: int) -> tuple[list[Sample], dict]:
     """Evaluate if due, then generate and score (or replay) one rollout (with train.max_staleness,
     in a background thread: evaluation then sees the weights that generate). `policy_version`: how
-    many rollouts the engine's weights have been trained on. Returns the samples and the
-    rollout's metrics beyond rollout_stats (generation rounds, eval/*, perf/eval_time)."""
+    many rollouts the engine's weights have been trained on; `in_flight`: what partial rollouts
+    carry from one to the next. Returns the samples and the rollout's metrics beyond
+    rollout_stats (generation rounds, eval/*, perf/eval_time)."""
     cfg = run.cfg
     if run.plan.replays:
         source = run.plan.replay_files[rollout_id]
@@ -128,22 +131,33 @@ def make_rollout(run: Run, engine, rollout_id: int, policy_version: int) -> tupl
     evals = {}
     if run.evaluator and run.evaluator.due(rollout_id):
         evals = run.evaluator.evaluate(engine, rollout_id)  # with perf/eval_time
-    samples, stats = engine.generate_rollout(run.task, run.tokenizer, cfg.rollout, rollout_id, cfg.seed)
+    if cfg.rollout.partial:
+        samples, stats, left = engine.generate_partial_rollout(
+            run.task, run.tokenizer, cfg.rollout, rollout_id, cfg.seed, policy_version,
+            in_flight.before(rollout_id), max_staleness(cfg.train))
+        in_flight.put(rollout_id, left)
+    else:
+        samples, stats = engine.generate_rollout(run.task, run.tokenizer, cfg.rollout, rollout_id, cfg.seed)
     for s in samples:
-        s.metadata["policy_version"] = policy_version
+        s.metadata.setdefault("policy_version", policy_version)
+        if s.token_versions is None:
+            s.token_versions = [policy_version] * s.response_length
     return samples, {**stats, **evals}
 
 
 def rollout(run: Run, rollouts: Rollouts, rollout_id: int) -> tuple[list[Sample], dict]:
     """One rollout's samples (made now, prefetched or replayed); save them if asked; log
     `Finish rollout`. rollout/staleness: how many rollouts the trainer is ahead of the policy
-    that generated them (at most train.max_staleness)."""
+    that generated the oldest of their tokens (at most train.max_staleness)."""
     (samples, stats), seconds, policy_version = rollouts.get(rollout_id)
     seconds -= stats.get("perf/eval_time", 0.0)
     record = {"rollout_id": rollout_id, **rollout_stats(samples, seconds, run.tokenizer,
                                                         run.cfg.task.answer_format), **stats}
-    if not run.plan.replays:
-        record["rollout/staleness"] = rollout_id - policy_version
+    versions = [v for s in samples for v in s.token_versions or ()]  # (replay data before format 3: none)
+    if not run.plan.replays:  # the oldest token's: a partial rollout's carried responses are older
+        record["rollout/staleness"] = rollout_id - min(versions, default=policy_version)
+    if versions:
+        record["rollout/token_staleness_mean"] = rollout_id - sum(versions) / len(versions)
     if run.plan.save_rollout_data:
         save_rollout(fill(run.plan.save_rollout_data, rollout_id), rollout_id, samples, run.manifest)
     log_finish_rollout(run, rollout_id, samples)
@@ -231,16 +245,21 @@ def first_step(run: Run, rollout_id: int, samples, record: dict, out: dict) -> N
     strict.judge_first_step(found, cfg.debug.strict_checks, run.dir)
 
 
-def checkpoint_on_schedule(run: Run, trainer, rollouts: Rollouts, rollout_id: int, stopping: bool) -> None:
+def checkpoint_on_schedule(run: Run, trainer, rollouts: Rollouts, in_flight: InFlight, rollout_id: int,
+                           stopping: bool) -> None:
     """Every checkpoint.save_interval rollouts, at the last one and when the run is stopping,
     after the rollout's metrics are written (a checkpoint carries the run's history up to it),
-    with the rollouts made ahead on older weights than its own (train.max_staleness)."""
+    with the rollouts made ahead on older weights than its own (train.max_staleness) and what
+    partial rollouts left in flight."""
     cfg = run.cfg
     interval = cfg.checkpoint.save_interval
+    def keep_ahead(folder):
+        ahead = rollouts.ahead()
+        save_ahead(folder, ahead, in_flight.kept(max(ahead, default=rollout_id)), run.manifest)
+
     if interval and ((rollout_id + 1) % interval == 0 or rollout_id == run.plan.rollout_ids[-1] or stopping):
         save_checkpoint(trainer, run.tokenizer, run.dir, rollout_id, run.model_path, cfg.checkpoint.keep_last,
-                        checkpoint_layout(cfg.train, cfg.parallel), (cfg, run.overrides),
-                        lambda folder: save_ahead(folder, rollouts.ahead(), run.manifest))
+                        checkpoint_layout(cfg.train, cfg.parallel), (cfg, run.overrides), keep_ahead)
 
 
 def rl_loop(cfg, run_dir: Path, stop: Stop | None = None, accept=lambda: None) -> None:
@@ -259,8 +278,9 @@ def rl_loop(cfg, run_dir: Path, stop: Stop | None = None, accept=lambda: None) -
         log_setup.restore()  # an engine or library that reconfigured logging keeps relax.log
         stop.install()  # ... and Relax's signal handlers
         stop.check("before the first rollout")  # (a signal while building)
-        rollouts = close_on_exit(parts, Rollouts(partial(make_rollout, run, engine), run.plan.rollout_ids,
-                                                 max_staleness(cfg.train), run.ahead), "close")
+        in_flight = InFlight(run.in_flight)
+        rollouts = close_on_exit(parts, Rollouts(partial(make_rollout, run, engine, in_flight), run.plan.rollout_ids,
+                                                 generation_lag(cfg.train, cfg.rollout), run.ahead), "close")
         progress = close_on_exit(parts, Progress(len(run.plan.rollout_ids)), "close")
         for rollout_id in run.plan.rollout_ids:
             samples, record = rollout(run, rollouts, rollout_id)
@@ -283,7 +303,8 @@ def rl_loop(cfg, run_dir: Path, stop: Stop | None = None, accept=lambda: None) -
             faults.point("metrics_written")
             stopping = stop.requested  # one look: a signal after it stops after the next rollout
             if trainer:
-                checkpoint_on_schedule(run, trainer, rollouts, rollout_id, stopping)
+                in_flight.trained(rollout_id)
+                checkpoint_on_schedule(run, trainer, rollouts, in_flight, rollout_id, stopping)
             progress.update(rollout_id, record["rollout/raw_reward"])
             if stopping:
                 stop.check(f"after rollout {rollout_id}")

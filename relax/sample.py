@@ -25,6 +25,9 @@ class Sample:
     # MoE models: the engine's top-k expert ids of every token it fed (all but the last), per
     # MoE layer, flattened [len(tokens) - 1, layers, top_k] (relax/train/routing.py); None: dense
     routed_experts: list[int] | None = None
+    # the policy version (rollouts trained into the engine's weights) that sampled each response
+    # token: a response continued across a weight sync (rollout.partial) has several; None: unknown
+    token_versions: list[int] | None = None
 
     @property
     def prompt_length(self) -> int:
@@ -52,6 +55,11 @@ class Sample:
             raise ValueError(f"sample {s.index}: response_length {s.response_length} does not match "
                              f"its {len(s.tokens)} tokens, {len(s.loss_mask)} loss_mask and "
                              f"{len(s.rollout_log_probs)} rollout_log_probs entries")
+        if s.token_versions is not None and (
+                not isinstance(s.token_versions, list) or len(s.token_versions) != s.response_length
+                or not all(isinstance(v, int) and v >= 0 for v in s.token_versions)):
+            raise ValueError(f"sample {s.index}: token_versions must be a list of {s.response_length} "
+                             f"policy versions (integers >= 0), one per response token, or None")
         if not routed_experts_fit(s):
             raise ValueError(f"sample {s.index}: routed_experts must be a list of [len(tokens) - 1 = "
                              f"{len(s.tokens) - 1}, layers, top_k] expert ids, flattened")
@@ -83,7 +91,7 @@ def routed_experts_fit(s: Sample) -> bool:
                               and len(routed) % (len(s.tokens) - 1) == 0)
 
 
-OPTIONAL_FIELDS = {"routed_experts"}  # (added with replay format 2: format 1 files lack it)
+OPTIONAL_FIELDS = {"routed_experts", "token_versions"}  # (added with replay formats 2 and 3)
 
 
 def require_routed_experts(samples: list[Sample], where: str) -> None:

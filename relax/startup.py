@@ -21,7 +21,7 @@ from relax.errors import ConfigError
 from relax.eval import Evaluator, build_evaluator
 from relax.logger import check_backends
 from relax.model import load_tokenizer, read_hf_config, resolve_model_path
-from relax.replay import build_manifest, check_replay_files, load_ahead
+from relax.replay import build_manifest, check_replay_files, load_ahead, load_in_flight
 from relax.targets import load_target
 from relax.task import Task, build_task
 from relax.train import check_batch_split, checkpoint_layout
@@ -45,6 +45,7 @@ class Run:
     evaluator: Evaluator | None  # the eval section (relax/eval/)
     overrides: list[str]        # the command line the config was composed from (checkpoints keep it)
     ahead: dict                 # rollouts the resumed checkpoint made ahead of training (prefetch.Rollouts)
+    in_flight: dict             # ... and the responses its partial rollouts left in flight (partial.InFlight)
 
 
 def prepare(cfg, run_dir: Path, accept=lambda: None) -> Run:
@@ -67,7 +68,8 @@ def prepare(cfg, run_dir: Path, accept=lambda: None) -> Run:
                           f"or from a checkpoint saved with train.lora.save_merged=true")
     if saved and plan.builds_train:
         check_layout(checkpoint, saved, checkpoint_layout(cfg.train, cfg.parallel))
-    ahead = load_ahead(checkpoint) if saved and plan.builds_rollout and plan.builds_train else {}
+    keeps = saved and plan.builds_rollout and plan.builds_train
+    ahead, in_flight = (load_ahead(checkpoint), load_in_flight(checkpoint)) if keeps else ({}, {})
     check_dumps(plan, source)
     task = build_task(cfg.task, cfg.seed) if plan.builds_rollout else None
     load_target(cfg.logger, "logger")  # a logger._target_ that does not import stops the run here
@@ -100,4 +102,4 @@ def prepare(cfg, run_dir: Path, accept=lambda: None) -> Run:
     actor_path = checkpoint / "hf" if checkpoint and not adapter_only(checkpoint) else model_path
     overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
     return Run(cfg, run_dir, plan, start, checkpoint, model_path, actor_path, tokenizer, manifest, task,
-               evaluator, overrides, ahead)
+               evaluator, overrides, ahead, in_flight)

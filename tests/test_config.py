@@ -73,7 +73,9 @@ ADDED = {"logger._target_": "relax.logger.MetricsLogger",
          # issue 51 (bounded staleness): null, read as train.async's 1 or 0
          "train.max_staleness": None,
          # issue 52 (agents through the OpenAI-compatible endpoint): none
-         "rollout.agent": None, "rollout.agent_timeout": 300.0}
+         "rollout.agent": None, "rollout.agent_timeout": 300.0,
+         # issue 51 (partial rollouts): off
+         "rollout.partial": None, "rollout.partial_stale": "drop"}
 RAY = {"cluster._target_": "relax.cluster.ray_cluster.RayCluster", "cluster.address": None,
        "cluster.num_cpus_per_rank": 1.0, "cluster.num_gpus_per_rank": 0.0, "cluster.num_cpus_per_engine": 1.0,
        "cluster.num_gpus_per_engine": 0.0, "cluster.resources_per_rank": {},

@@ -262,7 +262,7 @@ def test_replay_reproduces_the_original_run_exactly(tmp_path, dumped):
 def test_rollout_file_contents(dumped, tokenizer):
     dump, _, _ = dumped
     data = safe_load(dump / "rollout_data" / "1.pt")
-    assert data["format_version"] == 2 and data["rollout_id"] == 1
+    assert data["format_version"] == 3 and data["rollout_id"] == 1
     m = data["manifest"]
     assert m["tokenizer"]["vocab_size"] == len(tokenizer.get_vocab())
     assert m["sampling"]["temperature"] == 1.0 and m["sampling"]["n_samples_per_prompt"] == 8
@@ -271,6 +271,7 @@ def test_rollout_file_contents(dumped, tokenizer):
     assert {"prompt", "tokens", "response", "response_length", "loss_mask", "reward", "label",
             "rollout_log_probs", "status", "metadata"} <= s.keys()
     assert len(s["rollout_log_probs"]) == s["response_length"] == len(s["loss_mask"])
+    assert s["token_versions"] == [1] * s["response_length"]  # rollout 1: sampled by the policy trained on 0
     assert tokenizer.decode(s["tokens"][-s["response_length"]:], skip_special_tokens=True) == s["response"]
 
 

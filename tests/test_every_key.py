@@ -176,7 +176,8 @@ resume model.name model.path model.dtype model.tiny.hidden_size model.tiny.num_l
 model.tiny.num_heads model.tiny.num_kv_heads model.tiny.intermediate_size rollout._target_
 rollout.num_rollout rollout.top_p rollout.max_new_tokens rollout.dtype rollout.true_on_policy
 rollout.rollout_num_gpus_per_engine rollout.weight_update_mode rollout.colocate rollout.generate_fn
-rollout.dynamic_sampling_filter rollout.mem_fraction_static rollout.agent train._target_
+rollout.dynamic_sampling_filter rollout.mem_fraction_static rollout.agent rollout.partial
+rollout.partial_stale train._target_
 train.num_steps_per_rollout train.on_nonfinite train.num_threads train.shared_prompt
 train.lora.target_modules train.lora.save_merged train.async train.attention_backend
 train.moe_permute_fusion train.deterministic train.use_distributed_optimizer parallel.tp parallel.pp

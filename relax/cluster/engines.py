@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from relax.cluster.ranks import RankError, on_this_host
 from relax.rollout import buckets, build_engine
 from relax.rollout.generate import generate_rollout
+from relax.rollout.partial import generate_partial_rollout
 
 
 def make_engine(rollout, spec, base_gpu_id: int = 0):
@@ -57,6 +58,10 @@ class EngineHost:
     def generate_rollout(self, rollout_id: int, seed: int) -> tuple[list, dict]:
         task, tokenizer, rollout_cfg = self.rollout
         return generate_rollout(self.engine, task, tokenizer, rollout_cfg, rollout_id, seed)
+
+    def generate_partial_rollout(self, rollout_id: int, seed: int, *partial) -> tuple[list, dict, list]:
+        task, tokenizer, rollout_cfg = self.rollout
+        return generate_partial_rollout(self.engine, task, tokenizer, rollout_cfg, rollout_id, seed, *partial)
 
 
 class InDriver:
@@ -111,13 +116,28 @@ class EngineGroup:
         here, each engine call spread over the engines."""
         if self.num_engines > 1 or isinstance(self.hosts, InDriver):
             return generate_rollout(self, task, tokenizer, rollout_cfg, rollout_id, seed)
+        self._set_rollout(task, tokenizer, rollout_cfg)
+        return self._all("generate_rollout", rollout_id, seed)[0]
+
+    def generate_partial_rollout(self, task, tokenizer, rollout_cfg, rollout_id: int, seed: int,
+                                 *partial) -> tuple[list, dict, list]:
+        """One partial rollout (relax/rollout/partial.py; one engine), made where generate_rollout
+        makes one."""
+        if isinstance(self.hosts, InDriver):
+            return generate_partial_rollout(self, task, tokenizer, rollout_cfg, rollout_id, seed, *partial)
+        self._set_rollout(task, tokenizer, rollout_cfg)
+        return self._all("generate_partial_rollout", rollout_id, seed, *partial)[0]
+
+    def _set_rollout(self, task, tokenizer, rollout_cfg) -> None:
         if not self._rollout_set:
             self._all("set_rollout", task, tokenizer, rollout_cfg)
             self._rollout_set = True
-        return self._all("generate_rollout", rollout_id, seed)[0]
 
-    def generate(self, prompts: list[list[int]], sp, seed: int | list[int]) -> list:
-        """`seed`: the rollout's (prompt i is sample i), or one per prompt (relax.rollout.client)."""
+    def generate(self, prompts: list[list[int]], sp, seed: int | list[int], **partial) -> list:
+        """`seed`: the rollout's (prompt i is sample i), or one per prompt (relax.rollout.client);
+        `partial`: a partial rollout's `done` and `until`, for its one engine."""
+        if partial:
+            return self.hosts.map("generate", [(prompts, sp, seed, 0, partial["done"], partial["until"])])[0]
         n, total = self.num_engines, len(prompts)
         bounds = [total * i // n for i in range(n + 1)]  # contiguous: a GRPO group stays together
         # the first share starts at sample 0: an engine that runs alone needs no first_index

@@ -22,6 +22,7 @@ from relax.errors import ConfigError
 from relax.model import model_config
 from relax.replay import discover_rollout_ids
 from relax.rollout import check_engine, check_rollout
+from relax.rollout.partial import check_partial
 from relax.rollout.prefetch import check_staleness
 from relax.targets import load_target
 from relax.train import check_batch_split, check_parallel_keys, check_train_keys, check_trainer
@@ -226,6 +227,7 @@ def resolve(cfg, start_rollout_id: int = 0, hf_config: dict | None = None, run_d
         raise ConfigError("debug.train_only needs debug.load_rollout_data=<path template>: "
                           "a train-only run replays saved rollouts")
     check_staleness(cfg.train, r, builds_rollout=not train_only, builds_train=not d.rollout_only)
+    check_partial(r, cfg.train, builds_rollout=not train_only)
 
     dump_dir = Path(_abs_template(d.dump_details, run_dir)) if d.dump_details else None
     save_rollout = _abs_template(d.save_rollout_data, run_dir) or (

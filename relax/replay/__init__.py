@@ -1,8 +1,8 @@
 """Replay data: save rollouts, load them back safely, and refuse data from another model.
 
 One file per rollout (`torch.save` of plain data only):
-    {"format_version": 2, "rollout_id": int, "manifest": {...}, "samples": [Sample dicts]}
-(format 2 added Sample.routed_experts; format 1 files load, their samples without it)
+    {"format_version": 3, "rollout_id": int, "manifest": {...}, "samples": [Sample dicts]}
+(format 2 added Sample.routed_experts, 3 Sample.token_versions; older files load without them)
 The manifest records the model (path, config fingerprint), the tokenizer (vocab size and
 hash), sampling parameters, the composed-config hash and the Relax version. Files are
 written atomically and read with `torch.load(weights_only=True)`: nothing in them runs.
@@ -27,8 +27,8 @@ from relax.model import model_fingerprint, tokenizer_fingerprint
 from relax.sample import Sample, Samples, group_size_of, require_routed_experts
 from relax.task import check_rewards
 
-FORMAT_VERSION = 2  # 2: samples may carry routed_experts (MoE); format 1 files still load
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3  # 2: samples may carry routed_experts (MoE); 3: token_versions
+READABLE_VERSIONS = (1, 2, 3)
 
 
 def discover_rollout_ids(template: str) -> dict[int, Path]:
@@ -91,18 +91,28 @@ def save_rollout(path: Path, rollout_id: int, samples: list[Sample], manifest: d
 AHEAD_DIR = "rollouts_ahead"  # in a checkpoint: rollouts made ahead of training (train.max_staleness)
 
 
-def save_ahead(folder: Path, ahead: dict, manifest: dict) -> None:
+def save_ahead(folder: Path, ahead: dict, in_flight: dict, manifest: dict) -> None:
     """A checkpoint's rollouts made on older weights than its own and not trained yet, as
-    `Rollouts.ahead()` gives them: rollout_id -> ((samples, metrics), seconds, policy version)."""
+    `Rollouts.ahead()` gives them: rollout_id -> ((samples, metrics), seconds, policy version);
+    and the responses partial rollouts left in flight (`InFlight.kept()`: rollout_id -> samples)."""
     for rollout_id, ((samples, metrics), seconds, version) in ahead.items():
         save_rollout(Path(folder) / AHEAD_DIR / f"{rollout_id}.pt", rollout_id, samples, manifest,
                      metrics=metrics, seconds=seconds, policy_version=version)
+    for rollout_id, samples in in_flight.items():
+        if samples:
+            save_rollout(Path(folder) / AHEAD_DIR / f"in_flight_{rollout_id}.pt", rollout_id, samples, manifest)
+
+
+def load_in_flight(checkpoint: Path) -> dict:
+    """The responses in flight save_ahead wrote into `checkpoint`, by rollout_id."""
+    return {data["rollout_id"]: Samples(samples) for data, samples in
+            map(read_rollout, sorted((Path(checkpoint) / AHEAD_DIR).glob("in_flight_*.pt")))}
 
 
 def load_ahead(checkpoint: Path) -> dict:
     """What save_ahead wrote into `checkpoint` (nothing: {}), in `Rollouts.ahead()`'s form."""
     ahead = {}
-    for path in sorted((Path(checkpoint) / AHEAD_DIR).glob("*.pt")):
+    for path in sorted((Path(checkpoint) / AHEAD_DIR).glob("[0-9]*.pt")):
         data, samples = read_rollout(path)
         try:
             ahead[data["rollout_id"]] = ((Samples(samples), dict(data["metrics"])), float(data["seconds"]),

@@ -35,9 +35,9 @@ class TransformersEngine(TorchEngineBase):
         accepted = inspect.signature(self.model.forward).parameters
         self.cache_arg = "cache" if "cache" in accepted else "past_key_values"
 
-    def _generate(self, prompts, sp, seed, first_index):
-        if not self.true_on_policy:
-            return super()._generate(prompts, sp, seed, first_index)
+    def _generate(self, prompts, sp, seed, first_index, done=None, until=None):
+        if not self.true_on_policy:  # (rollout.partial is refused with true_on_policy: relax/rollout/partial.py)
+            return super()._generate(prompts, sp, seed, first_index, done, until)
         # true on-policy: prompts of one length at a time, so no prompt is padded and every key's
         # index is its position (relax/model/invariant.py chunks keys from index 0)
         seeds, out = prompt_seeds(seed, len(prompts), first_index), [None] * len(prompts)

@@ -105,12 +105,17 @@ class TorchEngineBase:
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], sp: SamplingParams, seed: int | list[int],
-                 first_index: int = 0) -> list[Generation]:
+                 first_index: int = 0, done: list[int] | None = None,
+                 until: tuple[list[int], int] | None = None) -> list[Generation]:
         """Sample `prompts[i]` with its own seed (see prompt_seeds); for an MoE model, with the
-        top-k experts every fed token was routed to (Generation.routed_experts)."""
+        top-k experts every fed token was routed to (Generation.routed_experts). Partial rollouts
+        (relax/rollout/partial.py): `done[i]` response tokens already end prompts[i] (it goes on
+        at their seed's draw done[i], within max_new_tokens in all); `until=(groups, enough)`
+        stops decoding once `enough` of the groups (groups[i]: prompt i's) have every prompt
+        finished, the unfinished ones returned `aborted` with what they have."""
         self.routes = [[] for _ in range(self.num_moe_layers)] if self.num_moe_layers else None
         try:
-            generations, row_of = self._generate(prompts, sp, seed, first_index)
+            generations, row_of = self._generate(prompts, sp, seed, first_index, done, until)
             if self.routes is not None:
                 routed = self._routed_experts(prompts, row_of, generations)
                 for generation, experts in zip(generations, routed, strict=True):
@@ -134,8 +139,10 @@ class TorchEngineBase:
                 for b, (p, g) in enumerate(zip(prompts, generations, strict=True))]
 
     def _generate(self, prompts: list[list[int]], sp: SamplingParams, seed: int | list[int],
-                  first_index: int) -> tuple[list[Generation], torch.Tensor]:
+                  first_index: int, done: list[int] | None = None,
+                  until: tuple[list[int], int] | None = None) -> tuple[list[Generation], torch.Tensor]:
         B, P, N = len(prompts), max(map(len, prompts)), sp.max_new_tokens
+        done = torch.tensor(done if done is not None else [0] * B, dtype=torch.long)
         # Identical prompts (a GRPO group) are prefilled once and their KV cache shared.
         unique: dict[tuple, int] = {}
         row_of = torch.tensor([unique.setdefault(tuple(p), len(unique)) for p in prompts])
@@ -149,25 +156,37 @@ class TorchEngineBase:
         if len(unique) < B:  # fan the shared prefixes out to one row per sample
             valid, positions = valid[row_of], positions[row_of]
 
+        # a response's t-th token draws its seed's t-th uniform, wherever the call that samples it starts
         uniforms = torch.stack([torch.rand(N, generator=torch.Generator().manual_seed(s))
                                 for s in prompt_seeds(seed, B, first_index)])
+        uniforms = torch.nn.functional.pad(uniforms, (0, N)).gather(1, done[:, None] + torch.arange(N))
         out_tokens = torch.full((B, N), self.pad_token_id, dtype=torch.long)
         out_logp = torch.zeros(B, N)
         response_lens = torch.zeros(B, dtype=torch.long)
-        finished = torch.zeros(B, dtype=torch.bool)
+        stopped = torch.zeros(B, dtype=torch.bool)  # by a stop token
+        finished = done >= N  # stopped, or at max_new_tokens
+        groups = torch.tensor(until[0]) if until else None
         next_pos = positions[:, -1:] + 1
         for t in tqdm(range(N), desc="generate", leave=False, delay=2, disable=None):
             token, logp = self._sample(logits, sp, uniforms[:, t])
             out_tokens[:, t] = token.masked_fill(finished, self.pad_token_id)
             out_logp[:, t] = logp.masked_fill(finished, 0.0)
             response_lens += ~finished
-            finished |= (token[:, None] == self.eos).any(-1)
-            if finished.all() or t == N - 1:
+            stopped |= ~finished & (token[:, None] == self.eos).any(-1)
+            finished |= stopped | (done + response_lens >= N)
+            if finished.all() or t == N - 1 or (until and complete_groups(groups, finished) >= until[1]):
                 break
             logits = decode(out_tokens[:, t:t + 1], next_pos, t, valid)
             next_pos = next_pos + 1
         return [
             Generation(out_tokens[b, :n].tolist(), out_logp[b, :n].tolist(),
-                       "completed" if finished[b] else "truncated")
+                       "completed" if stopped[b] else "truncated" if finished[b] else "aborted")
             for b, n in enumerate(response_lens.tolist())
         ], row_of
+
+
+def complete_groups(groups: torch.Tensor, finished: torch.Tensor) -> int:
+    """How many of the groups (groups[i]: row i's) have every row finished."""
+    unfinished = torch.zeros(int(groups.max()) + 1).index_add_(0, groups, (~finished).float())
+    present = torch.zeros_like(unfinished).index_add_(0, groups, torch.ones(len(groups)))
+    return int(((unfinished == 0) & (present > 0)).sum())
