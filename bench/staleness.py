@@ -3,6 +3,10 @@
     python bench/staleness.py                       # default and gen_heavy, k = 0 1 2 4, 40 rollouts
     python bench/staleness.py --jobs long_tail --rollouts 8 --repeats 1   # the real model, long answers
     python bench/staleness.py --ks 0,2 --repeats 3
+    python bench/staleness.py --jobs long_tail --ks 0,1c,2,2c,2a --rollouts 8   # partial rollouts
+
+A `--ks` entry is k, or k with `c`/`a`: rollout.partial=continue/abort (its default pool: 1.5x
+the batch's groups).
 
 Jobs: bench/vs_trl.py's `default` and `gen_heavy`, and `long_tail` (SmolLM2-135M-Instruct on
 word_problems, up to 128 new tokens: a few responses run to the limit). Per run, from relax.log
@@ -29,6 +33,8 @@ from vs_trl import JOBS, REPO, Job, intervals, read_relax, run_logged, spread  #
 
 from relax.debug.run_data import read_config  # noqa: E402
 
+PARTIAL = {"c": "continue", "a": "abort"}
+
 STALENESS_JOBS = {
     "default": JOBS["default"],
     "gen_heavy": JOBS["gen_heavy"],
@@ -37,6 +43,13 @@ STALENESS_JOBS = {
                       "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=128", "train.lr=1e-5",
                       "train.micro_batch_size=16", "train.num_threads=2"], (), None),
 }
+
+
+def variant(k: str) -> list[str]:
+    """The overrides of one --ks entry: train.max_staleness, and rollout.partial for `c`/`a`."""
+    if k[-1] not in PARTIAL:
+        return [f"train.max_staleness={int(k)}"]
+    return [f"train.max_staleness={int(k[:-1])}", f"rollout.partial={PARTIAL[k[-1]]}"]
 
 
 def measure(run_dir: Path) -> dict:
@@ -77,21 +90,23 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--jobs", default="default,gen_heavy", help=f"comma list of {', '.join(STALENESS_JOBS)}")
     ap.add_argument("--ks", default="0,1,2,4",
-                    help="comma list of train.max_staleness values (0 first: the baseline)")
+                    help="comma list of train.max_staleness values, with c/a for partial rollouts "
+                         "(0 first: the baseline)")
     ap.add_argument("--rollouts", type=int, default=40)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--relax", default=str(REPO / ".venv" / "bin" / "relax"))
     args = ap.parse_args()
-    jobs, ks = args.jobs.split(","), [int(k) for k in args.ks.split(",")]
-    if [j for j in jobs if j not in STALENESS_JOBS] or ks[0] != 0 or args.rollouts < 6:
-        ap.error("known jobs only, --ks starting with 0 (the baseline), --rollouts >= 6")
+    jobs, ks = args.jobs.split(","), args.ks.split(",")
+    if [j for j in jobs if j not in STALENESS_JOBS] or ks[0] != "0" or args.rollouts < 6 or \
+            not all(k.rstrip("ca").isdigit() for k in ks):
+        ap.error("known jobs only, --ks of k or kc/ka starting with 0 (the baseline), --rollouts >= 6")
     out = REPO / "outputs" / "bench" / f"staleness-{datetime.now():%Y-%m-%d_%H-%M-%S}"
     out.mkdir(parents=True)
     print(f"Run folders and logs: {out}", flush=True)
     runs, plan, t0 = {}, [(job, k, rep) for rep in range(args.repeats) for job in jobs for k in ks], time.time()
     for i, (job, k, rep) in enumerate(plan):
         tag = f"{job}-k{k}-rep{rep}"
-        cmd = [args.relax, *STALENESS_JOBS[job].overrides, f"train.max_staleness={k}",
+        cmd = [args.relax, *STALENESS_JOBS[job].overrides, *variant(k),
                f"rollout.num_rollout={args.rollouts}", "checkpoint.save_interval=null", f"seed={1 + rep}",
                f"hydra.run.dir={out / tag}"]
         run_logged(cmd, out / f"{tag}.out")
@@ -104,7 +119,7 @@ def main() -> None:
     for job in jobs:
         print(f"\n== {job}: {STALENESS_JOBS[job].about}; {args.rollouts} rollouts, {args.repeats} repeat(s): "
               f"median [min..max] ==")
-        base = [runs[job, 0, r]["samples_per_s"] for r in range(args.repeats)]
+        base = [runs[job, "0", r]["samples_per_s"] for r in range(args.repeats)]
         print(f"{'k':>3} {'ms/step':>16} {'samples/s':>16} {'x k=0':>8} {'gen idle':>10} {'train idle':>11}"
               f"   reward first-3 -> last-3")
         for k in ks:

@@ -103,7 +103,7 @@ class RolloutConfig:
     colocate: bool = False  # release engine memory while the trainer runs (same GPUs)
     generate_fn: str = "relax.rollout.generate.single_turn"  # fn(client, prompt, sampling_params) -> Sample
     dynamic_sampling_filter: Optional[str] = None  # fn(group samples) -> keep? (DAPO; null: keep every group)
-    over_sampling_batch_size: Optional[int] = None  # prompts per round with a filter or rollout.partial (null: batch size)
+    over_sampling_batch_size: Optional[int] = None  # prompts per round with a filter (null: batch size) or rollout.partial (null: 1.5x)
     max_generation_rounds: int = 8  # with a filter: rounds before a rollout short of passing groups fails
     agent: Optional[str] = None  # async def agent(openai_client, row) -> reward: samples via the OpenAI endpoint
     agent_timeout: float = 300.0  # seconds an agent may take per sample; then its sample is masked

@@ -906,21 +906,27 @@ def test_engines_on_one_node_trainer_on_the_other_full_loop(two_nodes, tmp_path)
 
 
 @pytest.mark.slow  # ~40 s on 2 cores: two runs
-def test_train_async_on_ray_through_sockets_makes_the_rollouts_of_local_async(two_nodes, tmp_path):
+@pytest.mark.parametrize("overlap,staleness", [
+    (["train.async=true"], [0, 1]),
+    (["train.max_staleness=2", "rollout.partial=continue", "rollout.num_rollout=3"], [0, 1, 2]),
+], ids=["async", "partial"])
+def test_train_async_on_ray_through_sockets_makes_the_rollouts_of_local_async(two_nodes, tmp_path, overlap,
+                                                                              staleness):
     """train.async=true on cluster=ray, rank and engine on the driver's node (reached by socket):
     the engine's actor makes rollout k+1 while the rank trains on k, one policy step behind, and
     the run makes and trains on what cluster=local's async run (the engine in a process of its
-    own) does."""
+    own) does; with partial rollouts too (the actor carries what is in flight from one to the next)."""
     on_drivers_node = ["+cluster.resources_per_rank.trainer=1", "+cluster.resources_per_engine.trainer=1"]
-    ours, our_steps = run_loop(tmp_path / "ray", *on(two_nodes, *on_drivers_node), *TINY, "train.async=true")
-    theirs, their_steps = run_loop(tmp_path / "local", *TINY, "train.async=true")
+    ours, our_steps = run_loop(tmp_path / "ray", *on(two_nodes, *on_drivers_node), *TINY, *overlap)
+    theirs, their_steps = run_loop(tmp_path / "local", *TINY, *overlap)
     where = placement(tmp_path / "ray")
     assert [h["reached_by"] for h in (*where["trainer_ranks"], *where["engines"])] == ["socket", "socket"]
-    assert [r["rollout/staleness"] for r in ours] == [r["rollout/staleness"] for r in theirs] == [0, 1]
-    for a, b in zip(ours, theirs, strict=True):  # rollout 1: from the weights synced after step 0
+    assert [r["rollout/staleness"] for r in ours] == [r["rollout/staleness"] for r in theirs] == staleness
+    for a, b in zip(ours, theirs, strict=True):  # later rollouts: from the weights synced after a step
         assert a["rollout/raw_reward"] == b["rollout/raw_reward"]
         assert abs(a["rollout/rollout_log_probs"] - b["rollout/rollout_log_probs"]) < 1e-6
-    assert [s["rollout_id"] for s in our_steps] == [0, 1]
+        assert a.get("rollout/partial_carried_groups") == b.get("rollout/partial_carried_groups")
+    assert [s["rollout_id"] for s in our_steps] == list(range(len(staleness)))
     for a, b in zip(our_steps, their_steps, strict=True):
         assert abs(a["train/grad_norm"] - b["train/grad_norm"]) <= 1e-4 * b["train/grad_norm"]
 

@@ -6,20 +6,23 @@ what cannot be cut is refused before anything starts."""
 
 import pytest
 import torch
+from rich.console import Console
+from rich.text import Text
 
 from relax.errors import ConfigError
 from relax.files import safe_load
 from relax.logger import read_metrics
 from relax.rollout import SamplingParams, build_engine
+from relax.rollout import partial
 from relax.rollout.partial import IN_FLIGHT, generate_partial_rollout
 from relax.rollout.torch_base import complete_groups
 from relax.task import build_task
+from relax.tools.inspect import inspect, render
 
 from .conftest import engine_spec, make_cfg, run_loop
 from .test_async import last_weights, same_run
 
-PARTIAL = ["rollout.rollout_batch_size=8", "rollout.over_sampling_batch_size=12", "train.max_staleness=2",
-           "rollout.partial=continue"]
+PARTIAL = ["rollout.rollout_batch_size=8", "train.max_staleness=2", "rollout.partial=continue"]
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +59,27 @@ def test_a_response_cut_and_continued_is_the_response_made_in_one_call(engine, t
         assert torch.allclose(torch.tensor(c.log_probs + r.log_probs), torch.tensor(w.log_probs), atol=1e-5)
 
 
+def test_an_engine_that_decodes_each_call_to_its_end_is_cut_between_chunks(engine, tokenizer, monkeypatch):
+    """in_chunks (rollout=sglang's partial decode) over the torch engine's plain calls: calls of
+    CHUNK tokens (2 here: the tiny model's answers are short), the cut after the first chunk
+    that completes `enough` groups; what is left goes on from its tokens in a later call."""
+    monkeypatch.setattr(partial, "CHUNK", 2)
+    prompts = [tokenizer.encode(f"<|user|>{a}+{b}=<|assistant|>") for a, b in ((3, 4), (55, 66), (7, 80), (12, 9))]
+    sp, seeds = SamplingParams(1.0, 1.0, 8), [21, 22, 23, 24]
+    plain = lambda p, s, seed: engine.generate(p, s, seed)  # noqa: E731  (no done/until: to the end)
+    cut = partial.in_chunks(plain, prompts, sp, seeds, [0] * 4, ([0, 1, 1, 1], 1))
+    left = [i for i, g in enumerate(cut) if g.status == IN_FLIGHT]
+    finished = [i for i in range(4) if i not in left]
+    assert left and finished and all(len(cut[i].tokens) % 2 == 0 for i in left)
+    rest = partial.in_chunks(plain, [prompts[i] + cut[i].tokens for i in left], sp, [seeds[i] for i in left],
+                             [len(cut[i].tokens) for i in left], None)
+    for i, r in zip(left, rest, strict=True):
+        total = len(cut[i].tokens) + len(r.tokens)
+        assert r.status == "completed" and total <= 8 or r.status == "truncated" and total == 8
+    again = partial.in_chunks(plain, prompts, sp, seeds, [0] * 4, ([0, 1, 1, 1], 1))
+    assert [g.tokens for g in again] == [g.tokens for g in cut]  # seeded by position: the same every time
+
+
 def test_a_partial_run_carries_responses_across_syncs_and_bounds_their_staleness(tmp_path):
     rollouts, steps = run_loop(tmp_path, *PARTIAL, "rollout.num_rollout=4", "checkpoint.save_interval=null",
                                f"debug.save_rollout_data={tmp_path}/data/{{rollout_id}}.pt")
@@ -63,8 +87,9 @@ def test_a_partial_run_carries_responses_across_syncs_and_bounds_their_staleness
     assert all(r["rollout/staleness"] <= 2 for r in rollouts)
     assert [r["rollout/partial_carried_groups"] for r in rollouts][0] == 0
     assert all(r["rollout/partial_carried_groups"] > 0 for r in rollouts[1:])
-    assert all(r["rollout/partial_in_flight_groups"] == 4 for r in rollouts)  # 12 - 8 a rollout
-    mixed = 0
+    # rollout.over_sampling_batch_size=null: 1.5 x 8 groups decoded, 8 taken, 4 left in flight
+    assert all(r["rollout/partial_in_flight_groups"] == 4 for r in rollouts)
+    mixed = []
     for rollout_id in range(4):
         samples = safe_load(tmp_path / "data" / f"{rollout_id}.pt")["samples"]
         assert len(samples) == 8 * 8
@@ -73,8 +98,16 @@ def test_a_partial_run_carries_responses_across_syncs_and_bounds_their_staleness
             assert len(versions) == s["response_length"] and versions == sorted(versions)
             assert rollout_id - 2 <= versions[0] and versions[-1] <= max(0, rollout_id - 1)  # lag k - 1 = 1
             assert s["metadata"]["policy_version"] == versions[0]
-            mixed += len(set(versions)) > 1
-    assert mixed > 0  # responses that one policy began and the next one finished
+            if len(set(versions)) > 1:
+                mixed.append((rollout_id, s["index"], versions))
+    assert mixed  # responses that one policy began and the next one finished
+    # relax inspect colours such a response's tokens by version
+    rollout_id, index, versions = mixed[0]
+    console = Console(record=True, width=200, force_terminal=True, color_system="standard")
+    render(inspect(tmp_path / "data", rollout_id, index, worst=0), console)
+    text = console.export_text(styles=True)
+    assert f"by policy version (v{versions[0]}, v{versions[-1]})" in Text.from_ansi(text).plain
+    assert "\x1b[36m" in text and "\x1b[35m" in text  # cyan for the first version, magenta the next
 
 
 def test_a_resumed_partial_run_is_the_uninterrupted_run_and_its_data_replays_to_the_bit(tmp_path):
@@ -130,8 +163,8 @@ def test_a_group_carried_past_max_staleness_is_dropped_or_kept(engine, tokenizer
     (["rollout.partial_stale=never"], r"^rollout.partial_stale='never': expected drop or keep"),
     (["rollout.partial=continue", "rollout.over_sampling_batch_size=48"],
      "needs train.max_staleness >= 1"),
-    (["rollout.partial=continue", "train.max_staleness=1"], r"needs rollout.over_sampling_batch_size > "
-                                                             r"rollout.rollout_batch_size=32 \(it is None\)"),
+    (["rollout.partial=continue", "train.max_staleness=1", "rollout.over_sampling_batch_size=32"],
+     r"needs rollout.over_sampling_batch_size > rollout.rollout_batch_size=32 \(it is 32; null: 1.5x"),
     ([*PARTIAL, "rollout.dynamic_sampling_filter=relax.rollout.generate.rewards_differ"],
      "dynamic_sampling_filter=.* is refused: the cut counts complete groups"),
     ([*PARTIAL, "rollout.generate_fn=relax.rollout.calculator.generate"], "rollout.generate_fn is refused"),
@@ -139,7 +172,7 @@ def test_a_group_carried_past_max_staleness_is_dropped_or_kept(engine, tokenizer
     ([*PARTIAL, "rollout.num_engines=2"], "with 2 engines is refused"),
     ([*PARTIAL, "debug=train_only", "train.max_staleness=0", "debug.load_rollout_data=/nowhere/{rollout_id}.pt"],
      "a train-only run replays saved rollouts"),
-], ids=["mode", "stale", "sync", "no-over-sampling", "filter", "generate_fn", "true_on_policy", "engines",
+], ids=["mode", "stale", "sync", "over-sampling-too-small", "filter", "generate_fn", "true_on_policy", "engines",
         "train_only"])
 def test_partial_is_refused_where_it_cannot_cut(overrides, message):
     from relax.debug.plan import resolve

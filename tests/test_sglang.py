@@ -217,6 +217,25 @@ def test_rollout_only_then_train_only(tmp_path, tiny_path):
     assert len(steps) == 2 and steps[0]["train/train_rollout_logprob_abs_diff"] < 1e-4
 
 
+def test_partial_rollouts_on_sglang_carry_responses_in_chunks(tmp_path):
+    """rollout.partial=continue with rollout=sglang (relax/rollout/partial.py in_chunks): a
+    rollout's unfinished responses go on in the next one, their tokens from two policies, and
+    every rollout trains rollout_batch_size complete groups."""
+    proc = relax_cli("rollout=sglang", "rollout.num_rollout=3", "rollout.rollout_batch_size=4",
+                     "rollout.max_new_tokens=40", "train.max_staleness=2", "rollout.partial=continue",
+                     "model.tiny.warmup_max_steps=0", "checkpoint.save_interval=null",
+                     f"debug.save_rollout_data={tmp_path}/rd/{{rollout_id}}.pt", "hydra.run.dir=outputs/run",
+                     cwd=tmp_path, entry=FRESH)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "outputs/run/metrics.jsonl").read_text().splitlines()
+               if '"step"' not in line]
+    assert [r["rollout/partial_in_flight_groups"] for r in records] == [2, 2, 2]  # 6 decoded, 4 taken
+    assert [r["rollout/staleness"] for r in records][0] == 0 and max(r["rollout/staleness"] for r in records) <= 2
+    versions = [s["token_versions"] for i in range(3)
+                for s in torch.load(tmp_path / "rd" / f"{i}.pt", weights_only=True)["samples"]]
+    assert all(len(s) for s in versions) and any(len(set(v)) > 1 for v in versions)
+
+
 @pytest.mark.parametrize("to", ["the driver", "every process of the job"])
 def test_sigterm_stops_a_run_cleanly_and_leaves_no_sglang_process(tmp_path, to):
     """`kill <pid>`, or `timeout`, `kill -- -PGID`, Slurm (every process, SGLang's scheduler

@@ -1,5 +1,5 @@
-"""Partial rollouts (rollout.partial): a rollout decodes its over_sampling_batch_size groups and
-stops once rollout_batch_size of them are complete; the responses still in flight carry over
+"""Partial rollouts (rollout.partial): a rollout decodes over_sampling_batch_size groups (null:
+1.5x the batch) and stops once rollout_batch_size of them are complete; the responses still in flight carry over
 into the next rollout, where they go on with the new weights (`continue`) or start over from
 their prompt (`abort`). Every response token records the policy version that sampled it
 (Sample.token_versions). The cut is counted in decode steps, not seconds, so a run makes the
@@ -13,12 +13,15 @@ import inspect
 
 from relax.errors import ConfigError
 from relax.model import decode_responses
-from relax.rollout import DEFAULT_GENERATE_FN, SamplingParams, num_engines, sample_seeds
+from dataclasses import replace
+
+from relax.rollout import DEFAULT_GENERATE_FN, Generation, SamplingParams, num_engines, sample_seeds
 from relax.rollout.prefetch import max_staleness
 from relax.sample import Sample, Samples
 from relax.targets import load_target
 from relax.task import check_rewards
 
+CHUNK = 16  # tokens per call of an engine that decodes each call to its end (in_chunks)
 MODES = ("continue", "abort")
 STALE = ("drop", "keep")
 IN_FLIGHT = "aborted"  # Sample.status of a response that is not finished (or not begun)
@@ -44,10 +47,10 @@ def check_partial(rollout, train, builds_rollout: bool) -> None:
                           f"generated on the weights that train it, as a synchronous run; 2: also one "
                           f"rollout ahead)")
     over = r.over_sampling_batch_size
-    if over is None or over <= r.rollout_batch_size:
+    if over is not None and over <= r.rollout_batch_size:
         raise ConfigError(f"{key} needs rollout.over_sampling_batch_size > rollout.rollout_batch_size="
-                          f"{r.rollout_batch_size} (it is {over}): a rollout decodes that many groups and "
-                          f"stops once rollout_batch_size of them are complete")
+                          f"{r.rollout_batch_size} (it is {over}; null: 1.5x the batch): a rollout decodes "
+                          f"that many groups and stops once rollout_batch_size of them are complete")
     engine = load_target(r, "rollout")
     refused = [
         (r.dynamic_sampling_filter, f"rollout.dynamic_sampling_filter={r.dynamic_sampling_filter}",
@@ -63,6 +66,39 @@ def check_partial(rollout, train, builds_rollout: bool) -> None:
     for on, setting, why in refused:
         if on:
             raise ConfigError(f"{key} with {setting} is refused: {why}")
+
+
+def pool_groups(rollout) -> int:
+    """The groups a partial rollout decodes: rollout.over_sampling_batch_size, or 1.5x the batch."""
+    return rollout.over_sampling_batch_size or -(-3 * rollout.rollout_batch_size // 2)
+
+
+def in_chunks(generate, prompts: list[list[int]], sp: SamplingParams, seeds: list[int], done: list[int],
+              until: tuple[list[int], int] | None) -> list[Generation]:
+    """A partial decode (the torch engine's `generate(..., done, until)`) for an engine whose
+    call decodes to its end (SGLang): calls of CHUNK new tokens at most, each row going on from
+    what it has (its prefix cache makes that a short prefill), until `until` is met after a
+    chunk. `generate(prompts, sp, seeds)`; a chunk's seed: its row's seed and its position."""
+    out = [Generation([], [], IN_FLIGHT) for _ in prompts]
+    groups, enough = until or (list(range(len(prompts))), len(prompts))
+
+    def at(i: int) -> int:
+        return done[i] + len(out[i].tokens)
+
+    while True:
+        rows = [i for i, g in enumerate(out) if g.status == IN_FLIGHT]
+        open_groups = {groups[i] for i in rows}
+        if not rows or len(set(groups) - open_groups) >= enough:
+            return out
+        for size in sorted({min(CHUNK, sp.max_new_tokens - at(i)) for i in rows}):
+            part = [i for i in rows if min(CHUNK, sp.max_new_tokens - at(i)) == size]
+            gens = generate([prompts[i] + out[i].tokens for i in part], replace(sp, max_new_tokens=size),
+                            [sample_seeds(seeds[i], [at(i)])[0] for i in part])
+            for i, g in zip(part, gens, strict=True):
+                out[i].tokens += g.tokens
+                out[i].log_probs += g.log_probs
+                out[i].routed_experts = g.routed_experts
+                out[i].status = g.status if g.status == "completed" or at(i) >= sp.max_new_tokens else IN_FLIGHT
 
 
 def generation_lag(train, rollout) -> int:
@@ -129,8 +165,8 @@ def generate_partial_rollout(engine, task, tokenizer, rollout_cfg, rollout_id: i
     stale = [g for g in groups if any(rollout_id - min(s.token_versions, default=rollout_id) > staleness
                                       for s in g)]
     if r.partial_stale == "drop":
-        groups = [g for g in groups if g not in stale]
-    new = r.over_sampling_batch_size - len(groups)
+        groups = [g for g in groups if not any(g is x for x in stale)]
+    new = max(pool_groups(r) - len(groups), 0)
     seeds = sample_seeds(seed * 1_000_003 + rollout_id, range(new * n))  # a synchronous run's seeds
     groups += [[fresh(p, i * n + j, seeds[i * n + j], rollout_id) for j in range(n)]
                for i, p in enumerate(task.prompts(rollout_id, new, tokenizer))]

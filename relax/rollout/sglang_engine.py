@@ -26,6 +26,7 @@ from relax.model.sglang_support import SERVED, sglang_to_hf
 from relax.process import sigterm_left_to_the_driver
 from relax.rollout import Generation, SamplingParams, buckets, num_engines, prompt_seeds
 from relax.rollout.fingerprint import fingerprint
+from relax.rollout.partial import in_chunks
 from relax.rollout.sglang_layers import RECORD_MODULES, loader_argument, record
 from relax.rollout.spec import EngineSpec
 from relax.rollout.torch_base import TorchEngineBase
@@ -195,7 +196,11 @@ class SGLangEngine:
         signal.signal(signal.SIGTERM, previous)
 
     def generate(self, prompts: list[list[int]], sp: SamplingParams, seed: int | list[int],
-                 first_index: int = 0) -> list[Generation]:
+                 first_index: int = 0, done: list[int] | None = None,
+                 until: tuple[list[int], int] | None = None) -> list[Generation]:
+        """`done`, `until`: a partial rollout's (relax/rollout/partial.py), decoded in chunks."""
+        if done is not None:
+            return in_chunks(self.generate, prompts, sp, prompt_seeds(seed, len(prompts), first_index), done, until)
         params = sglang_sampling_params(sp, self.eos, seed, len(prompts), self.deterministic, first_index)
         routed = {"return_routed_experts": True, "routed_experts_start_len": 0} if self.moe_layers else {}
         results = self.engine.generate(input_ids=prompts, return_logprob=True, sampling_params=params,

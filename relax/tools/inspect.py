@@ -19,6 +19,7 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from relax.debug.run_data import train_rows
 from relax.errors import ConfigError, ReplayError
@@ -30,6 +31,7 @@ from relax.tools import token_views
 from relax.tools.plots import figure_dir, out_dir
 
 MAX_ROWS = 20  # longer runs: the first and last rollouts (all of them with --json)
+VERSION_STYLES = ("cyan", "magenta", "yellow", "green", "blue", "red")  # by policy version, cycling
 
 
 def find_rollout_files(root: Path) -> dict[int, Path]:
@@ -174,21 +176,26 @@ def render(report: dict, console: Console) -> None:
     console.print(f"\n[bold]Rollout {s['rollout_id']}, sample {s['index']}[/] (group "
                   f"{s['group_index']}): reward {s['reward']}, label {s['label']!r}, {s['status']}")
     console.print(f"prompt:   {s['prompt']!r}\nresponse: {s['response']!r}")
-    columns = ["token", "loss_mask", "rollout_log_prob"] + (["log_prob", "ref_log_prob"] if train else [])
-    tokens = Table(*columns)
     response = s["tokens"][len(s["tokens"]) - s["response_length"]:]
     texts = s.get("response_token_texts") or [""] * len(response)
+    versions = s.get("token_versions")
+    if versions:  # partial rollouts: a response can span several policies
+        console.print(by_version(response, texts, versions))
+    columns = ["token", "loss_mask", "rollout_log_prob"] + (["log_prob", "ref_log_prob"] if train else []) + (
+        ["policy_version"] if versions else [])
+    tokens = Table(*columns)
     trained = 0  # train data holds the model's tokens only, in order
     for t, (tok, text) in enumerate(zip(response, texts)):
         token = f"{tok} {text!r}" if text else str(tok)
+        version = [str(versions[t])] if versions else []
         if not s["loss_mask"][t]:  # a tool's or the environment's token: not trained on
-            tokens.add_row(token, "0 masked", "-", *(["-", "-"] if train else []), style="dim")
+            tokens.add_row(token, "0 masked", "-", *(["-", "-"] if train else []), *version, style="dim")
             continue
         row = [token, "1", f"{s['rollout_log_probs'][t]:.6f}"]
         if train:
             row += [f"{train['log_probs'][trained]:.6f}", f"{train['ref_log_probs'][trained]:.6f}"]
             trained += 1
-        tokens.add_row(*row)
+        tokens.add_row(*row, *version, style=version_style(versions, t))
     console.print(tokens)
 
     join = report["train_join"]
@@ -210,6 +217,21 @@ def render(report: dict, console: Console) -> None:
         if train:
             console.print(f"sample {s['index']} was trained by dp rank {train['dp_rank']} "
                           f"(rank {train['rank']}) with advantage {train['advantage']:.4f}")
+
+
+def version_style(versions: list[int] | None, t: int) -> str | None:
+    return VERSION_STYLES[(versions[t] - min(versions)) % len(VERSION_STYLES)] if versions else None
+
+
+def by_version(response: list[int], texts: list[str], versions: list[int]) -> Text:
+    """The response's tokens coloured by the policy version that sampled each, with a legend."""
+    line = Text("by policy version (")
+    for i, v in enumerate(sorted(set(versions))):
+        line.append(f"{', ' if i else ''}v{v}", style=version_style(versions, versions.index(v)))
+    line.append("): ")
+    for t, (tok, text) in enumerate(zip(response, texts)):
+        line.append(text or f"<{tok}>", style=version_style(versions, t))
+    return line
 
 
 def main(argv: list[str]) -> int:
