@@ -221,16 +221,17 @@ def test_partial_rollouts_on_sglang_carry_responses_in_chunks(tmp_path):
     """rollout.partial=continue with rollout=sglang (relax/rollout/partial.py in_chunks): a
     rollout's unfinished responses go on in the next one, their tokens from two policies, and
     every rollout trains rollout_batch_size complete groups."""
-    proc = relax_cli("rollout=sglang", "rollout.num_rollout=3", "rollout.rollout_batch_size=4",
-                     "rollout.max_new_tokens=40", "train.max_staleness=2", "rollout.partial=continue",
+    proc = relax_cli("rollout=sglang", "rollout.num_rollout=3", "rollout.rollout_batch_size=8",
+                     "rollout.max_new_tokens=96", "train.max_staleness=1", "rollout.partial=continue",
                      "model.tiny.warmup_max_steps=0", "checkpoint.save_interval=null",
                      f"debug.save_rollout_data={tmp_path}/rd/{{rollout_id}}.pt", "hydra.run.dir=outputs/run",
                      cwd=tmp_path, entry=FRESH)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "outputs/run/metrics.jsonl").read_text().splitlines()
                if '"step"' not in line]
-    assert [r["rollout/partial_in_flight_groups"] for r in records] == [2, 2, 2]  # 6 decoded, 4 taken
-    assert [r["rollout/staleness"] for r in records][0] == 0 and max(r["rollout/staleness"] for r in records) <= 2
+    assert [r["rollout/partial_in_flight_groups"] for r in records] == [4, 4, 4]  # 12 decoded, 8 taken
+    # max_staleness=1: each rollout made on the weights that train it, what it carries one version older
+    assert [r["rollout/staleness"] for r in records][0] == 0 and max(r["rollout/staleness"] for r in records) <= 1
     versions = [s["token_versions"] for i in range(3)
                 for s in torch.load(tmp_path / "rd" / f"{i}.pt", weights_only=True)["samples"]]
     assert all(len(s) for s in versions) and any(len(set(v)) > 1 for v in versions)
