@@ -7,6 +7,7 @@ import logging
 import signal
 import sys
 import time
+from collections import Counter
 from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
@@ -156,8 +157,12 @@ def rollout(run: Run, rollouts: Rollouts, rollout_id: int) -> tuple[list[Sample]
     versions = [v for s in samples for v in s.token_versions or ()]  # (replay data before format 3: none)
     if not run.plan.replays:  # the oldest token's: a partial rollout's carried responses are older
         record["rollout/staleness"] = rollout_id - min(versions, default=policy_version)
-    if versions:
+    if versions:  # per token: the mean and each staleness's share (a histogram); per sample: the mean
         record["rollout/token_staleness_mean"] = rollout_id - sum(versions) / len(versions)
+        for v, count in sorted(Counter(versions).items()):
+            record[f"rollout/token_share_at_staleness_{rollout_id - v}"] = count / len(versions)
+        begun = [min(s.token_versions) for s in samples if s.token_versions]
+        record["rollout/sample_staleness_mean"] = rollout_id - sum(begun) / len(begun)
     if run.plan.save_rollout_data:
         save_rollout(fill(run.plan.save_rollout_data, rollout_id), rollout_id, samples, run.manifest)
     log_finish_rollout(run, rollout_id, samples)

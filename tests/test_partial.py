@@ -85,6 +85,11 @@ def test_a_partial_run_carries_responses_across_syncs_and_bounds_their_staleness
                                f"debug.save_rollout_data={tmp_path}/data/{{rollout_id}}.pt")
     assert [s["rollout_id"] for s in steps] == [0, 1, 2, 3]
     assert all(r["rollout/staleness"] <= 2 for r in rollouts)
+    for r in rollouts:  # the tokens' staleness histogram: shares that add up to 1
+        shares = {int(k.rsplit("_", 1)[1]): v for k, v in r.items() if k.startswith("rollout/token_share_at_staleness_")}
+        assert max(shares) == r["rollout/staleness"] and abs(sum(shares.values()) - 1) < 1e-9
+        assert abs(sum(k * v for k, v in shares.items()) - r["rollout/token_staleness_mean"]) < 1e-9
+        assert 0 <= r["rollout/sample_staleness_mean"] <= r["rollout/staleness"]
     assert [r["rollout/partial_carried_groups"] for r in rollouts][0] == 0
     assert all(r["rollout/partial_carried_groups"] > 0 for r in rollouts[1:])
     # rollout.over_sampling_batch_size=null: 1.5 x 8 groups decoded, 8 taken, 4 left in flight
