@@ -213,7 +213,7 @@ def test_the_whole_config_check_sees_a_planted_taker(tmp_path):
 # package is an optional dependency (an extra, or SGLang's own environment), or the module must
 # load light (`relax --help`; the reaper, a process of its own; `relax bugreport` on a broken install).
 OPTIONAL_PACKAGES = {"ray", "megatron", "sglang", "peft", "gguf", "wandb", "math_verify", "reasoning_gym",
-                     "openai", "aiohttp"}
+                     "openai", "aiohttp", "verifiers"}
 TORCH_FREE = {"relax/cli.py", "relax/process.py", "relax/tools/bugreport.py", "relax/tools/system_info.py"}
 
 
