@@ -144,6 +144,17 @@ def test_abort_starts_the_unfinished_responses_over_on_the_new_weights(tmp_path)
             assert len(set(s["token_versions"])) == 1  # one policy made each response
 
 
+def test_partial_rollouts_under_true_on_policy_are_exact_where_the_policy_is_the_trainers(tmp_path):
+    """rollout.true_on_policy decodes every prompt length in one lock step, so partial rollouts
+    take it: rollout 0 (nothing carried, sampled by the weights that train it) is exact."""
+    _, steps = run_loop(tmp_path, *PARTIAL, "train.max_staleness=1", "rollout.true_on_policy=true",
+                        "rollout.num_rollout=2", "checkpoint.save_interval=null")
+    first = next(s for s in steps if s["rollout_id"] == 0 and s["step"] == 0)
+    assert first["train/train_rollout_logprob_abs_diff"] == 0.0 and first["train/mismatch_kl"] == 0.0
+    later = next(s for s in steps if s["rollout_id"] == 1 and s["step"] == 0)
+    assert later["train/train_rollout_logprob_abs_diff"] > 0  # its carried tokens: the policy before
+
+
 @pytest.mark.parametrize("stale,kept", [("drop", False), ("keep", True)])
 def test_a_group_carried_past_max_staleness_is_dropped_or_kept(engine, tokenizer, stale, kept):
     """A carried group whose oldest token would train 3 versions late under max_staleness 2."""
@@ -173,11 +184,10 @@ def test_a_group_carried_past_max_staleness_is_dropped_or_kept(engine, tokenizer
     ([*PARTIAL, "rollout.dynamic_sampling_filter=relax.rollout.generate.rewards_differ"],
      "dynamic_sampling_filter=.* is refused: the cut counts complete groups"),
     ([*PARTIAL, "rollout.generate_fn=relax.rollout.calculator.generate"], "rollout.generate_fn is refused"),
-    ([*PARTIAL, "rollout.true_on_policy=true"], "rollout.true_on_policy=true is refused"),
     ([*PARTIAL, "rollout.num_engines=2"], "with 2 engines is refused"),
     ([*PARTIAL, "debug=train_only", "train.max_staleness=0", "debug.load_rollout_data=/nowhere/{rollout_id}.pt"],
      "a train-only run replays saved rollouts"),
-], ids=["mode", "stale", "sync", "over-sampling-too-small", "filter", "generate_fn", "true_on_policy", "engines",
+], ids=["mode", "stale", "sync", "over-sampling-too-small", "filter", "generate_fn", "engines",
         "train_only"])
 def test_partial_is_refused_where_it_cannot_cut(overrides, message):
     from relax.debug.plan import resolve

@@ -87,6 +87,28 @@ def test_attention_decoded_one_token_at_a_time_equals_the_full_causal_forward():
     assert (full - sdpa.transpose(1, 2)).abs().max() < 1e-5  # the same attention, summed otherwise
 
 
+def test_a_left_padded_row_decodes_as_the_same_row_unpadded():
+    """The engine decodes prompts of several lengths in one left-padded batch: a row's keys are
+    shifted by its padding (found from position_ids), so every step equals the unpadded row's."""
+    torch.manual_seed(1)
+    H, T, D, pad = 2, 37, 8, 5
+    q, k, v = torch.randn(1, H, T, D), torch.randn(1, H, T, D), torch.randn(1, H, T, D)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()[None, None]
+    padded = [torch.cat([torch.randn(1, H, pad, D), x], dim=2) for x in (q, k, v)]
+    mask = torch.ones(T + pad, T + pad, dtype=torch.bool).tril()[None, None].clone()
+    mask[..., :pad] = False  # the padding is never attended to
+    with invariant_ops():
+        alone, _ = invariant_attention(None, q, k, v, causal, position_ids=torch.arange(T)[None])
+        for t in (0, 9, T - 1):  # a decode step of the padded row: one query over its cache
+            at = pad + t
+            step, _ = invariant_attention(None, padded[0][:, :, at:at + 1], padded[1][:, :, :at + 1],
+                                          padded[2][:, :, :at + 1], mask[:, :, at:at + 1, :at + 1],
+                                          position_ids=torch.tensor([[t]]))
+            assert torch.equal(step[:, 0], alone[:, t])
+        unshifted, _ = invariant_attention(None, padded[0][:, :, -1:], padded[1], padded[2], mask[:, :, -1:])
+    assert not torch.equal(unshifted[:, 0], alone[:, -1])  # without position_ids: summed in other chunks
+
+
 def test_the_ops_are_aten_s_own_outside_the_block():
     x, w = torch.randn(5, 8), torch.randn(3, 8)
     with invariant_ops():

@@ -113,6 +113,8 @@ def invariant_attention(module, query, key, value, attention_mask, scaling=None,
     shape, and the chunks' sums are added left to right."""
     B, H, Tq, D = query.shape
     L = key.shape[-2]
+    if attention_mask is not None and kwargs.get("position_ids") is not None:
+        key, value, attention_mask = _left_aligned(key, value, attention_mask, kwargs["position_ids"])
     groups, pad = H // key.shape[1], (-L) % CHUNK
     key, value = (torch.nn.functional.pad(x.repeat_interleave(groups, dim=1), (0, 0, 0, pad)) for x in (key, value))
     n = (L + pad) // CHUNK
@@ -133,6 +135,27 @@ def invariant_attention(module, query, key, value, attention_mask, scaling=None,
     weights = weights.to(value.dtype).view(B, H, Tq, n, CHUNK).transpose(2, 3)  # [B, H, n, Tq, C]
     out = _sequential_sum(weights @ value.view(B, H, n, CHUNK, D), 2)  # [B, H, Tq, D]
     return out.transpose(1, 2).contiguous(), None
+
+
+def _left_aligned(key, value, mask, position_ids):
+    """A left-padded row's keys (and mask) shifted left by its padding, so that a key's index is
+    its position, as in an unpadded row: its chunks then meet the same keys. A row's padding is
+    index - position at any query that attends to itself (0 in a right-padded or unpadded row)."""
+    B, L, Tq = key.shape[0], key.shape[-2], mask.shape[-2]
+    mask = mask[..., :L].expand(B, -1, -1, -1)
+    index = torch.arange(L - Tq, L)
+    diagonal = mask[:, 0, torch.arange(Tq), index]
+    attends = diagonal if mask.dtype == torch.bool else diagonal == 0
+    shift = ((index - position_ids) * attends).amax(-1)  # [B]
+    if not bool(shift.any()):
+        return key, value, mask
+    source = torch.arange(L) + shift[:, None]  # [B, L]: where each key comes from
+    inside = source < L
+    source = source.clamp(max=L - 1)
+    take = lambda x: x.gather(2, source[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]))  # noqa: E731
+    mask = mask.gather(3, source[:, None, None, :].expand(-1, mask.shape[1], Tq, -1))
+    mask = mask & inside[:, None, None] if mask.dtype == torch.bool else mask.masked_fill(~inside[:, None, None], float("-inf"))
+    return take(key), take(value), mask
 
 
 def register() -> None:

@@ -19,7 +19,6 @@ from transformers.core_model_loading import revert_weight_conversion
 from relax.model import load_causal_lm
 from relax.model.invariant import invariant_ops
 from relax.model.modules import hf_modules, recording
-from relax.rollout import prompt_seeds
 from relax.rollout.torch_base import TorchEngineBase
 
 
@@ -36,20 +35,8 @@ class TransformersEngine(TorchEngineBase):
         self.cache_arg = "cache" if "cache" in accepted else "past_key_values"
 
     def _generate(self, prompts, sp, seed, first_index, done=None, until=None):
-        if not self.true_on_policy:  # (rollout.partial is refused with true_on_policy: relax/rollout/partial.py)
+        with invariant_ops(self.true_on_policy):  # (left-padded rows: relax/model/invariant.py aligns their keys)
             return super()._generate(prompts, sp, seed, first_index, done, until)
-        # true on-policy: prompts of one length at a time, so no prompt is padded and every key's
-        # index is its position (relax/model/invariant.py chunks keys from index 0)
-        seeds, out = prompt_seeds(seed, len(prompts), first_index), [None] * len(prompts)
-        by_length: dict[int, list[int]] = {}
-        for i, p in enumerate(prompts):
-            by_length.setdefault(len(p), []).append(i)
-        with invariant_ops():
-            for rows in by_length.values():
-                generations, _ = super()._generate([prompts[i] for i in rows], sp, [seeds[i] for i in rows], 0)
-                for i, generation in zip(rows, generations, strict=True):
-                    out[i] = generation
-        return out, None
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The model's parameters (tied embeddings: one name, the embedding's)."""

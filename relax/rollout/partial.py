@@ -57,8 +57,6 @@ def check_partial(rollout, train, builds_rollout: bool) -> None:
          "the cut counts complete groups while decoding, before rewards exist"),
         (r.agent or r.generate_fn != DEFAULT_GENERATE_FN, "rollout.agent or rollout.generate_fn",
          "a partial rollout continues the engine's own single-turn decode"),
-        (r.true_on_policy, "rollout.true_on_policy=true",
-         "its engine decodes prompts of one length at a time, not all in one lock step"),
         (num_engines(r) > 1, f"{num_engines(r)} engines", "the cut needs every response in one decode"),
         ("until" not in inspect.signature(engine.generate).parameters, f"rollout._target_={r._target_}",
          "its generate takes no `until` (the torch engine's does)"),
