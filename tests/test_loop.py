@@ -118,13 +118,13 @@ def test_checkpoints_every_interval_at_the_last_rollout_and_when_stopping(tmp_pa
     run = hand_run(tmp_path, None, cfg=make_cfg("checkpoint.save_interval=3", "checkpoint.keep_last=2"),
                    rollout_ids=list(range(2, 8)), overrides=["seed=3"])
     for rollout_id in run.plan.rollout_ids:
-        loop.checkpoint_on_schedule(run, object(), None, rollout_id, stopping=rollout_id == 3)
+        loop.checkpoint_on_schedule(run, object(), None, None, rollout_id, stopping=rollout_id == 3)
     experiment = (run.cfg, ["seed=3"])  # what a resume composes again
     assert saved == [(i, 2, tmp_path, experiment) for i in (2, 3, 5, 7)]
     saved.clear()
     run.cfg = make_cfg("checkpoint.save_interval=null")
     for rollout_id in run.plan.rollout_ids:
-        loop.checkpoint_on_schedule(run, object(), None, rollout_id, stopping=True)
+        loop.checkpoint_on_schedule(run, object(), None, None, rollout_id, stopping=True)
     assert saved == []
 
 
