@@ -217,6 +217,25 @@ def test_rollout_only_then_train_only(tmp_path, tiny_path):
     assert len(steps) == 2 and steps[0]["train/train_rollout_logprob_abs_diff"] < 1e-4
 
 
+def test_an_agent_trains_through_the_endpoint_on_sglang(tmp_path):
+    """rollout.agent with rollout=sglang: the OpenAI-compatible endpoint serves SGLang's completions;
+    each sample is the agent's conversation with the environment's turn masked, and the trainer's
+    log-probs of the model's tokens are SGLang's."""
+    proc = relax_cli("rollout=sglang", "rollout.agent=relax.rollout.calculator_agent.agent", "rollout.num_rollout=2",
+                     "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4", "checkpoint.save_interval=null",
+                     f"debug.save_rollout_data={tmp_path}/rd/{{rollout_id}}.pt", "hydra.run.dir=outputs/run",
+                     cwd=tmp_path, entry=FRESH)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "outputs/run/metrics.jsonl").read_text().splitlines()]
+    rollouts = [r for r in records if "step" not in r]
+    assert [r["rollout/agent_errors"] for r in rollouts] == [0, 0]
+    assert all(r["train/train_rollout_logprob_abs_diff"] < 1e-4 for r in records if "step" in r)
+    for sample in torch.load(tmp_path / "rd" / "0.pt", weights_only=True)["samples"]:
+        mask = sample["loss_mask"]
+        assert 0 < sum(mask) < len(mask)  # the model's turns trained, the calculator's answer masked
+        assert len(sample["metadata"]["agent_io"]) == sample["metadata"]["agent_turns"] >= 2
+
+
 def test_partial_rollouts_on_sglang_carry_responses_in_chunks(tmp_path):
     """rollout.partial=continue with rollout=sglang (relax/rollout/partial.py in_chunks): a
     rollout's unfinished responses go on in the next one, their tokens from two policies, and
