@@ -49,7 +49,6 @@ def test_without_it_the_same_run_is_only_close(tmp_path):
     (["train.num_threads=2"], "train.num_threads=2 is refused: BLAS splits a product across threads"),
     (["model.tiny.num_experts=4", "algo.routing_replay=rollout"], "algo.routing_replay=rollout is refused"),
     (["train=megatron"], "rollout.true_on_policy=true is refused with train=megatron"),
-    (["train.shared_prompt=true"], "train.shared_prompt=true is refused with rollout.true_on_policy=true"),
     (["rollout=sglang"], "rollout.true_on_policy=true is refused with rollout=sglang"),
 ])
 def test_what_it_cannot_make_exact_is_refused_at_start_up(overrides, message):
@@ -107,6 +106,39 @@ def test_a_left_padded_row_decodes_as_the_same_row_unpadded():
             assert torch.equal(step[:, 0], alone[:, t])
         unshifted, _ = invariant_attention(None, padded[0][:, :, -1:], padded[1], padded[2], mask[:, :, -1:])
     assert not torch.equal(unshifted[:, 0], alone[:, -1])  # without position_ids: summed in other chunks
+
+
+def test_a_packed_response_attends_as_its_own_row():
+    """train.shared_prompt packs a group's responses behind one prompt: each response's queries
+    still sum over their keys in position order (the prompt's, then their own), so they equal
+    the unpacked rows to the bit, and padding (which sees no key 0) gets zeros."""
+    torch.manual_seed(2)
+    H, D, P, lengths = 2, 8, 20, (7, 1, 15)
+    prompt = torch.randn(3, H, P, D)  # q, k, v of the prompt
+    responses = [torch.randn(3, H, n, D) for n in lengths]
+    L = P + sum(lengths) + 3  # 3 pads at the end
+    packed = torch.cat([prompt, *responses, torch.zeros(3, H, 3, D)], dim=2)[:, None]  # [3, 1, H, L, D]
+    attend = torch.zeros(L, L, dtype=torch.bool)
+    attend[:P, :P] = torch.ones(P, P).tril().bool()
+    start = P
+    for n in lengths:
+        attend[start:start + n, :P] = True
+        attend[start:start + n, start:start + n] = torch.ones(n, n).tril().bool()
+        start += n
+    attend[start:, start:] = torch.ones(3, 3).tril().bool()
+    additive = torch.zeros(L, L).masked_fill(~attend, torch.finfo(torch.float32).min)[None, None]
+    with invariant_ops():
+        out, _ = invariant_attention(None, packed[0], packed[1], packed[2], additive)
+        start = P
+        for r, n in zip(responses, lengths):
+            row = [torch.cat([prompt[j:j + 1], r[j:j + 1]], dim=2) for j in range(3)]
+            causal = torch.ones(P + n, P + n, dtype=torch.bool).tril()[None, None]
+            alone, _ = invariant_attention(None, *row, causal)
+            assert torch.equal(out[:, start:start + n], alone[:, P:])
+            if start == P:
+                assert torch.equal(out[:, :P], alone[:, :P])  # the prompt's queries, once
+            start += n
+    assert torch.equal(out[:, start:], torch.zeros_like(out[:, start:]))
 
 
 def test_the_ops_are_aten_s_own_outside_the_block():

@@ -28,7 +28,8 @@ def _tiles(a: torch.Tensor, b: torch.Tensor, tile: int) -> torch.Tensor:
     batch, n, k = a.shape
     if not a.numel() or not b.numel():  # (an empty layer: a zero-width shared expert)
         return a.new_zeros(batch, n, b.shape[2])
-    a = torch.nn.functional.pad(a, (0, 0, 0, (-n) % tile))
+    if n % tile:  # (a padding of 0 would still copy)
+        a = torch.nn.functional.pad(a, (0, 0, 0, (-n) % tile))
     if batch == 1:  # every tile against the one matrix, in one call (b's expansion is a view)
         tiles = a.view(-1, tile, k)
         out = torch.baddbmm(a.new_zeros(()).expand(tiles.shape[0], tile, b.shape[2]), tiles,
@@ -113,6 +114,10 @@ def invariant_attention(module, query, key, value, attention_mask, scaling=None,
     shape, and the chunks' sums are added left to right."""
     B, H, Tq, D = query.shape
     L = key.shape[-2]
+    if attention_mask is not None and Tq == L:
+        attend = attention_mask[:, 0, :, :L] if attention_mask.dtype == torch.bool else attention_mask[:, 0, :, :L] == 0
+        if _packed_rows(attend):
+            return _packed(module, query, key, value, attend, scaling, softcap), None
     if attention_mask is not None and kwargs.get("position_ids") is not None:
         key, value, attention_mask = _left_aligned(key, value, attention_mask, kwargs["position_ids"])
     groups, pad = H // key.shape[1], (-L) % CHUNK
@@ -156,6 +161,45 @@ def _left_aligned(key, value, mask, position_ids):
     mask = mask.gather(3, source[:, None, None, :].expand(-1, mask.shape[1], Tq, -1))
     mask = mask & inside[:, None, None] if mask.dtype == torch.bool else mask.masked_fill(~inside[:, None, None], float("-inf"))
     return take(key), take(value), mask
+
+
+def _packed_rows(attend: torch.Tensor) -> bool:
+    """Whether a query sees key 0 and not every key up to itself: a GRPO group's response packed
+    behind its prompt and its group's other responses (train.shared_prompt, relax/train/packing.py)."""
+    L = attend.shape[-1]
+    seen = attend.sum(-1)
+    return bool((attend[..., 0] & attend.diagonal(dim1=-2, dim2=-1) & (seen < torch.arange(1, L + 1))).any())
+
+
+
+def _packed(module, query, key, value, attend, scaling, softcap) -> torch.Tensor:
+    """Packed rows' attention as the rows each response came from: per response, its queries over
+    its keys in position order (the prompt's, then its own), so a key's index is its position as
+    in the engine's decode. A query that does not see key 0 (padding) gets zeros."""
+    B, H, L, D = query.shape
+    k = torch.arange(L)
+    queries = attend.diagonal(dim1=-2, dim2=-1) & attend[..., 0]  # [B, L]
+    unseen = ~attend & (k[None, None] <= k[None, :, None])  # keys up to the query it skips
+    gap = torch.where(unseen.any(-1), unseen.int().argmax(-1), k + 1)  # the prompt's end, if packed
+    own = torch.where(gap <= k, (attend & (k[None, None] >= gap[..., None])).int().argmax(-1), 0)
+    b, i = queries.nonzero(as_tuple=True)  # every query in order: a segment's are consecutive
+    (seg_b, seg_own), count = torch.unique_consecutive(torch.stack([b, own[b, i]]), dim=1, return_counts=True)
+    first = torch.cumsum(count, 0) - count  # each segment's first query among (b, i)
+    start, prompt = i[first], torch.where(seg_own > 0, gap[seg_b, i[first]], 0)
+    n_keys = prompt + count  # the prompt's keys, then the segment's own (its queries' keys)
+    K, Q, S = int(n_keys.max()), int(count.max()), len(count)
+    j = torch.arange(K)[None]
+    source = torch.where(j < prompt[:, None], j, start[:, None] + j - prompt[:, None]).clamp(max=L - 1)
+    qj = torch.arange(Q)[None]
+    q_source = (start[:, None] + qj).clamp(max=L - 1)
+    take = lambda x, idx: x.transpose(1, 2)[seg_b[:, None], idx].transpose(1, 2)  # noqa: E731  [S, h, n, D]
+    mask = (j[:, None] <= (prompt[:, None] + qj)[..., None]) & (j[:, None] < n_keys[:, None, None]) \
+        & (qj < count[:, None])[..., None]
+    out, _ = invariant_attention(module, take(query, q_source), take(key, source), take(value, source),
+                                 mask[:, None], scaling, softcap=softcap)  # [S, Q, H, D]
+    valid = (qj < count[:, None]).reshape(-1)
+    rows = seg_b[:, None].expand(S, Q).reshape(-1)[valid]
+    return out.new_zeros(B, L, H, D).index_put((rows, q_source.reshape(-1)[valid]), out.reshape(-1, H, D)[valid])
 
 
 def register() -> None:

@@ -15,17 +15,14 @@ from relax.model import families
 from relax.train.common import MicroBatch, batch_variant_fault
 
 
-def shares_prompt(shared_prompt: bool | None, hf: dict, true_on_policy: bool = False) -> bool:
+def shares_prompt(shared_prompt: bool | None, hf: dict) -> bool:
     """train.shared_prompt for this model (config.json `hf`): null packs the hand-written
-    families, whose attention takes the packed mask exactly; other architectures may not
-    (sliding windows would see the whole packed row, absolute positions come from the mask),
-    nor rollout.true_on_policy (its attention needs a key's index in the row to be its position)."""
-    if true_on_policy and shared_prompt:
-        raise ConfigError("train.shared_prompt=true is refused with rollout.true_on_policy=true: a packed "
-                          "response's keys sit after its group's other responses, not at their positions; "
-                          "use train.shared_prompt=null or false")
+    families, whose attention takes the packed mask exactly (rollout.true_on_policy's too: it
+    computes each response over its own keys in position order, relax/model/invariant.py);
+    other architectures may not (sliding windows would see the whole packed row, absolute
+    positions come from the mask)."""
     support = families.check(hf)
-    exact = support.family is not None and not true_on_policy
+    exact = support.family is not None
     if shared_prompt and not exact:
         raise ConfigError(f"train.shared_prompt=true packs a group's responses into one row behind one "
                           f"4-D mask, exact only for the hand-written families; this model is "

@@ -66,7 +66,7 @@ class TorchTrainer(DistributedWeightSync):
     @staticmethod
     def check_config(train, algo, parallel, rollout, hf_config: dict) -> None:
         check_torch_layout(parallel, hf_config)
-        packing.shares_prompt(train.shared_prompt, hf_config, rollout.true_on_policy)
+        packing.shares_prompt(train.shared_prompt, hf_config)
         if rollout.true_on_policy:
             check_true_on_policy(parallel, train, algo)
 
@@ -88,8 +88,7 @@ class TorchTrainer(DistributedWeightSync):
             # generated mid-response must train like any other token (as in train=megatron).
             if isinstance(module, torch.nn.Embedding):
                 module.padding_idx = None
-        self.shared_prompt = packing.shares_prompt(train.shared_prompt, self.model.config.to_dict(),
-                                                   self.true_on_policy)
+        self.shared_prompt = packing.shares_prompt(train.shared_prompt, self.model.config.to_dict())
         common.nudge_ulps(self.model.parameters(), parallel.noise_ulp, spec.seed)  # (LoRA: the base's)
         self.lora = lora.Adapters(self.model, train.lora) if train.lora.rank else None
         ref = None if self.lora else load_causal_lm(base, spec.dtype, self.true_on_policy).requires_grad_(False)
