@@ -34,9 +34,10 @@ def point(site: str) -> None:
         time.sleep(600)
     if active(f"fill_disk_at:{site}:{_visits[site]}"):
         fill_disk(".")
-    for count in range(2, 9):
-        if active(f"meet_at:{site}:{_visits[site]}:{count}"):
-            meet(f".meet_{site}", count)
+    meeting = f"meet_at:{site}:{_visits[site]}:"
+    for fault in os.environ.get("RELAX_FAULT", "").split(","):
+        if fault.startswith(meeting):
+            meet(f".meet_{site}", int(fault[len(meeting):]))
 
 
 def meet(folder: str, count: int) -> None:

@@ -12,14 +12,14 @@ from pathlib import Path
 
 from relax.config import ArithmeticTaskGroup
 from relax.errors import ConfigError
-from relax.rollout import SamplingParams
+from relax.rollout import SamplingParams, rollout_seed
 from relax.rollout.agent import AgentSpec
 from relax.rollout.generate import generate_samples
 from relax.task import load_jsonl
 from relax.task.arithmetic import make_problem
 
 log = logging.getLogger(__name__)
-SEED_OFFSET = 500_000  # eval sampling seeds: past every training rollout's (seed * 1_000_003 + rollout_id)
+SEED_OFFSET = 500_000  # eval sampling seeds: past every training rollout's (rollout_seed)
 
 
 BUILT_IN = ("arithmetic", "task")
@@ -86,7 +86,7 @@ class Evaluator:
         sp = SamplingParams(e.temperature, r.top_p, r.max_new_tokens)
         out = {}
         for name, prompts in self.prompts.items():
-            seed = self.seed * 1_000_003 + rollout_id + SEED_OFFSET
+            seed = rollout_seed(self.seed, rollout_id) + SEED_OFFSET
             samples = generate_samples(engine, self.task, self.tokenizer, prompts, e.n_samples_per_prompt, sp,
                                        seed, r.generate_fn, f"in eval/{name} at rollout {rollout_id}",
                                        agent=AgentSpec.of(r))

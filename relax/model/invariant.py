@@ -171,7 +171,6 @@ def _packed_rows(attend: torch.Tensor) -> bool:
     return bool((attend[..., 0] & attend.diagonal(dim1=-2, dim2=-1) & (seen < torch.arange(1, L + 1))).any())
 
 
-
 def _packed(module, query, key, value, attend, scaling, softcap) -> torch.Tensor:
     """Packed rows' attention as the rows each response came from: per response, its queries over
     its keys in position order (the prompt's, then its own), so a key's index is its position as

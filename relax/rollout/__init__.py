@@ -156,6 +156,11 @@ INIT_A, MULT_A, INIT_B, MULT_B = 0x43b0d7e5, 0x931e8875, 0x8b51f9dd, 0x58f38ded
 MIX_MULT_L, MIX_MULT_R, XSHIFT, MASK32 = 0xca01f9dd, 0x4973f715, 16, 0xFFFFFFFF
 
 
+def rollout_seed(seed: int, rollout_id: int) -> int:
+    """The seed a rollout's samples draw theirs from (sample_seeds), from the run's `seed`."""
+    return seed * 1_000_003 + rollout_id
+
+
 def sample_seeds(seed: int, indices, calls=None) -> list[int]:
     """The seed of each engine call k: from the rollout's seed, the sample's index in the
     rollout (indices[k]) and the call's number within the sample (calls[k], default 0: a

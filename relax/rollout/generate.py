@@ -14,7 +14,7 @@ import math
 from relax.targets import load_function
 from relax.errors import RolloutError
 from relax.model import decode_responses
-from relax.rollout import AGENT_FN, FILTER_FN, GENERATE_FN, SamplingParams, sample_seeds
+from relax.rollout import AGENT_FN, FILTER_FN, GENERATE_FN, SamplingParams, rollout_seed, sample_seeds
 from relax.rollout.agent import AgentSpec, Endpoint, agent_metrics
 from relax.rollout.client import Batcher
 from relax.sample import Sample, Samples, routed_experts_fit
@@ -137,7 +137,7 @@ def generate_rollout(engine, task, tokenizer, rollout_cfg, rollout_id: int,
                 f"({filtered} dropped): raise over_sampling_batch_size or max_generation_rounds")
         prompts = task.prompts(rollout_id, per_round, tokenizer, rounds)
         samples = generate_samples(engine, task, tokenizer, prompts, n, SamplingParams.of(r),
-                                   seed * 1_000_003 + rollout_id, r.generate_fn, f"at rollout {rollout_id}",
+                                   rollout_seed(seed, rollout_id), r.generate_fn, f"at rollout {rollout_id}",
                                    first_index=rounds * per_round * n, agent=AgentSpec.of(r))
         made += samples
         for i in range(0, len(samples), n):

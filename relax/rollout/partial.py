@@ -1,7 +1,7 @@
 """Partial rollouts (rollout.partial): a rollout decodes over_sampling_batch_size groups (null:
-1.5x the batch) and stops once rollout_batch_size of them are complete; the responses still in flight carry over
-into the next rollout, where they go on with the new weights (`continue`) or start over from
-their prompt (`abort`). Every response token records the policy version that sampled it
+1.5x the batch) and stops once rollout_batch_size of them are complete; the responses still in
+flight carry over into the next rollout, where they go on with the new weights (`continue`) or
+start over from their prompt (`abort`). Every response token records the policy version that sampled it
 (Sample.token_versions). The cut is counted in decode steps, not seconds, so a run makes the
 same samples every time: a checkpoint keeps what is in flight and a resume goes on to the bit.
 How and why: docs/rollouts.md, "Partial rollouts".
@@ -10,12 +10,11 @@ How and why: docs/rollouts.md, "Partial rollouts".
 from __future__ import annotations
 
 import inspect
+from dataclasses import replace
 
 from relax.errors import ConfigError
 from relax.model import decode_responses
-from dataclasses import replace
-
-from relax.rollout import DEFAULT_GENERATE_FN, Generation, SamplingParams, num_engines, sample_seeds
+from relax.rollout import DEFAULT_GENERATE_FN, Generation, SamplingParams, num_engines, rollout_seed, sample_seeds
 from relax.rollout.prefetch import max_staleness
 from relax.sample import Sample, Samples
 from relax.targets import load_target
@@ -51,13 +50,13 @@ def check_partial(rollout, train, builds_rollout: bool) -> None:
         raise ConfigError(f"{key} needs rollout.over_sampling_batch_size > rollout.rollout_batch_size="
                           f"{r.rollout_batch_size} (it is {over}; null: 1.5x the batch): a rollout decodes "
                           f"that many groups and stops once rollout_batch_size of them are complete")
-    engine = load_target(r, "rollout")
+    engine, engines = load_target(r, "rollout"), num_engines(r)
     refused = [
         (r.dynamic_sampling_filter, f"rollout.dynamic_sampling_filter={r.dynamic_sampling_filter}",
          "the cut counts complete groups while decoding, before rewards exist"),
         (r.agent or r.generate_fn != DEFAULT_GENERATE_FN, "rollout.agent or rollout.generate_fn",
          "a partial rollout continues the engine's own single-turn decode"),
-        (num_engines(r) > 1, f"{num_engines(r)} engines", "the cut needs every response in one decode"),
+        (engines > 1, f"{engines} engines", "the cut needs every response in one decode"),
         ("until" not in inspect.signature(engine.generate).parameters, f"rollout._target_={r._target_}",
          "its generate takes no `until` (the torch engine's does)"),
     ]
@@ -165,7 +164,7 @@ def generate_partial_rollout(engine, task, tokenizer, rollout_cfg, rollout_id: i
     if r.partial_stale == "drop":
         groups = [g for g in groups if not any(g is x for x in stale)]
     new = max(pool_groups(r) - len(groups), 0)
-    seeds = sample_seeds(seed * 1_000_003 + rollout_id, range(new * n))  # a synchronous run's seeds
+    seeds = sample_seeds(rollout_seed(seed, rollout_id), range(new * n))  # a synchronous run's seeds
     groups += [[fresh(p, i * n + j, seeds[i * n + j], rollout_id) for j in range(n)]
                for i, p in enumerate(task.prompts(rollout_id, new, tokenizer))]
 
