@@ -246,6 +246,7 @@ class ReasoningGymTaskGroup(TaskConfig):  # task=reasoning_gym (docs/tasks.md)
     dataset_kwargs: dict[str, Any] = field(default_factory=dict)  # {dataset: {its config key: value}}
     size: int = 10_000  # training items per dataset: seeds base..base+size-1 (eval: the seeds after)
     answer_tag: Optional[str] = None  # the answer is the last <tag>...</tag>'s text (null: the response)
+    answer_regex: Optional[str] = None  # or the last match of this regex ('-?\d+': the last number)
     instruction: str = ""  # appended to every question
 
 

@@ -154,6 +154,7 @@ VALID: dict[str, tuple[str, str]] = {
     "task.max_operand": ("huge", "longer numbers: each prompt's length is checked as it is made"),
     "task.instruction": ("bogus", "free text appended to each problem"),
     "task.answer_tag": ("bogus", "a tag name: the answer is the text in the response's last <bogus>...</bogus>"),
+    "task.answer_regex": ("bogus", "a regular expression: the answer is its last match in the response"),
     "debug.dump_details": ("bogus", PATH),
     "debug.dump_layers": ("bogus", PATH),
     "debug.profile_dir": ("bogus", PATH),

@@ -78,6 +78,12 @@ def test_the_reward_is_the_librarys_score_answer(tokenizer, rg):
     label = prompt.label
     assert scored(task, [f"Thinking... <answer>{label}</answer>", f"<answer>1</answer> <answer>{label}</answer>",
                          label, f"<answer>{int(label) + 1}</answer>"], prompt) == [1.0, 1.0, 0.0, 0.0]
+    # with answer_regex, score_answer gets the regex's last match, or None
+    task = make_task(*TWO, r"task.answer_regex='-?\d+'")
+    prompt = task.prompts(0, 1, tokenizer)[0]
+    label = prompt.label
+    assert scored(task, [f"2 + 3 = {label}.", f"{label}", f"{label} or {int(label) + 1}", "no number",
+                         f"<answer>{label}</answer> and 1"], prompt) == [1.0, 1.0, 0.0, 0.0, 0.0]
 
 
 def test_eval_draws_seeds_training_never_draws(tokenizer, rg):
@@ -121,6 +127,10 @@ def test_eval_draws_seeds_training_never_draws(tokenizer, rg):
      r"task.dataset_kwargs.basic_arithmetic=.*unsupported operator: %"),
     (["task.size=0"], r"task.size=0: expected a number of items per dataset in \[1, 1073741824\]"),
     (["task.answer_tag='<a>'"], r"task.answer_tag='<a>': expected a tag name"),
+    (["task.answer_regex='('"], r"task.answer_regex='\(': expected a regular expression"),
+    ([r"task.answer_regex='\d*'"], r"task.answer_regex='\\\\d\*': it matches the empty string"),
+    (["task.answer_regex=x", "task.answer_tag=answer"],
+     r"task.answer_regex='x' and task.answer_tag='answer': set one"),
 ])
 def test_bad_datasets_weights_and_kwargs_are_refused_naming_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -114,6 +114,21 @@ def make(name: str, kwargs: dict, seed: int, size: int):
     return dataset
 
 
+def check_answer_regex(answer_regex, answer_tag) -> None:
+    if answer_regex is None:
+        return
+    if answer_tag is not None:
+        raise ConfigError(f"task.answer_regex={answer_regex!r} and task.answer_tag={answer_tag!r}: set one "
+                          f"(the answer is the last match of the regex, or the text of the last tag)")
+    try:
+        compiled = re.compile(answer_regex)
+    except (re.error, TypeError) as e:
+        raise ConfigError(f"task.answer_regex={answer_regex!r}: expected a regular expression ({e})") from None
+    if compiled.match(""):
+        raise ConfigError(f"task.answer_regex={answer_regex!r}: it matches the empty string, so every "
+                          f"response would have an answer: expected one that matches an answer ('-?\\d+')")
+
+
 SCORERS: dict[tuple[str, str], object] = {}  # (name, its kwargs as JSON) -> a dataset of that config
 
 
@@ -126,9 +141,13 @@ def scorer(name: str, kwargs: dict):
     return SCORERS[key]
 
 
-def extract(response: str, tag: str | None) -> str | None:
+def extract(response: str, tag: str | None, regex: str | None = None) -> str | None:
     """What score_answer gets: the last <tag>...</tag> of the response (None without one; the
-    library's extract_answer), or the whole response, stripped, without a tag."""
+    library's extract_answer), the last match of `regex` (None without one), or the whole
+    response, stripped, without either."""
+    if regex is not None:
+        found = [m.group(0) for m in re.finditer(regex, response)]
+        return found[-1] if found else None
     if tag is None:
         return response.strip()
     # optional: reasoning-gym (relax[rgym])
@@ -143,7 +162,7 @@ def score(sample) -> float:
     if not isinstance(item, dict):
         raise ValueError("the sample carries no reasoning-gym item (metadata 'reasoning_gym'): "
                          "relax.task.reasoning_gym.score scores task=reasoning_gym's samples only")
-    answer = extract(sample.response, item["answer_tag"])
+    answer = extract(sample.response, item["answer_tag"], item.get("answer_regex"))
     return float(scorer(item["dataset"], item["kwargs"]).score_answer(answer, item["entry"]))
 
 
@@ -151,7 +170,7 @@ class ReasoningGymTask(Task):
     """task=reasoning_gym: items of task.datasets (drawn by task.weights), scored by the library."""
 
     def __init__(self, datasets: list[str], weights: list[float] | None, dataset_kwargs: dict, size: int,
-                 answer_tag: str | None, instruction: str, **common):
+                 answer_tag: str | None, answer_regex: str | None, instruction: str, **common):
         super().__init__(**common)
         self.names = check_datasets(datasets)
         self.weights = check_weights(weights, self.names)
@@ -161,7 +180,8 @@ class ReasoningGymTask(Task):
         if answer_tag is not None and not re.fullmatch(r"[A-Za-z_][\w.-]*", answer_tag):
             raise ConfigError(f"task.answer_tag={answer_tag!r}: expected a tag name (answer: "
                               f"<answer>...</answer>), or null (the whole response is the answer)")
-        self.size, self.answer_tag, self.instruction = size, answer_tag, instruction
+        check_answer_regex(answer_regex, answer_tag)
+        self.size, self.answer_tag, self.answer_regex, self.instruction = size, answer_tag, answer_regex, instruction
         # The first training seed: from the run's seed, below 2**31 (with size and eval's items, < 2**32)
         self.base = random.Random(f"{self.seed}-reasoning-gym").randrange(2**31)
         self.train = {n: make(n, self.kwargs.get(n, {}), self.base, size) for n in self.names}
@@ -182,7 +202,8 @@ class ReasoningGymTask(Task):
         question = f"{entry['question'].rstrip()} {self.instruction}".strip()
         label = "" if entry["answer"] is None else str(entry["answer"])
         return question, label, {"reasoning_gym": {"dataset": name, "kwargs": self.kwargs.get(name, {}),
-                                                   "answer_tag": self.answer_tag, "entry": entry}}
+                                                   "answer_tag": self.answer_tag,
+                                                   "answer_regex": self.answer_regex, "entry": entry}}
 
     def questions(self, rng, n):
         names = rng.choices(self.names, weights=self.weights, k=n)
