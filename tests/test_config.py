@@ -101,7 +101,8 @@ SMOLLM2_ARITH_V1 = {**SMOLLM2, **WORD_PROBLEMS, "task.operations": ["add", "sub"
 REASONING_GYM = {"task._target_": "relax.task.reasoning_gym.ReasoningGymTask",
                  "task.reward_fn": "relax.task.reasoning_gym.score", "task.min_operand": DROPPED,
                  "task.max_operand": DROPPED, "task.datasets": ["basic_arithmetic"], "task.weights": None,
-                 "task.dataset_kwargs": {}, "task.size": 10_000, "task.answer_tag": None, "task.instruction": "",
+                 "task.dataset_kwargs": {}, "task.size": 10_000, "task.answer_tag": None, "task.answer_regex": None,
+                 "task.instruction": "",
                  "task.answer_format": None}
 SMOLLM2_RGYM_V1 = {**SMOLLM2, **{k: v for k, v in REASONING_GYM.items() if k != "task.dataset_kwargs"},
                    **{f"task.dataset_kwargs.basic_arithmetic.{k}": v for k, v in [
@@ -112,6 +113,9 @@ SMOLLM2_RGYM_V1 = {**SMOLLM2, **{k: v for k, v in REASONING_GYM.items() if k != 
                    "train.num_threads": 2, "algo.use_kl_loss": True, "algo.kl_loss_coef": 0.01,
                    "eval.interval": 20, "eval.datasets": ["task"], "eval.num_prompts": 128,
                    "checkpoint.save_interval": None, "seed": 11}
+SMOLLM2_RGYM_V2 = {**SMOLLM2_RGYM_V1, "task.dataset_kwargs.basic_arithmetic.max_digits": 2,
+                   "task.dataset_kwargs.basic_arithmetic.operators": ["+"], "task.instruction": "",
+                   "task.answer_regex": r"-?\d+"}
 # Options added after the recording: (the recorded option they compose like, what they change).
 NEW_OPTIONS = {"cluster=local": ("algo=grpo", {}), "cluster=ray": ("algo=grpo", RAY),
                "logger=wandb": ("algo=grpo", {"logger.backends": ["wandb"]}),
@@ -119,6 +123,7 @@ NEW_OPTIONS = {"cluster=local": ("algo=grpo", {}), "cluster=ray": ("algo=grpo", 
                "experiment=smollm2_arith_v1": ("algo=grpo", SMOLLM2_ARITH_V1),
                "task=reasoning_gym": ("algo=grpo", REASONING_GYM),
                "experiment=smollm2_rgym_v1": ("algo=grpo", SMOLLM2_RGYM_V1),
+               "experiment=smollm2_rgym_v2": ("algo=grpo", SMOLLM2_RGYM_V2),
                "parallel=tp3": ("parallel=tp2",
                                 {"parallel.name": "tp3", "parallel.tp": 3, "parallel.world_size": 3}),
                **{f"parallel=twin{n}": ("parallel=twin",
