@@ -27,6 +27,11 @@ class DiskFull(OSError):
     """No space left for a file Relax must write (names the path and the space needed)."""
 
 
+class EngineDied(RuntimeError):
+    """A process of the inference engine (SGLang's scheduler or detokenizer) exited while the
+    engine started: its own traceback is in the log above this error."""
+
+
 class Interrupted(Exception):
     """The run stopped on SIGINT or SIGTERM after finishing a rollout (resume continues it)."""
 

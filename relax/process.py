@@ -17,7 +17,7 @@ from contextlib import ExitStack, contextmanager
 from multiprocessing import resource_tracker
 from pathlib import Path
 
-from relax.errors import ConfigError, DiskFull, Interrupted
+from relax.errors import ConfigError, DiskFull, EngineDied, Interrupted
 
 log = logging.getLogger("relax")
 STATUS_FILE = "status.json"
@@ -158,6 +158,16 @@ def sigterm_left_to_the_driver():
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def engine_died(signum, frame):
+    """rollout=sglang's SIGQUIT handler while the engine starts (SGLang's custom_sigquit_handler).
+    A scheduler or detokenizer that fails there sends the driver SIGQUIT, and SGLang's own handler
+    SIGKILLs the driver and its children: exit 137, status.json left `running`, no word from
+    Relax. Raised instead, it ends the run as a failure, with its status and message."""
+    raise EngineDied("an SGLang process (scheduler or detokenizer) exited while the engine started; "
+                     "its error is above in the log (often memory: rollout.mem_fraction_static, "
+                     "rollout.max_total_tokens)")
 
 
 class Stop:

@@ -5,7 +5,6 @@ log-probs, never on text."""
 
 import json
 import signal
-import subprocess
 import time
 
 import pytest
@@ -189,21 +188,28 @@ def test_disk_weight_update_mode(tiny_path, tokenizer, sglang_engine, reset_weig
         [g.tokens for g in reference.generate(prompts, GREEDY, 0)]
 
 
-def sglang_processes() -> list[str]:
-    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [line for line in ps.splitlines() if "sglang::" in line]
+def sglang_processes(run_dir) -> list[str]:
+    """SGLang's processes started from `run_dir` (they keep the run's working directory), so a test
+    beside this one (pytest -n 2) that runs SGLang too does not count."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline", "cwd"]):
+        cmdline, cwd = " ".join(p.info["cmdline"] or []), p.info["cwd"] or ""
+        if "sglang::" in cmdline and (cwd + "/").startswith(f"{run_dir}/"):
+            found.append(f"{p.info['pid']} {cmdline}")
+    return found
 
 
 def test_rollout_only_then_train_only(tmp_path, tiny_path):
     """The CLI with rollout=sglang: save replay data, with no SGLang process left behind, then
     train on it (the full loop: the real model's test below, and on Ray)."""
-    already = sglang_processes()
     proc = relax_cli("rollout=sglang", "rollout.num_rollout=2", "rollout.rollout_batch_size=4",
                      "checkpoint.save_interval=null", "debug=rollout_only",
                      f"debug.save_rollout_data={tmp_path}/rd/{{rollout_id}}.pt",
                      "hydra.run.dir=outputs/rollout", cwd=tmp_path, entry=FRESH)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert sglang_processes() == already  # no orphan scheduler/detokenizer processes
+    assert sglang_processes(tmp_path) == []  # no orphan scheduler/detokenizer processes
     assert sorted(p.name for p in (tmp_path / "rd").iterdir()) == ["0.pt", "1.pt"]
     # SGLang's engine reconfigures logging at start-up; relax.log keeps every line after it
     log = (tmp_path / "outputs/rollout/relax.log").read_text()
@@ -263,18 +269,16 @@ def test_sigterm_stops_a_run_cleanly_and_leaves_no_sglang_process(tmp_path, to):
     `failed`), and a scheduler killed by it made SGLang SIGKILL the driver (status `running`)."""
     from .test_process import signalled_run, stopped_cleanly
 
-    already = sglang_processes()
     proc = signalled_run(tmp_path, "rollout=sglang", signum=signal.SIGTERM, group=to != "the driver",
                          timeout=600)
     stopped_cleanly(tmp_path, signal.SIGTERM, proc.returncode)
     time.sleep(1)  # the scheduler's exit after the driver's
-    assert sglang_processes() == already
+    assert sglang_processes(tmp_path) == []
 
 
 def test_a_dropped_engine_buffer_is_named_and_stops_a_strict_run(tmp_path):
     """The rotary cache zeroed inside the engine (as a buffer lost across release/resume
     would be): the check names it, strict mode stops the run, and no SGLang process is left."""
-    already = sglang_processes()
     proc = relax_cli("rollout=sglang", "rollout.num_rollout=2", "rollout.rollout_batch_size=4",
                      "debug.check_weight_update_equal=true", "debug.strict_checks=true",
                      "hydra.run.dir=outputs/drop", cwd=tmp_path, entry=FRESH,
@@ -286,7 +290,20 @@ def test_a_dropped_engine_buffer_is_named_and_stops_a_strict_run(tmp_path):
     assert [m["name"] for m in sync["mismatches"]] == [ROTARY_CACHE]
     assert sync["mismatches"][0]["max_abs_diff"] > 0.5
     assert not (tmp_path / "outputs/drop/metrics.jsonl").exists()  # stopped before rollout 0
-    assert sglang_processes() == already
+    assert sglang_processes(tmp_path) == []
+
+
+def test_an_engine_that_fails_to_start_fails_the_run_with_a_message(tmp_path):
+    """SGLang's scheduler refuses a KV cache too small for the weights: the driver gets SIGQUIT,
+    which SGLang's own handler answered by SIGKILLing it (exit 137, status `running`, no message)."""
+    proc = relax_cli("rollout=sglang", "rollout.mem_fraction_static=0.00001", "rollout.num_rollout=1",
+                     "hydra.run.dir=outputs/run", cwd=tmp_path, entry=FRESH)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Raise --mem-fraction-static above" in proc.stderr  # the scheduler's own error
+    status = json.loads((tmp_path / "outputs/run/status.json").read_text())
+    assert status["status"] == "failed" and status["error"].startswith("EngineDied: an SGLang process")
+    assert "rollout.mem_fraction_static" in status["error"]
+    assert sglang_processes(tmp_path) == []
 
 
 def test_a_colocated_engine_is_unchanged_by_release_and_resume(tiny_path, tokenizer):
@@ -367,7 +384,6 @@ def test_sglang_engine_as_a_ray_actor(tmp_path):
     it through Ray's object store, the engine-weights check passes after every sync, and no
     SGLang or Ray process is left."""
     require("ray", RAY)  # (scripts/sglang-cpu-requirements.txt installs it)
-    already = sglang_processes()
     proc = relax_cli("rollout=sglang", "cluster=ray", "rollout.num_rollout=2", "rollout.rollout_batch_size=4",
                      "checkpoint.save_interval=null", "debug.check_weight_update_equal=true",
                      "debug.check_weight_update_every_sync=true", "hydra.run.dir=outputs/ray", cwd=tmp_path,
@@ -379,7 +395,7 @@ def test_sglang_engine_as_a_ray_actor(tmp_path):
     report = json.loads((run / "weight_check.json").read_text())
     assert report["passed"] and [(c["stage"], c["rollout_id"]) for c in report["checks"]] == [
         ("load", None), ("sync", None), ("sync", 0), ("sync", 1)]
-    assert sglang_processes() == already
+    assert sglang_processes(tmp_path) == []
 
 
 def test_the_real_model_on_sglang_strict_weight_check_after_every_sync(tmp_path, smollm2_path):

@@ -23,7 +23,7 @@ from relax import faults
 from relax.errors import ConfigError
 from relax.model import families, model_config, read_hf_config, torch_dtype
 from relax.model.sglang_support import SERVED, sglang_to_hf
-from relax.process import sigterm_left_to_the_driver
+from relax.process import engine_died, sigterm_left_to_the_driver
 from relax.rollout import Generation, SamplingParams, buckets, num_engines, prompt_seeds
 from relax.rollout.fingerprint import fingerprint
 from relax.rollout.partial import in_chunks
@@ -60,6 +60,7 @@ def engine_args(rollout, spec: EngineSpec, base_gpu_id: int = 0) -> dict:
         # which on CPU is a core taken from the trainer (and from everything else on the machine)
         common.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True,
                       max_total_tokens=r.max_total_tokens, sleep_on_idle=True)
+    common["custom_sigquit_handler"] = engine_died  # an engine process failing at start-up fails the run
     common.update(dict(r.sglang_server_args))  # anything else, passed through as-is
     # Relax's functions that run inside the scheduler (see export_tensors), kept beside any of yours.
     common["custom_weight_loader"] = [EXPORT_TENSORS, FINGERPRINT, RECORD_MODULES, faults.SGLANG_DROP_BUFFER,
