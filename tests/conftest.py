@@ -152,6 +152,11 @@ def pytest_collection_modifyitems(config, items):
     Groups go out heaviest first: the real model's (~6 minutes), then by number of tests
     (what xdist's own reordering would do, which would put the real model's behind the
     Megatron file's 30 short tests and leave one worker idle for minutes at the end)."""
+    if "manual" not in (config.option.markexpr or ""):  # manual wins over a module's slow mark
+        manual = [item for item in items if item.get_closest_marker("manual")]
+        if manual:
+            config.hook.pytest_deselected(items=manual)
+            items[:] = [item for item in items if not item.get_closest_marker("manual")]
     groups = ["smollm2" if "smollm2_path" in item.fixturenames else item.module.__name__ for item in items]
     for item, group in zip(items, groups):
         item.add_marker(pytest.mark.xdist_group(group))
