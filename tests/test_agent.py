@@ -5,6 +5,8 @@ and counted while the run goes on."""
 
 from __future__ import annotations
 
+import copy
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -130,6 +132,26 @@ def test_a_tool_call_the_template_renders_otherwise_is_drift_and_the_tokens_stay
         tokenize=False)))  # what the template re-encodes the turn to instead
     assert sample.metadata["agent_drifted_turns"] == 1 and sample.loss_mask.count(1) == len(first.tokens) + 3
     assert agent_metrics([sample], "test") == {"rollout/agent_errors": 0, "rollout/retokenization_drift": 0.5}
+
+
+def test_tools_the_chat_template_does_not_render_are_warned_of_once(qwen_tok, caplog, monkeypatch):
+    """QWEN_LIKE renders tool calls but not the tools' definitions (nor do SmolLM2's and the tiny
+    model's templates): the model never sees them, which the run says once per template."""
+    from relax.rollout import tool_calls
+
+    monkeypatch.setattr(tool_calls, "TEMPLATES_CHECKED", set())
+    unseen = "renders none, so the model never sees their definitions"
+    with caplog.at_level(logging.WARNING, logger="relax.rollout.tool_calls"):
+        samples, _ = agent_samples(qwen_tok, [CALL, "46"], n=2)
+        assert [s.reward for s in samples] == [1.0, 1.0]  # only said: the run goes on
+        assert sum(unseen in r.getMessage() for r in caplog.records) == 1
+        rendering = copy.deepcopy(qwen_tok)
+        rendering.chat_template = ("{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t | tojson }}"
+                                   "{% endfor %}<|im_end|>\n{% endif %}" + QWEN_LIKE)
+        caplog.clear()
+        agent_samples(rendering, [CALL, "46"])
+        assert not [r for r in caplog.records if unseen in r.getMessage()]
+    assert qwen_tok.chat_template in tool_calls.TEMPLATES_CHECKED and len(tool_calls.TEMPLATES_CHECKED) == 2
 
 
 def test_a_malformed_tool_call_masks_the_sample_and_counts(qwen_tok, caplog):

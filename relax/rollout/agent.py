@@ -21,7 +21,7 @@ import traceback
 
 from relax.rollout import AGENT_FN, SamplingParams
 from relax.rollout.client import Batcher
-from relax.rollout.tool_calls import MalformedToolCall, parse_tool_calls
+from relax.rollout.tool_calls import MalformedToolCall, parse_tool_calls, warn_if_tools_unseen
 from relax.sample import Sample
 
 log = logging.getLogger(__name__)
@@ -120,6 +120,7 @@ class Conversation:
         sp, cap = self.sp, body.get("max_completion_tokens") or body.get("max_tokens")
         if isinstance(cap, int) and 0 < cap < sp.max_new_tokens:
             sp = dataclasses.replace(sp, max_new_tokens=cap)
+        warn_if_tools_unseen(self.tokenizer, tools)
         text = self.render(messages, tools, True)
         rendered = self.encode(text)
         if self.turns == 0:

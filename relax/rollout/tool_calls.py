@@ -5,9 +5,14 @@ them: the Hermes format that the Qwen2, Qwen2.5, Qwen3 and SmolLM3 chat template
 from __future__ import annotations
 
 import json
+import logging
 import re
 
+log = logging.getLogger(__name__)
 BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+PROBE = {"type": "function", "function": {"name": "relax_tool_probe", "description": "a probe",
+                                          "parameters": {"type": "object", "properties": {}}}}
+TEMPLATES_CHECKED: set[str] = set()  # chat templates already probed for rendering tools
 
 
 class MalformedToolCall(ValueError):
@@ -38,3 +43,18 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
                                     f"{body[:200]!r}")
         calls.append({"name": call["name"], "arguments": arguments})
     return BLOCK.sub("", text).strip() if calls else text, calls
+
+
+def warn_if_tools_unseen(tokenizer, tools) -> None:
+    """Once per chat template: a request's tools that the template does not render (SmolLM2's, the
+    tiny model's) never reach the model, which then cannot know them; said, not left silent."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not tools or not isinstance(template, str) or template in TEMPLATES_CHECKED:
+        return
+    TEMPLATES_CHECKED.add(template)
+    probe = tokenizer.apply_chat_template([{"role": "user", "content": "?"}], tools=[PROBE], tokenize=False)
+    if PROBE["function"]["name"] not in probe:
+        log.warning("rollout.agent: the requests carry tools, but the model's chat template renders none, so "
+                    "the model never sees their definitions: describe them in a message, or use a model whose "
+                    "template renders tools (Qwen2, Qwen2.5, Qwen3, SmolLM3). Tool calls it writes in the "
+                    "Hermes format are parsed either way")
