@@ -52,7 +52,10 @@ def warn_if_tools_unseen(tokenizer, tools) -> None:
     if not tools or not isinstance(template, str) or template in TEMPLATES_CHECKED:
         return
     TEMPLATES_CHECKED.add(template)
-    probe = tokenizer.apply_chat_template([{"role": "user", "content": "?"}], tools=[PROBE], tokenize=False)
+    try:
+        probe = tokenizer.apply_chat_template([{"role": "user", "content": "?"}], tools=[PROBE], tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that fails is the request's own rendering's to report
+        return
     if PROBE["function"]["name"] not in probe:
         log.warning("rollout.agent: the requests carry tools, but the model's chat template renders none, so "
                     "the model never sees their definitions: describe them in a message, or use a model whose "
