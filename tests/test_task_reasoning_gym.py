@@ -86,6 +86,18 @@ def test_the_reward_is_the_librarys_score_answer(tokenizer, rg):
                          f"<answer>{label}</answer> and 1"], prompt) == [1.0, 1.0, 0.0, 0.0, 0.0]
 
 
+def test_the_rgym_v2_recipe_asks_sums_and_reads_the_answer_as_its_last_number(tokenizer):
+    """experiment=smollm2_rgym_v2 as docs/real-model.md measures it: the library's own question,
+    two terms of 1-2 digits added, and "a + b = c." scored as c (the form the model learns)."""
+    task = make_task("experiment=smollm2_rgym_v2")
+    prompts = task.prompts(0, 16, tokenizer)
+    for prompt, entry in zip(prompts, entries(prompts), strict=True):
+        terms = re.fullmatch(r"Calculate (\d+) \+ (\d+)\.", entry["question"].strip()).groups()
+        assert all(1 <= len(t) <= 2 for t in terms) and prompt.label == str(sum(map(int, terms)))
+        explained, wrong = f"{terms[0]} + {terms[1]} = {prompt.label}.", f"{prompt.label} + 1 = {int(prompt.label) + 1}"
+        assert scored(task, [explained, wrong, "I cannot add."], prompt) == [1.0, 0.0, 0.0]
+
+
 def test_eval_draws_seeds_training_never_draws(tokenizer, rg):
     from relax.eval import questions
 
