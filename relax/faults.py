@@ -12,8 +12,12 @@ import time
 import torch
 
 
+def _faults() -> list[str]:
+    return os.environ.get("RELAX_FAULT", "").split(",")
+
+
 def active(name: str) -> bool:
-    return name in os.environ.get("RELAX_FAULT", "").split(",")
+    return name in _faults()
 
 
 _visits: dict[str, int] = {}
@@ -35,7 +39,7 @@ def point(site: str) -> None:
     if active(f"fill_disk_at:{site}:{_visits[site]}"):
         fill_disk(".")
     meeting = f"meet_at:{site}:{_visits[site]}:"
-    for fault in os.environ.get("RELAX_FAULT", "").split(","):
+    for fault in _faults():
         if fault.startswith(meeting):
             meet(f".meet_{site}", int(fault[len(meeting):]))
 

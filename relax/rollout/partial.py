@@ -1,9 +1,10 @@
 """Partial rollouts (rollout.partial): a rollout decodes over_sampling_batch_size groups (null:
 1.5x the batch) and stops once rollout_batch_size of them are complete; the responses still in
 flight carry over into the next rollout, where they go on with the new weights (`continue`) or
-start over from their prompt (`abort`). Every response token records the policy version that sampled it
-(Sample.token_versions). The cut is counted in decode steps, not seconds, so a run makes the
-same samples every time: a checkpoint keeps what is in flight and a resume goes on to the bit.
+start over from their prompt (`abort`). Every response token records the policy version that
+sampled it (Sample.token_versions). The cut is counted in decode steps, not seconds, so a run
+makes the same samples every time: a checkpoint keeps what is in flight and a resume goes on to
+the bit.
 How and why: docs/rollouts.md, "Partial rollouts".
 """
 

@@ -114,7 +114,11 @@ def make(name: str, kwargs: dict, seed: int, size: int):
     return dataset
 
 
-def check_answer_regex(answer_regex, answer_tag) -> None:
+def check_answer_source(answer_tag, answer_regex) -> None:
+    """task.answer_tag and task.answer_regex: a tag name, or a regex that finds an answer; one of them."""
+    if answer_tag is not None and not re.fullmatch(r"[A-Za-z_][\w.-]*", answer_tag):
+        raise ConfigError(f"task.answer_tag={answer_tag!r}: expected a tag name (answer: "
+                          f"<answer>...</answer>), or null (the whole response is the answer)")
     if answer_regex is None:
         return
     if answer_tag is not None:
@@ -177,10 +181,7 @@ class ReasoningGymTask(Task):
         self.kwargs = check_kwargs(dataset_kwargs, self.names)
         if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= MAX_SIZE:
             raise ConfigError(f"task.size={size}: expected a number of items per dataset in [1, {MAX_SIZE}]")
-        if answer_tag is not None and not re.fullmatch(r"[A-Za-z_][\w.-]*", answer_tag):
-            raise ConfigError(f"task.answer_tag={answer_tag!r}: expected a tag name (answer: "
-                              f"<answer>...</answer>), or null (the whole response is the answer)")
-        check_answer_regex(answer_regex, answer_tag)
+        check_answer_source(answer_tag, answer_regex)
         self.size, self.answer_tag, self.answer_regex, self.instruction = size, answer_tag, answer_regex, instruction
         # The first training seed: from the run's seed, below 2**31 (with size and eval's items, < 2**32)
         self.base = random.Random(f"{self.seed}-reasoning-gym").randrange(2**31)
