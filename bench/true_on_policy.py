@@ -25,15 +25,12 @@ JOBS = {  # the default tiny job, and the real model at the recipe's batch with 
     "tiny": ["rollout.num_rollout=6"],
     "real": ["experiment=smollm2_arith_v1", "eval.interval=null", "rollout.num_rollout=4"],
 }
-# true on-policy refuses train.num_threads > 1 (BLAS splits a product by its shape): on the real
-# model it gives up the recipe's second core, which is part of its price
-EXACT = {"tiny": [], "real": ["train.num_threads=1"]}
 KEYS = ("perf/step_time", "perf/rollout_time", "train/train_rollout_logprob_abs_diff", "train/mismatch_kl")
 
 
 def run(job: str, exact: bool, out: Path) -> dict[str, float]:
     cmd = [sys.executable, "-m", "relax", *JOBS[job], f"rollout.true_on_policy={str(exact).lower()}",
-           *(EXACT[job] if exact else []), f"hydra.run.dir={out}"]
+           f"hydra.run.dir={out}"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"true_on_policy bench: {' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")

@@ -18,6 +18,8 @@ from .conftest import make_cfg, relax_cli
 RUN = ["rollout.num_rollout=3", "rollout.rollout_batch_size=8", "rollout.n_samples_per_prompt=4",
        "rollout.max_new_tokens=12"]
 KEYS = ("train/train_rollout_logprob_abs_diff", "train/mismatch_kl")
+# a lone 64-row tile of a 1024-wide MLP's down projection is one that BLAS splits across 2 threads
+TWO_THREADS = ["train.num_threads=2", "model.tiny.intermediate_size=1024", "model.tiny.warmup_max_steps=25"]
 
 
 def mismatch(tmp_path, *overrides) -> list[tuple[float, float]]:
@@ -31,13 +33,14 @@ def mismatch(tmp_path, *overrides) -> list[tuple[float, float]]:
 
 @pytest.mark.parametrize("overrides", [
     ["parallel=single"], ["parallel=dp2"], ["parallel=fsdp2"], ["model.dtype=bfloat16"],
-    ["model.tiny.num_experts=4"]], ids=["single", "dp2", "fsdp2", "bf16", "moe"])
+    ["model.tiny.num_experts=4"], TWO_THREADS], ids=["single", "dp2", "fsdp2", "bf16", "moe", "2-threads"])
 def test_engine_and_trainer_log_probs_are_equal_at_every_step(tmp_path, overrides):
     assert mismatch(tmp_path, "rollout.true_on_policy=true", *overrides) == [(0.0, 0.0)] * 3
 
 
-def test_without_it_the_same_run_is_only_close(tmp_path):
-    steps = mismatch(tmp_path)
+@pytest.mark.parametrize("overrides", [[], TWO_THREADS], ids=["single", "2-threads"])
+def test_without_it_the_same_run_is_only_close(tmp_path, overrides):
+    steps = mismatch(tmp_path, *overrides)
     assert all(0 < diff < 1e-5 and 0 < kl < 1e-9 for diff, kl in steps)
 
 
@@ -46,7 +49,6 @@ def test_without_it_the_same_run_is_only_close(tmp_path):
     (["rollout.dtype=bfloat16"], "rollout.dtype=bfloat16 is refused: engine and trainer compute in one dtype"),
     (["parallel=tp2"], "parallel.tp=2 is refused: tensor parallelism sums"),
     (["train.lora.rank=4"], "train.lora.rank=4 is refused: the trainer computes W x + B(A x)"),
-    (["train.num_threads=2"], "train.num_threads=2 is refused: BLAS splits a product across threads"),
     (["model.tiny.num_experts=4", "algo.routing_replay=rollout"], "algo.routing_replay=rollout is refused"),
     (["train=megatron"], "rollout.true_on_policy=true is refused with train=megatron"),
     (["rollout=sglang"], "rollout.true_on_policy=true is refused with rollout=sglang"),
@@ -69,6 +71,35 @@ def test_a_rows_matmul_result_does_not_depend_on_the_other_rows():
     assert torch.equal(strided[0], whole[::11])
     plain = [F.linear(x[i:i + 1], w)[0] for i in range(0, 203, 11)]  # the gate: aten's own kernels differ
     assert not all(torch.equal(whole[i * 11], row) for i, row in enumerate(plain))
+
+
+@pytest.fixture
+def threads():
+    """torch.set_num_threads for the test, restored after it."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def test_with_more_threads_every_tile_is_still_one_threads_product(threads):
+    """BLAS splits a lone product's reduction across threads; every call holds at least one tile
+    per thread, so each tile is computed whole by one thread, as with one thread."""
+    torch.manual_seed(0)
+    x, w = torch.randn(130, 1024), torch.randn(64, 1024)
+    q, k = torch.randn(2, 19, 16), torch.randn(2, 16, 40)  # attention's products: a batch of 2
+    results = {}
+    for n in (1, 2, 4):
+        threads(n)
+        with invariant_ops():
+            results[n] = F.linear(x, w), F.linear(x[:1], w), torch.bmm(q, k), torch.bmm(q[1:, :3], k[1:])
+        if n == 2:  # the gate: BLAS splits this lone tile at 2 threads
+            lone = torch.baddbmm(x.new_zeros(()).expand(1, 64, 64), x[None, :64], w.t()[None], beta=0)
+    whole, row, scores, part = results[1]
+    for n in (2, 4):
+        assert torch.equal(results[n][0], whole) and torch.equal(results[n][1][0], whole[0])
+        assert torch.equal(results[n][2], scores) and torch.equal(results[n][3], scores[1:, :3])
+    assert torch.equal(row[0], whole[0]) and torch.equal(part, scores[1:, :3])
+    assert not torch.equal(lone[0], whole[:64])
 
 
 def test_attention_decoded_one_token_at_a_time_equals_the_full_causal_forward():

@@ -28,8 +28,12 @@ def _tiles(a: torch.Tensor, b: torch.Tensor, tile: int) -> torch.Tensor:
     batch, n, k = a.shape
     if not a.numel() or not b.numel():  # (an empty layer: a zero-width shared expert)
         return a.new_zeros(batch, n, b.shape[2])
-    if n % tile:  # (a padding of 0 would still copy)
-        a = torch.nn.functional.pad(a, (0, 0, 0, (-n) % tile))
+    threads = torch.get_num_threads()  # every call holds a product per thread: BLAS then splits none
+    if batch == 1 and -(-n // tile) < threads or n % tile:  # (a padding of 0 would still copy)
+        a = torch.nn.functional.pad(a, (0, 0, 0, max(-(-n // tile), threads) * tile - n))
+    if 1 < batch < threads:
+        a, b = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, threads - batch)) for x in (a, b))
+        return _tiles(a, b, tile)[:batch, :n]
     if batch == 1:  # every tile against the one matrix, in one call (b's expansion is a view)
         tiles = a.view(-1, tile, k)
         out = torch.baddbmm(a.new_zeros(()).expand(tiles.shape[0], tile, b.shape[2]), tiles,
@@ -120,11 +124,13 @@ def invariant_attention(module, query, key, value, attention_mask, scaling=None,
             return _packed(module, query, key, value, attend, scaling, softcap), None
     if attention_mask is not None and kwargs.get("position_ids") is not None:
         key, value, attention_mask = _left_aligned(key, value, attention_mask, kwargs["position_ids"])
-    groups, pad = H // key.shape[1], (-L) % CHUNK
-    key, value = (torch.nn.functional.pad(x.repeat_interleave(groups, dim=1), (0, 0, 0, pad)) for x in (key, value))
+    kv, pad = key.shape[1], (-L) % CHUNK
+    rows = H // kv * Tq  # a key head's queries: its group's heads' (a row's products do not depend on the others')
+    key, value = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (key, value))
     n = (L + pad) // CHUNK
-    chunks = key.view(B, H, n, CHUNK, D).transpose(-1, -2)  # [B, H, n, D, C]
-    scores = (query.unsqueeze(2) @ chunks).permute(0, 1, 3, 2, 4).reshape(B, H, Tq, n * CHUNK)
+    chunks = key.view(B, kv, n, CHUNK, D).transpose(-1, -2)  # [B, kv, n, D, C]
+    grouped = query.reshape(B, kv, 1, rows, D)
+    scores = (grouped @ chunks).permute(0, 1, 3, 2, 4).reshape(B, H, Tq, n * CHUNK)
     scores = scores * (scaling if scaling is not None else D ** -0.5)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
@@ -137,9 +143,12 @@ def invariant_attention(module, query, key, value, attention_mask, scaling=None,
     top = scores.amax(-1, keepdim=True)
     weights = (scores - top.masked_fill(top == float("-inf"), 0)).exp()
     weights = weights / _sequential_sum(weights, -1).unsqueeze(-1).clamp(min=torch.finfo(weights.dtype).tiny)
-    weights = weights.to(value.dtype).view(B, H, Tq, n, CHUNK).transpose(2, 3)  # [B, H, n, Tq, C]
-    out = _sequential_sum(weights @ value.view(B, H, n, CHUNK, D), 2)  # [B, H, Tq, D]
-    return out.transpose(1, 2).contiguous(), None
+    weights = weights.to(value.dtype).view(B, kv, rows, n, CHUNK).transpose(2, 3)  # [B, kv, n, rows, C]
+    parts = weights @ value.view(B, kv, n, CHUNK, D)  # [B, kv, n, rows, D]
+    out = parts[:, :, 0]
+    for i in range(1, n):  # the chunks' sums, left to right
+        out = out + parts[:, :, i]
+    return out.reshape(B, H, Tq, D).transpose(1, 2).contiguous(), None
 
 
 def _left_aligned(key, value, mask, position_ids):
@@ -174,7 +183,8 @@ def _packed_rows(attend: torch.Tensor) -> bool:
 def _packed(module, query, key, value, attend, scaling, softcap) -> torch.Tensor:
     """Packed rows' attention as the rows each response came from: per response, its queries over
     its keys in position order (the prompt's, then its own), so a key's index is its position as
-    in the engine's decode. A query that does not see key 0 (padding) gets zeros."""
+    in the engine's decode. A query that does not see key 0 (padding) gets zeros. Prompts and
+    responses go in two calls, each padded to its own longest segment."""
     B, H, L, D = query.shape
     k = torch.arange(L)
     queries = attend.diagonal(dim1=-2, dim2=-1) & attend[..., 0]  # [B, L]
@@ -182,9 +192,24 @@ def _packed(module, query, key, value, attend, scaling, softcap) -> torch.Tensor
     gap = torch.where(unseen.any(-1), unseen.int().argmax(-1), k + 1)  # the prompt's end, if packed
     own = torch.where(gap <= k, (attend & (k[None, None] >= gap[..., None])).int().argmax(-1), 0)
     b, i = queries.nonzero(as_tuple=True)  # every query in order: a segment's are consecutive
-    (seg_b, seg_own), count = torch.unique_consecutive(torch.stack([b, own[b, i]]), dim=1, return_counts=True)
+    _, count = torch.unique_consecutive(b * L + own[b, i], return_counts=True)
     first = torch.cumsum(count, 0) - count  # each segment's first query among (b, i)
-    start, prompt = i[first], torch.where(seg_own > 0, gap[seg_b, i[first]], 0)
+    seg_b, start = b[first], i[first]
+    responds = own[seg_b, start] > 0
+    prompt = torch.where(responds, gap[seg_b, start], 0)
+    out = query.new_zeros(B, L, H, D)
+    for part in (~responds, responds):
+        if part.any():
+            rows, cols, part_out = _segments(module, query, key, value, seg_b[part], start[part], prompt[part],
+                                             count[part], scaling, softcap)
+            out = out.index_put((rows, cols), part_out)
+    return out
+
+
+def _segments(module, query, key, value, seg_b, start, prompt, count, scaling, softcap):
+    """Attention of segments (a row's `count` queries from `start`, over its first `prompt` keys
+    and its own) as rows of their own: the (row, column) of each query, and its output."""
+    L, H, D = query.shape[2], query.shape[1], query.shape[3]
     n_keys = prompt + count  # the prompt's keys, then the segment's own (its queries' keys)
     K, Q, S = int(n_keys.max()), int(count.max()), len(count)
     j = torch.arange(K)[None]
@@ -198,7 +223,7 @@ def _packed(module, query, key, value, attend, scaling, softcap) -> torch.Tensor
                                  mask[:, None], scaling, softcap=softcap)  # [S, Q, H, D]
     valid = (qj < count[:, None]).reshape(-1)
     rows = seg_b[:, None].expand(S, Q).reshape(-1)[valid]
-    return out.new_zeros(B, L, H, D).index_put((rows, q_source.reshape(-1)[valid]), out.reshape(-1, H, D)[valid])
+    return rows, q_source.reshape(-1)[valid], out.reshape(-1, H, D)[valid]
 
 
 def register() -> None:

@@ -45,8 +45,6 @@ def check_true_on_policy(parallel, train, algo) -> None:
                                                            "in another order than the engine's forward"),
            f"train.lora.rank={train.lora.rank}": (train.lora.rank > 0, "the trainer computes W x + B(A x) and "
                                                                       "the engine the merged W' x"),
-           f"train.num_threads={train.num_threads}": (train.num_threads > 1, "BLAS splits a product across "
-                                                                        "threads by its shape; use 1"),
            f"algo.routing_replay={algo.routing_replay}": (bool(algo.routing_replay), "engine and trainer route "
                                                                                     "every token identically "
                                                                                     "already; leave it null")}
