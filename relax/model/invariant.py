@@ -23,30 +23,50 @@ CHUNK = 32  # keys per attention product
 
 
 def _tiles(a: torch.Tensor, b: torch.Tensor, tile: int) -> torch.Tensor:
-    """a [B, n, k] @ b [B, k, m] with every row in a tile of `tile` rows, each tile one product of
-    one shape (by baddbmm, which invariant_ops leaves as it is: aten's own batched kernel)."""
+    """a [B, n, k] @ b [B, k, m], attention's: one call per tile of `tile` rows, each a product of
+    one shape per matrix (by baddbmm, which invariant_ops leaves as it is: aten's own batched
+    kernel), with at least one matrix per thread (zeros where too few): BLAS then computes each
+    product whole on one thread rather than splitting its sums across threads."""
     batch, n, k = a.shape
-    if not a.numel() or not b.numel():  # (an empty layer: a zero-width shared expert)
+    if not a.numel() or not b.numel():
         return a.new_zeros(batch, n, b.shape[2])
-    threads = torch.get_num_threads()  # every call holds a product per thread: BLAS then splits none
-    if batch == 1 and -(-n // tile) < threads or n % tile:  # (a padding of 0 would still copy)
-        a = torch.nn.functional.pad(a, (0, 0, 0, max(-(-n // tile), threads) * tile - n))
-    if 1 < batch < threads:
-        a, b = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, threads - batch)) for x in (a, b))
-        return _tiles(a, b, tile)[:batch, :n]
-    if batch == 1:  # every tile against the one matrix, in one call (b's expansion is a view)
-        tiles = a.view(-1, tile, k)
-        out = torch.baddbmm(a.new_zeros(()).expand(tiles.shape[0], tile, b.shape[2]), tiles,
-                            b.expand(tiles.shape[0], k, b.shape[2]), beta=0)
-        return out.view(1, -1, b.shape[2])[:, :n]
-    zeros = a.new_zeros(()).expand(batch, tile, b.shape[2])  # one call per tile: b is not copied per tile
+    if n % tile:  # (a padding of 0 would still copy)
+        a = torch.nn.functional.pad(a, (0, 0, 0, (-n) % tile))
+    if batch < torch.get_num_threads():
+        a, b = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, torch.get_num_threads() - batch)) for x in (a, b))
+    zeros = a.new_zeros(()).expand(a.shape[0], tile, b.shape[2])  # one call per tile: b is not copied per tile
     out = [torch.baddbmm(zeros, a[:, i:i + tile], b, beta=0) for i in range(0, a.shape[1], tile)]
-    return torch.cat(out, dim=1)[:, :n]
+    return _cat(out, 1)[:batch, :n]
 
 
 def _tiled_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """A linear layer's product: LINEAR_TILE rows a tile."""
-    return _tiles(a.unsqueeze(0), b.unsqueeze(0), LINEAR_TILE)[0]
+    """A linear layer's product a [n, k] @ b [k, m]: products of LINEAR_TILE rows by m / threads
+    columns, each call holding at least one per thread (BLAS then computes each on one thread):
+    a call per column block over the row tiles, or, with fewer tiles than threads (a decode
+    step), a call per row tile over the column blocks."""
+    n, k = a.shape
+    m, parts = b.shape[1], torch.get_num_threads()
+    if not a.numel() or not b.numel():  # (an empty layer: a zero-width shared expert)
+        return a.new_zeros(n, m)
+    if m % parts:
+        b = torch.nn.functional.pad(b, (0, (-m) % parts))
+    if n % LINEAR_TILE:  # (a padding of 0 would still copy)
+        a = torch.nn.functional.pad(a, (0, 0, 0, (-n) % LINEAR_TILE))
+    tiles, width = a.shape[0] // LINEAR_TILE, b.shape[1] // parts
+    blocks = b.unflatten(1, (parts, width)).permute(1, 0, 2)  # [parts, k, width], a view
+    if tiles < parts:
+        zeros = a.new_zeros(()).expand(parts, LINEAR_TILE, width)
+        out = _cat([torch.baddbmm(zeros, a[i:i + LINEAR_TILE].expand(parts, -1, -1), blocks, beta=0)
+                    for i in range(0, a.shape[0], LINEAR_TILE)], 1).permute(1, 0, 2)
+    else:
+        zeros = a.new_zeros(()).expand(tiles, LINEAR_TILE, width)
+        out = _cat([torch.baddbmm(zeros, a.view(tiles, LINEAR_TILE, k), block.expand(tiles, -1, -1), beta=0)
+                    for block in blocks], 2)
+    return out.reshape(a.shape[0], b.shape[1])[:n, :m]
+
+
+def _cat(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim)
 
 
 def _tiled_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -122,12 +142,12 @@ def invariant_attention(module, query, key, value, attention_mask, scaling=None,
         attend = attention_mask[:, 0, :, :L] if attention_mask.dtype == torch.bool else attention_mask[:, 0, :, :L] == 0
         if _packed_rows(attend):
             return _packed(module, query, key, value, attend, scaling, softcap), None
+    kv, n = key.shape[1], -(-L // CHUNK)
+    rows, pad = H // kv * Tq, n * CHUNK - L  # a key head's queries: its group's heads' (no key repeated)
     if attention_mask is not None and kwargs.get("position_ids") is not None:
-        key, value, attention_mask = _left_aligned(key, value, attention_mask, kwargs["position_ids"])
-    kv, pad = key.shape[1], (-L) % CHUNK
-    rows = H // kv * Tq  # a key head's queries: its group's heads' (a row's products do not depend on the others')
-    key, value = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (key, value))
-    n = (L + pad) // CHUNK
+        key, value, attention_mask = _left_aligned(key, value, attention_mask, kwargs["position_ids"], n * CHUNK)
+    else:
+        key, value = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (key, value))
     chunks = key.view(B, kv, n, CHUNK, D).transpose(-1, -2)  # [B, kv, n, D, C]
     grouped = query.reshape(B, kv, 1, rows, D)
     scores = (grouped @ chunks).permute(0, 1, 3, 2, 4).reshape(B, H, Tq, n * CHUNK)
@@ -151,23 +171,26 @@ def invariant_attention(module, query, key, value, attention_mask, scaling=None,
     return out.reshape(B, H, Tq, D).transpose(1, 2).contiguous(), None
 
 
-def _left_aligned(key, value, mask, position_ids):
+def _left_aligned(key, value, mask, position_ids, width: int):
     """A left-padded row's keys (and mask) shifted left by its padding, so that a key's index is
     its position, as in an unpadded row: its chunks then meet the same keys. A row's padding is
-    index - position at any query that attends to itself (0 in a right-padded or unpadded row)."""
-    B, L, Tq = key.shape[0], key.shape[-2], mask.shape[-2]
+    index - position at any query that attends to itself (0 in a right-padded or unpadded row).
+    Keys and values come back `width` long (whole chunks; what lies past a row's keys is masked)."""
+    B, kv, L, D = key.shape
+    Tq = mask.shape[-2]
     mask = mask[..., :L].expand(B, -1, -1, -1)
     index = torch.arange(L - Tq, L)
     diagonal = mask[:, 0, torch.arange(Tq), index]
     attends = diagonal if mask.dtype == torch.bool else diagonal == 0
     shift = ((index - position_ids) * attends).amax(-1)  # [B]
     if not bool(shift.any()):
-        return key, value, mask
-    source = torch.arange(L) + shift[:, None]  # [B, L]: where each key comes from
-    inside = source < L
+        return *(torch.nn.functional.pad(x, (0, 0, 0, width - L)) for x in (key, value)), mask
+    source = torch.arange(width) + shift[:, None]  # [B, width]: where each key comes from
+    inside = (source < L)[:, :L]
     source = source.clamp(max=L - 1)
-    take = lambda x: x.gather(2, source[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]))  # noqa: E731
-    mask = mask.gather(3, source[:, None, None, :].expand(-1, mask.shape[1], Tq, -1))
+    rows = (torch.arange(B)[:, None, None] * kv + torch.arange(kv)[None, :, None]) * L + source[:, None]
+    take = lambda x: x.reshape(B * kv * L, D).index_select(0, rows.view(-1)).view(B, kv, width, D)  # noqa: E731
+    mask = mask.gather(3, source[:, None, None, :L].expand(-1, mask.shape[1], Tq, -1))
     mask = mask & inside[:, None, None] if mask.dtype == torch.bool else mask.masked_fill(~inside[:, None, None], float("-inf"))
     return take(key), take(value), mask
 
