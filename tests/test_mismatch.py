@@ -6,6 +6,7 @@ measure says why, and a turn's ids are compared with its text re-encoded."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 from tokenizers import Tokenizer, decoders, models
@@ -16,6 +17,7 @@ from relax.sample import Sample
 from relax.tools.mismatch_factors import recorded_experts, retokenized, routing_factor, turns
 
 from .conftest import only_run_dir, relax_cli
+from .test_true_on_policy import TWO_THREADS
 
 TINY = ["rollout.rollout_batch_size=4", "debug=dump"]
 ONE = ["rollout.num_rollout=1", "checkpoint.save_interval=null"]
@@ -133,3 +135,15 @@ def test_the_routing_cure_removes_the_routing_fault(tmp_path, tiny_path):
     report = json.loads(proc.stdout)
     routing = next(f for f in report["factors"] if f["name"] == "MoE routing")
     assert report["mismatch"] < 1e-5 and (routing["share"], routing["trainer"]) == (0.0, "replayed (R3)"), report
+
+
+def test_a_true_on_policy_run_at_2_threads_is_rebuilt_to_the_bit_at_1(tmp_path, tiny_path):
+    """rollout.true_on_policy cuts a linear layer's columns into train.num_threads blocks; a
+    block's width does not change a row's sums, so the tool, at 1 thread, rebuilds the engine
+    of a run made at 2 exactly."""
+    run = run_with(tmp_path, [*ONE, "rollout.true_on_policy=true", *TWO_THREADS])
+    proc = relax_cli("mismatch", str(run), "--json", "--out", str(tmp_path / "plots"), cwd=tmp_path,
+                     entry=[sys.executable, "-m", "relax"], env={"OMP_NUM_THREADS": "1"})  # (torch reads it at import)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["mismatch"] == 0.0 and report["replica_error"] == 0.0, report
