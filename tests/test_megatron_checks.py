@@ -51,7 +51,7 @@ def test_the_checkpoint_layout_names_every_parallel_size_and_the_distributed_opt
 
 
 def check_config(cfg, hf: dict) -> None:
-    checks.check_config(cfg.train, cfg.algo, cfg.parallel, cfg.rollout, hf)
+    checks.check_config(cfg.train, cfg.algo, cfg.parallel, cfg.rollout, cfg.model.dtype, hf)
 
 
 def test_check_config_refuses_an_unknown_attention_backend_and_another_megatron_version(monkeypatch):

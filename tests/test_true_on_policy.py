@@ -50,6 +50,8 @@ def test_without_it_the_same_run_is_only_close(tmp_path, overrides):
     (["parallel=tp2"], "parallel.tp=2 is refused: tensor parallelism sums"),
     (["train.lora.rank=4"], "train.lora.rank=4 is refused: the trainer computes W x + B(A x)"),
     (["model.tiny.num_experts=4", "algo.routing_replay=rollout"], "algo.routing_replay=rollout is refused"),
+    (["model.dtype=bfloat16", "train.num_threads=2"],
+     "train.num_threads=2 with model.dtype=bfloat16 is refused: BLAS's bfloat16 kernel splits a product"),
     (["train=megatron"], "rollout.true_on_policy=true is refused with train=megatron"),
     (["rollout=sglang"], "rollout.true_on_policy=true is refused with rollout=sglang"),
 ])
@@ -82,8 +84,8 @@ def threads():
 
 
 def test_with_more_threads_every_tile_is_still_one_threads_product(threads):
-    """BLAS splits a lone product's reduction across threads; every call holds at least one tile
-    per thread, so each tile is computed whole by one thread, as with one thread."""
+    """BLAS splits a lone product's reduction across threads; every call holds at least one
+    product per thread, so each is computed whole by one thread, as with one thread."""
     torch.manual_seed(0)
     x, w = torch.randn(130, 1024), torch.randn(64, 1024)
     q, k = torch.randn(2, 19, 16), torch.randn(2, 16, 40)  # attention's products: a batch of 2
@@ -100,6 +102,33 @@ def test_with_more_threads_every_tile_is_still_one_threads_product(threads):
         assert torch.equal(results[n][2], scores) and torch.equal(results[n][3], scores[1:, :3])
     assert torch.equal(row[0], whole[0]) and torch.equal(part, scores[1:, :3])
     assert not torch.equal(lone[0], whole[:64])
+
+
+def test_a_decode_steps_rows_equal_the_trainers_at_2_threads(threads):
+    """SmolLM2's layer shapes: a decode step's 32 rows (fewer tiles than threads: a call per tile
+    over the column blocks) and a row alone equal the same rows among a trainer's 600."""
+    torch.manual_seed(0)
+    threads(2)
+    for k, m in [(576, 576), (1536, 576), (576, 49152)]:
+        x, w = torch.randn(600, k), torch.randn(m, k) / 20
+        with torch.no_grad(), invariant_ops():
+            whole, step, alone = F.linear(x, w), F.linear(x[:32], w), F.linear(x[:1], w)
+        assert torch.equal(step, whole[:32]) and torch.equal(alone[0], whole[0]), (k, m)
+
+
+def test_bf16_products_are_split_across_threads_in_some_batches(threads):
+    """Why bf16 with train.num_threads > 1 is refused: its batched kernel splits a product of a
+    3-tile call across 2 threads (fp32's does not). If this starts failing, lift the refusal."""
+    torch.manual_seed(0)
+    x, w = torch.randn(192, 1536), torch.randn(576, 1536) / 20
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = x.to(dtype).view(3, 64, 1536), w.to(dtype).t().expand(3, -1, -1)
+        for n in (1, 2):
+            threads(n)
+            out[dtype, n] = torch.baddbmm(a.new_zeros(()).expand(3, 64, 576), a, b, beta=0)
+    assert torch.equal(out[torch.float32, 1], out[torch.float32, 2])
+    assert not torch.equal(out[torch.bfloat16, 1], out[torch.bfloat16, 2])
 
 
 def test_attention_decoded_one_token_at_a_time_equals_the_full_causal_forward():

@@ -89,7 +89,7 @@ def check_trainer(train, algo, parallel, rollout, dtype: str, hf_config: dict) -
         raise ConfigError(f"algo.routing_replay={algo.routing_replay}: {train._target_} cannot "
                           f"route as recorded (use train=torch or train=megatron)")
     if hasattr(trainer, "check_config"):
-        trainer.check_config(train, algo, parallel, rollout, hf_config)
+        trainer.check_config(train, algo, parallel, rollout, dtype, hf_config)
 
 
 def checkpoint_layout(train, parallel) -> dict:

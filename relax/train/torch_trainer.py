@@ -39,9 +39,13 @@ from relax.train.weight_sync import DistributedWeightSync
 log = logging.getLogger(__name__)
 
 
-def check_true_on_policy(parallel, train, algo) -> None:
+def check_true_on_policy(parallel, train, algo, dtype: str) -> None:
     """What rollout.true_on_policy cannot make exact on this trainer, refused with the reason."""
-    why = {f"parallel.tp={parallel.tp}": (parallel.tp > 1, "tensor parallelism sums each output over ranks, "
+    threads = f"train.num_threads={train.num_threads} with model.dtype={dtype}"
+    why = {threads: (train.num_threads > 1 and dtype != "float32", f"BLAS's {dtype} kernel splits a product "
+                     "across threads in some batches however many they hold (docs/true-on-policy.md); use 1, "
+                     "or float32"),
+           f"parallel.tp={parallel.tp}": (parallel.tp > 1, "tensor parallelism sums each output over ranks, "
                                                            "in another order than the engine's forward"),
            f"train.lora.rank={train.lora.rank}": (train.lora.rank > 0, "the trainer computes W x + B(A x) and "
                                                                       "the engine the merged W' x"),
@@ -62,11 +66,11 @@ class TorchTrainer(DistributedWeightSync):
     replays_routing = True  # algo.routing_replay: hooks on transformers' MoE routers (relax/train/routing.py)
 
     @staticmethod
-    def check_config(train, algo, parallel, rollout, hf_config: dict) -> None:
+    def check_config(train, algo, parallel, rollout, dtype: str, hf_config: dict) -> None:
         check_torch_layout(parallel, hf_config)
         packing.shares_prompt(train.shared_prompt, hf_config)
         if rollout.true_on_policy:
-            check_true_on_policy(parallel, train, algo)
+            check_true_on_policy(parallel, train, algo, dtype)
 
     def __init__(self, train, algo, parallel, spec: TrainerSpec, rank: int = 0, world_size: int = 1):
         self.train_cfg, self.algo, self.parallel, self.spec = train, algo, parallel, spec

@@ -15,7 +15,7 @@ from relax.train.megatron.cpu_compat import check_version
 from relax.train.parallel import check_divides
 
 
-def check_config(train, algo, parallel, rollout, hf_config: dict) -> None:
+def check_config(train, algo, parallel, rollout, dtype: str, hf_config: dict) -> None:
     if rollout.true_on_policy:
         raise ConfigError("rollout.true_on_policy=true is refused with train=megatron: its layers reduce in "
                           "their own order (fused kernels, tensor-parallel sums); use train=torch")
