@@ -3,8 +3,9 @@ prefix only, never on the batch it runs in, its padding, or whether it is decode
 cache or recomputed in a full forward. Engine and trainer both run transformers' model under
 `invariant_ops()` with `attn_implementation=INVARIANT`, so their log-probs agree to the bit.
 
-Matmuls (linear layers, attention's two products) run in row tiles of a fixed size, each one
-product of one shape; the softmax's sum runs left to right, so a masked key adds an exact 0.
+Matmuls (linear layers, attention's two products) run in tiles of a fixed shape, each one
+product, every call holding a product per thread; the softmax's sum runs left to right, so a
+masked key adds an exact 0.
 How it was shown, and what it costs: docs/true-on-policy.md.
 """
 
@@ -28,12 +29,13 @@ def _tiles(a: torch.Tensor, b: torch.Tensor, tile: int) -> torch.Tensor:
     kernel), with at least one matrix per thread (zeros where too few): BLAS then computes each
     product whole on one thread rather than splitting its sums across threads."""
     batch, n, k = a.shape
+    threads = torch.get_num_threads()
     if not a.numel() or not b.numel():
         return a.new_zeros(batch, n, b.shape[2])
     if n % tile:  # (a padding of 0 would still copy)
         a = torch.nn.functional.pad(a, (0, 0, 0, (-n) % tile))
-    if batch < torch.get_num_threads():
-        a, b = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, torch.get_num_threads() - batch)) for x in (a, b))
+    if batch < threads:
+        a, b = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, threads - batch)) for x in (a, b))
     zeros = a.new_zeros(()).expand(a.shape[0], tile, b.shape[2])  # one call per tile: b is not copied per tile
     out = [torch.baddbmm(zeros, a[:, i:i + tile], b, beta=0) for i in range(0, a.shape[1], tile)]
     return _cat(out, 1)[:batch, :n]
