@@ -6,9 +6,9 @@ measure says why, and a turn's ids are compared with its text re-encoded."""
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
+import torch
 from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
@@ -142,8 +142,8 @@ def test_a_true_on_policy_run_at_2_threads_is_rebuilt_to_the_bit_at_1(tmp_path, 
     block's width does not change a row's sums, so the tool, at 1 thread, rebuilds the engine
     of a run made at 2 exactly."""
     run = run_with(tmp_path, [*ONE, "rollout.true_on_policy=true", *TWO_THREADS])
-    proc = relax_cli("mismatch", str(run), "--json", "--out", str(tmp_path / "plots"), cwd=tmp_path,
-                     entry=[sys.executable, "-m", "relax"], env={"OMP_NUM_THREADS": "1"})  # (torch reads it at import)
+    proc = relax_cli("mismatch", str(run), "--json", "--out", str(tmp_path / "plots"), cwd=tmp_path)
+    assert torch.get_num_threads() == 1  # (the forked CLI's, as the session's: tests/conftest.py)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     assert report["mismatch"] == 0.0 and report["replica_error"] == 0.0, report

@@ -38,9 +38,8 @@ def test_engine_and_trainer_log_probs_are_equal_at_every_step(tmp_path, override
     assert mismatch(tmp_path, "rollout.true_on_policy=true", *overrides) == [(0.0, 0.0)] * 3
 
 
-@pytest.mark.parametrize("overrides", [[], TWO_THREADS], ids=["single", "2-threads"])
-def test_without_it_the_same_run_is_only_close(tmp_path, overrides):
-    steps = mismatch(tmp_path, *overrides)
+def test_without_it_the_same_run_is_only_close(tmp_path):
+    steps = mismatch(tmp_path)
     assert all(0 < diff < 1e-5 and 0 < kl < 1e-9 for diff, kl in steps)
 
 
@@ -212,6 +211,6 @@ def test_the_ops_are_aten_s_own_outside_the_block():
 @pytest.mark.slow
 def test_the_real_model_is_exact_at_every_step(smollm2_path, tmp_path):
     steps = mismatch(tmp_path, "model=smollm2", "rollout.true_on_policy=true", "rollout.rollout_batch_size=4",
-                     "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=16",
+                     "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=8",
                      "train.num_threads=2")  # (the recipe's; its down projection's lone tile is split at 2)
     assert steps == [(0.0, 0.0)] * 3
