@@ -23,8 +23,8 @@ LINEAR_TILE = 64  # rows per tile of a linear layer's: larger tiles pack the wei
 CHUNK = 32  # keys per attention product
 
 
-def _tiles(a: torch.Tensor, b: torch.Tensor, tile: int) -> torch.Tensor:
-    """a [B, n, k] @ b [B, k, m], attention's: one call per tile of `tile` rows, each a product of
+def _tiles(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [B, n, k] @ b [B, k, m], attention's: one call per tile of TILE rows, each a product of
     one shape per matrix (by baddbmm, which invariant_ops leaves as it is: aten's own batched
     kernel), with at least one matrix per thread (zeros where too few): BLAS then computes each
     product whole on one thread rather than splitting its sums across threads."""
@@ -32,12 +32,12 @@ def _tiles(a: torch.Tensor, b: torch.Tensor, tile: int) -> torch.Tensor:
     threads = torch.get_num_threads()
     if not a.numel() or not b.numel():
         return a.new_zeros(batch, n, b.shape[2])
-    if n % tile:  # (a padding of 0 would still copy)
-        a = torch.nn.functional.pad(a, (0, 0, 0, (-n) % tile))
+    if n % TILE:  # (a padding of 0 would still copy)
+        a = torch.nn.functional.pad(a, (0, 0, 0, (-n) % TILE))
     if batch < threads:
         a, b = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, threads - batch)) for x in (a, b))
-    zeros = a.new_zeros(()).expand(a.shape[0], tile, b.shape[2])  # one call per tile: b is not copied per tile
-    out = [torch.baddbmm(zeros, a[:, i:i + tile], b, beta=0) for i in range(0, a.shape[1], tile)]
+    zeros = a.new_zeros(()).expand(a.shape[0], TILE, b.shape[2])  # one call per tile: b is not copied per tile
+    out = [torch.baddbmm(zeros, a[:, i:i + TILE], b, beta=0) for i in range(0, a.shape[1], TILE)]
     return _cat(out, 1)[:batch, :n]
 
 
@@ -76,7 +76,7 @@ def _tiled_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     (matmul on a strided input), computed as that layer's is anywhere else."""
     if b.stride(0) == 0:
         return _tiled_mm(a.reshape(-1, a.shape[2]), b[0]).view(a.shape[0], a.shape[1], -1)
-    return _tiles(a, b, TILE)
+    return _tiles(a, b)
 
 
 def _tiled_mv(a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
